@@ -1,0 +1,80 @@
+"""The ``spark-sb`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+
+def _emulator_parser(sub: argparse._SubParsersAction) -> None:
+    emu = sub.add_parser("emulator", help="run and control the local Service Bus emulator")
+    esub = emu.add_subparsers(dest="action", required=True)
+
+    start = esub.add_parser("start", help="run namespaces in the foreground until SIGINT/SIGTERM")
+    start.add_argument("--data-dir", default="data/emulator",
+                       help="where messages and entities are stored (default: %(default)s)")
+    start.add_argument("--namespace", action="append", default=[], metavar="NAME=AMQP_PORT:ADMIN_PORT",
+                       help="a namespace to serve; repeatable; port 0 picks a free port "
+                            "(default: primary=5672:5300 and secondary=5673:5301)")
+    start.add_argument("--entities", metavar="FILE", help="YAML/JSON file of queues, topics and subscriptions "
+                                                          "to create in every namespace")
+    start.add_argument("--status-file", metavar="FILE", help=argparse.SUPPRESS)
+    start.add_argument("-v", "--verbose", action="store_true", help="log every connection and fault")
+
+    fault = esub.add_parser("fault", help="inject a fault into a running namespace")
+    fault.add_argument("--admin", required=True, metavar="URL", help="the namespace's admin URL, e.g. http://localhost:5300")
+    fault.add_argument("kind", choices=["down", "timeout", "busy", "disabled", "notfound", "quota", "unauthorized"])
+    fault.add_argument("--entity", metavar="PATH", help="limit the fault to one entity (default: the whole namespace)")
+    fault.add_argument("--duration", type=float, metavar="SECONDS", help="heal by itself after this many seconds")
+
+    heal = esub.add_parser("heal", help="remove faults from a running namespace")
+    heal.add_argument("--admin", required=True, metavar="URL")
+    heal.add_argument("--entity", metavar="PATH", help="heal only this entity's fault (default: all)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="spark-sb", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _emulator_parser(sub)
+    return parser
+
+
+def _emulator(args: argparse.Namespace) -> int:
+    from .emulator import server
+    from .emulator.model import EntityConfigError
+
+    if args.action == "start":
+        logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        try:
+            namespaces = [server.NamespaceOptions.parse(t) for t in args.namespace] or list(server.DEFAULT_NAMESPACES)
+            return server.run_foreground(namespaces, args.data_dir, args.entities, args.status_file)
+        except (ValueError, EntityConfigError, OSError) as err:
+            print(f"spark-sb emulator: {err}", file=sys.stderr)
+            return 2
+    try:
+        if args.action == "fault":
+            result = server.fault(args.admin, args.kind, args.entity, args.duration)
+            what = result.get("entity") or "the namespace"
+            until = f" for {args.duration:g} s" if args.duration else " until healed"
+            print(f"{result['namespace']}: {args.kind} on {what}{until}")
+        else:
+            result = server.heal(args.admin, args.entity)
+            print(f"{result['namespace']}: healed {result['healed']}")
+    except (ConnectionError, RuntimeError) as err:
+        print(f"spark-sb emulator: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "emulator":
+        return _emulator(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

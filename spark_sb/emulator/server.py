@@ -1,0 +1,401 @@
+"""The emulator as a whole: several namespaces, each an AMQP port and an admin HTTP port.
+
+In-process::
+
+    with Emulator.default(data_dir="data/emulator") as emu:
+        conn_str = emu["primary"].connection_string
+        emu.fault("primary", "down", duration=5)
+
+As a subprocess (what tests and the demo use when they need kill -9)::
+
+    proc = EmulatorProcess.start(data_dir=tmp, namespaces=[NamespaceOptions("primary")])
+    proc["primary"].connection_string; proc.kill(); proc.stop()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import model
+from .amqp import FAULT_KINDS, NamespaceServer
+from .broker import Broker, BrokerError, Cond
+
+_LOGGER = logging.getLogger(__name__)
+
+DEFAULT_KEY_NAME = "RootManageSharedAccessKey"
+DEFAULT_KEY = "SAS_KEY_VALUE"  # Microsoft's emulator uses the same well-known development key
+
+
+@dataclass(frozen=True)
+class NamespaceOptions:
+    name: str
+    amqp_port: int = 0
+    admin_port: int = 0
+    key_name: str = DEFAULT_KEY_NAME
+    key: str = field(default=DEFAULT_KEY, repr=False)
+    max_message_size: int = 256 * 1024
+    host: str = "127.0.0.1"
+
+    @classmethod
+    def parse(cls, text: str) -> NamespaceOptions:
+        """``NAME=AMQP_PORT:ADMIN_PORT`` (ports may be 0 for a free port)."""
+        name, sep, ports = text.partition("=")
+        amqp, sep2, admin = ports.partition(":")
+        if not sep or not sep2 or not name or not amqp.isdigit() or not admin.isdigit():
+            raise ValueError(f"--namespace must look like NAME=AMQP_PORT:ADMIN_PORT, got {text!r}")
+        return cls(name=name, amqp_port=int(amqp), admin_port=int(admin))
+
+
+DEFAULT_NAMESPACES = (NamespaceOptions("primary", 5672, 5300), NamespaceOptions("secondary", 5673, 5301))
+
+
+def connection_string(host: str, port: int, key_name: str, key: str) -> str:
+    return (
+        f"Endpoint=sb://{host}:{port};SharedAccessKeyName={key_name};"
+        f"SharedAccessKey={key};UseDevelopmentEmulator=true"
+    )
+
+
+@dataclass
+class NamespaceInfo:
+    """Where a running namespace listens. ``connection_string`` holds the key: do not log it."""
+
+    name: str
+    amqp_port: int
+    admin_port: int
+    key_name: str
+    key: str = field(repr=False)
+
+    @property
+    def connection_string(self) -> str:
+        return connection_string("localhost", self.amqp_port, self.key_name, self.key)
+
+    @property
+    def admin_url(self) -> str:
+        return f"http://localhost:{self.admin_port}"
+
+
+class Emulator:
+    """Runs namespaces in this process. ``data_dir=None`` keeps messages in memory only."""
+
+    def __init__(
+        self,
+        namespaces: Sequence[NamespaceOptions] = DEFAULT_NAMESPACES,
+        *,
+        data_dir: str | Path | None = None,
+        entities: str | Path | dict | model.EntitiesFile | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        names = [n.name for n in namespaces]
+        if len(set(names)) != len(names):
+            raise ValueError(f"namespace names must be distinct, got {names}")
+        self.options = list(namespaces)
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        if entities is None or isinstance(entities, model.EntitiesFile):
+            self.entities = entities or model.EntitiesFile()
+        else:
+            self.entities = model.load_entities(entities)
+        self.clock = clock
+        self._servers: dict[str, NamespaceServer] = {}
+        self._admins: dict[str, Any] = {}
+        self.info: dict[str, NamespaceInfo] = {}
+
+    @classmethod
+    def default(cls, **kwargs: Any) -> Emulator:
+        return cls(DEFAULT_NAMESPACES, **kwargs)
+
+    def __getitem__(self, name: str) -> NamespaceInfo:
+        try:
+            return self.info[name]
+        except KeyError:
+            raise KeyError(f"no namespace {name!r}; running: {', '.join(self.info)}") from None
+
+    def __enter__(self) -> Emulator:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    def _store(self, name: str) -> Any:
+        from . import store
+
+        if self.data_dir is None:
+            return store.MemoryStore()
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        return store.SqliteStore(self.data_dir / f"{name}.db")
+
+    def start(self) -> Emulator:
+        from .admin_http import AdminServer
+
+        try:
+            for opt in self.options:
+                def factory(on_available: Callable[[str], None], opt: NamespaceOptions = opt) -> Broker:
+                    broker = Broker(self._store(opt.name), clock=self.clock,
+                                    max_message_size=opt.max_message_size, on_available=on_available)
+                    _apply_entities(broker, self.entities)
+                    return broker
+
+                server = NamespaceServer(
+                    opt.name, factory, host=opt.host, port=opt.amqp_port,
+                    keys={opt.key_name: opt.key}, clock=self.clock, max_message_size=opt.max_message_size,
+                )
+                server.start()
+                self._servers[opt.name] = server
+                admin = AdminServer(
+                    opt.host, opt.admin_port,
+                    broker=_BrokerProxy(server), call=server.call, keys={opt.key_name: opt.key},
+                    fault=_fault_reader(server), control=_control(server),
+                )
+                admin.start()
+                self._admins[opt.name] = admin
+                self.info[opt.name] = NamespaceInfo(opt.name, server.port, admin.port, opt.key_name, opt.key)
+                _LOGGER.info("namespace %s: AMQP on %s:%d, admin on http://%s:%d", opt.name, opt.host,
+                             server.port, opt.host, admin.port)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for admin in self._admins.values():
+            admin.stop()
+        for server in self._servers.values():
+            server.stop()
+        self._admins.clear()
+        self._servers.clear()
+
+    def server(self, name: str) -> NamespaceServer:
+        return self._servers[name]
+
+    def fault(self, namespace: str, kind: str, entity: str | None = None, duration: float | None = None) -> None:
+        server = self._servers[namespace]
+        server.call(lambda: server.fault(kind, entity, duration))
+
+    def heal(self, namespace: str, entity: str | None = None) -> None:
+        server = self._servers[namespace]
+        server.call(lambda: server.heal(entity))
+
+
+class _BrokerProxy:
+    """Lets the admin server name ``broker`` before the reactor thread has built it."""
+
+    def __init__(self, server: NamespaceServer) -> None:
+        self._server = server
+
+    def __getattr__(self, name: str) -> Any:
+        assert self._server.broker is not None
+        return getattr(self._server.broker, name)
+
+
+def _apply_entities(broker: Broker, entities: model.EntitiesFile) -> None:
+    """Create what the entities file describes and the store does not hold yet. Existing entities keep
+    their stored description (the admin API may have changed them)."""
+    for spec in [*entities.queues, *entities.topics, *entities.subscriptions]:
+        try:
+            broker.create_entity(spec)
+        except BrokerError as err:
+            if err.condition != Cond.ALREADY_EXISTS:
+                raise
+
+
+def _fault_reader(server: NamespaceServer) -> Callable[[str | None], str | None]:
+    def read(entity: str | None) -> str | None:
+        return server.call(lambda: server.fault_for(entity))
+
+    return read
+
+
+def _control(server: NamespaceServer) -> Callable[[str, str, dict], tuple[int, dict]]:
+    """The ``/$emulator/`` endpoints of the admin port: fault, heal, faults."""
+
+    def handle(method: str, path: str, body: dict) -> tuple[int, dict]:
+        op = path.rstrip("/").rsplit("/", 1)[-1]
+        if method == "POST" and op == "fault":
+            kind = body.get("kind")
+            if kind not in FAULT_KINDS:
+                return 400, {"error": f"kind must be one of {', '.join(FAULT_KINDS)}, got {kind!r}"}
+            duration = body.get("duration")
+            if duration is not None and (not isinstance(duration, int | float) or duration <= 0):
+                return 400, {"error": f"duration must be a positive number of seconds, got {duration!r}"}
+            entity = body.get("entity") or None
+            server.call(lambda: server.fault(kind, entity, duration))
+            return 200, {"namespace": server.name, "kind": kind, "entity": entity, "duration": duration}
+        if method == "POST" and op == "heal":
+            entity = body.get("entity") or None
+            server.call(lambda: server.heal(entity))
+            return 200, {"namespace": server.name, "healed": entity or "all"}
+        if method == "GET" and op == "faults":
+            faults = server.call(lambda: {k or "": asdict(v) for k, v in server.faults.items()})
+            return 200, {"namespace": server.name, "faults": faults}
+        return 404, {"error": f"unknown control endpoint {method} {path}"}
+
+    return handle
+
+
+# ---------------------------------------------------------------------- remote control (CLI, other processes)
+def send_control(admin_url: str, op: str, body: dict | None = None, timeout: float = 10.0) -> dict:
+    import urllib.error
+    import urllib.request
+
+    url = admin_url.rstrip("/") + "/$emulator/" + op
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method="POST" if body is not None else "GET",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail).get("error", detail)
+        except ValueError:
+            pass
+        raise RuntimeError(f"{url}: {detail}") from None
+    except urllib.error.URLError as err:
+        raise ConnectionError(f"cannot reach the emulator's admin API at {admin_url}: {err.reason}") from None
+
+
+def fault(admin_url: str, kind: str, entity: str | None = None, duration: float | None = None) -> dict:
+    """Inject a fault into the namespace whose admin API is at ``admin_url``."""
+    return send_control(admin_url, "fault", {"kind": kind, "entity": entity, "duration": duration})
+
+
+def heal(admin_url: str, entity: str | None = None) -> dict:
+    return send_control(admin_url, "heal", {"entity": entity})
+
+
+# ---------------------------------------------------------------------- subprocess
+class EmulatorProcess:
+    """The emulator in a child process (``spark-sb emulator start``), for kill -9 tests and the demo."""
+
+    def __init__(self, proc: subprocess.Popen, info: dict[str, NamespaceInfo], args: list[str]) -> None:
+        self.proc = proc
+        self.info = info
+        self.args = args
+
+    def __getitem__(self, name: str) -> NamespaceInfo:
+        return self.info[name]
+
+    @classmethod
+    def start(
+        cls,
+        *,
+        data_dir: str | Path,
+        namespaces: Sequence[NamespaceOptions] = DEFAULT_NAMESPACES,
+        entities: str | Path | None = None,
+        timeout: float = 30.0,
+        log_file: str | Path | None = None,
+    ) -> EmulatorProcess:
+        status = Path(tempfile.mkdtemp(prefix="sb-emu-")) / "status.json"
+        args = [sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--data-dir", str(data_dir),
+                "--status-file", str(status)]
+        for n in namespaces:
+            args += ["--namespace", f"{n.name}={n.amqp_port}:{n.admin_port}"]
+        if entities is not None:
+            args += ["--entities", str(entities)]
+        return cls._launch(args, status, timeout, log_file)
+
+    @classmethod
+    def _launch(cls, args: list[str], status: Path, timeout: float, log_file: str | Path | None) -> EmulatorProcess:
+        log = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if status.exists():
+                try:
+                    data = json.loads(status.read_text())
+                except ValueError:
+                    data = None
+                if data:
+                    info = {d["name"]: NamespaceInfo(**d) for d in data["namespaces"]}
+                    return cls(proc, info, args)
+            if proc.poll() is not None:
+                raise RuntimeError(f"the emulator exited with code {proc.returncode} before it was ready")
+            time.sleep(0.05)
+        proc.kill()
+        raise TimeoutError(f"the emulator did not start within {timeout} s")
+
+    def restart(self, timeout: float = 30.0) -> EmulatorProcess:
+        """Start again with the same arguments and ports (after ``kill``)."""
+        args = list(self.args)
+        status = Path(args[args.index("--status-file") + 1])
+        status.unlink(missing_ok=True)
+        # keep the ports the first run picked so clients' connection strings stay valid
+        out: list[str] = []
+        skip = False
+        for a in args:
+            if skip:
+                skip = False
+                continue
+            if a == "--namespace":
+                skip = True
+                continue
+            out.append(a)
+        for n in self.info.values():
+            out += ["--namespace", f"{n.name}={n.amqp_port}:{n.admin_port}"]
+        return self._launch(out, status, timeout, None)
+
+    def kill(self) -> None:
+        """kill -9: no clean shutdown."""
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+    def __enter__(self) -> EmulatorProcess:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+
+def run_foreground(
+    namespaces: Sequence[NamespaceOptions],
+    data_dir: str | Path,
+    entities: str | Path | None,
+    status_file: str | Path | None,
+    out: Any = sys.stdout,
+) -> int:
+    """What ``spark-sb emulator start`` does: start, print one line per namespace, wait for a signal."""
+    import threading
+
+    emu = Emulator(namespaces, data_dir=data_dir, entities=entities)
+    emu.start()
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for info in emu.info.values():
+            print(f"{info.name} {info.connection_string}", file=out, flush=True)
+            _LOGGER.info("%s: admin API and fault control at %s", info.name, info.admin_url)
+        if status_file is not None:
+            tmp = Path(str(status_file) + ".tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "namespaces": [asdict(i) for i in emu.info.values()]}))
+            tmp.replace(status_file)
+        while not stop.wait(0.5):
+            pass
+    finally:
+        emu.stop()
+    return 0

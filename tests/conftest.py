@@ -1,0 +1,121 @@
+"""Shared fixtures: one emulator pair per test session, fresh entities per test."""
+
+from __future__ import annotations
+
+import itertools
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from azure.servicebus import ServiceBusClient
+
+from spark_sb.emulator import Emulator, NamespaceInfo, NamespaceOptions
+from spark_sb.emulator.model import QueueSpec, SubscriptionSpec, TopicSpec
+
+_counter = itertools.count()
+
+
+class FakeClock:
+    """Epoch seconds that only move when a test says so."""
+
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture(scope="session")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    emu = Emulator(
+        [NamespaceOptions("primary"), NamespaceOptions("secondary")],
+        data_dir=tmp_path_factory.mktemp("emulator"),
+    )
+    with emu:
+        yield emu
+
+
+@pytest.fixture
+def primary(emulator: Emulator) -> Iterator[NamespaceInfo]:
+    yield emulator["primary"]
+    emulator.heal("primary")
+
+
+@pytest.fixture
+def secondary(emulator: Emulator) -> Iterator[NamespaceInfo]:
+    yield emulator["secondary"]
+    emulator.heal("secondary")
+
+
+@pytest.fixture
+def client(primary: NamespaceInfo) -> Iterator[ServiceBusClient]:
+    with ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) as c:
+        yield c
+
+
+def unique_name(request: pytest.FixtureRequest, prefix: str = "") -> str:
+    base = re.sub(r"[^A-Za-z0-9-]", "-", request.node.name)[:40].strip("-")
+    return f"{prefix}{base}-{next(_counter)}"
+
+
+def create(emulator: Emulator, namespace: str, spec: Any) -> None:
+    server = emulator.server(namespace)
+    server.call(lambda: server.broker.create_entity(spec))
+
+
+@pytest.fixture
+def make_queue(emulator: Emulator, request: pytest.FixtureRequest) -> Callable[..., str]:
+    """Create a queue with the given properties on a namespace (default primary); returns its name."""
+
+    def make(namespace: str = "primary", **props: Any) -> str:
+        name = unique_name(request, "q-")
+        create(emulator, namespace, QueueSpec(name=name, **props))
+        return name
+
+    return make
+
+
+@pytest.fixture
+def make_topic(emulator: Emulator, request: pytest.FixtureRequest) -> Callable[..., str]:
+    """Create a topic with subscriptions ({name: SubscriptionSpec kwargs}); returns the topic name."""
+
+    def make(subscriptions: dict[str, dict[str, Any]], namespace: str = "primary", **props: Any) -> str:
+        name = unique_name(request, "t-")
+        create(emulator, namespace, TopicSpec(name=name, **props))
+        for sub, kwargs in subscriptions.items():
+            create(emulator, namespace, SubscriptionSpec(topic=name, name=sub, **kwargs))
+        return name
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def fake_clock() -> FakeClock:
+    return FakeClock()
+
+
+class ClockedEmulator:
+    """An emulator whose time is a FakeClock: lock expiry, TTL and schedules move when a test says."""
+
+    def __init__(self, emu: Emulator) -> None:
+        self.emu = emu
+
+    def __getitem__(self, name: str) -> NamespaceInfo:
+        return self.emu[name]
+
+    def make_queue(self, **props: Any) -> str:
+        name = f"clocked-{next(_counter)}"
+        create(self.emu, "clocked", QueueSpec(name=name, **props))
+        return name
+
+
+@pytest.fixture(scope="session")
+def emulator_with_clock(fake_clock: FakeClock, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClockedEmulator]:
+    emu = Emulator([NamespaceOptions("clocked")], data_dir=tmp_path_factory.mktemp("clocked"), clock=fake_clock)
+    with emu:
+        yield ClockedEmulator(emu)
