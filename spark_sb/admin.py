@@ -1,0 +1,149 @@
+"""Provisioning through the unmodified ``ServiceBusAdministrationClient``.
+
+``admin_client`` builds the SDK's client. For a real namespace it is exactly the SDK's client (TLS, the
+SDK's default transport). For an emulator connection string (``UseDevelopmentEmulator=true``) the SDK
+would still build ``https://<namespace>/...`` URLs; the emulator serves its admin API over plain HTTP on
+its own port (5300 by Microsoft's convention), so the client gets a transport that sends every request
+to that endpoint instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.parse
+from typing import Any
+
+from azure.core.pipeline.transport import RequestsTransport
+from azure.servicebus.management import ServiceBusAdministrationClient
+
+_LOGGER = logging.getLogger(__name__)
+
+EMULATOR_ADMIN_PORT = 5300
+
+__all__ = ["EMULATOR_ADMIN_PORT", "EmulatorAdminTransport", "admin_client", "emulator_admin_endpoint"]
+
+
+class EmulatorAdminTransport(RequestsTransport):
+    """A ``RequestsTransport`` that sends every request to the emulator's admin endpoint.
+
+    The SDK builds ``https://<namespace>/<path>?...``; this rewrites scheme and host:port to
+    ``admin_endpoint`` (e.g. ``http://localhost:5300``) and keeps path and query. Used only for emulator
+    connection strings. Environment proxy settings are ignored unless ``use_env_settings=True`` is given:
+    the emulator is local.
+    """
+
+    def __init__(self, admin_endpoint: str, **kwargs: Any) -> None:
+        kwargs.setdefault("use_env_settings", False)
+        super().__init__(**kwargs)
+        self._scheme, self._netloc = _split_endpoint(admin_endpoint)
+
+    @property
+    def admin_endpoint(self) -> str:
+        return f"{self._scheme}://{self._netloc}"
+
+    def __repr__(self) -> str:
+        return f"EmulatorAdminTransport(admin_endpoint={self.admin_endpoint!r})"
+
+    def rewrite(self, url: str) -> str:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme == self._scheme and parts.netloc == self._netloc:
+            return url
+        return urllib.parse.urlunsplit((self._scheme, self._netloc, parts.path, parts.query, parts.fragment))
+
+    def send(self, request: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        request.url = self.rewrite(request.url)
+        return super().send(request, **kwargs)
+
+
+def _split_endpoint(endpoint: str) -> tuple[str, str]:
+    """``http://host:port`` or ``host:port`` -> (scheme, netloc). Errors name the value."""
+    value = endpoint.strip()
+    if "://" not in value:
+        value = "http://" + value
+    parts = urllib.parse.urlsplit(value)
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
+        raise ValueError(f"admin_endpoint must look like http://host:port, got {endpoint!r}")
+    try:
+        parts.port  # noqa: B018 - validates the port
+    except ValueError:
+        raise ValueError(f"admin_endpoint has an invalid port: {endpoint!r}") from None
+    return parts.scheme, parts.netloc
+
+
+def _settings(connection_string: str) -> dict[str, str]:
+    """Connection string properties with lower-cased names (values untouched)."""
+    out: dict[str, str] = {}
+    for part in connection_string.strip().rstrip(";").split(";"):
+        name, sep, value = part.partition("=")
+        if sep:
+            out[name.strip().lower()] = value.strip()
+    return out
+
+
+def is_emulator(connection_string: str) -> bool:
+    """True when the connection string says ``UseDevelopmentEmulator=true`` (any case)."""
+    return _settings(connection_string).get("usedevelopmentemulator", "").lower() == "true"
+
+
+def emulator_admin_endpoint(connection_string: str, admin_endpoint: str | None = None) -> str:
+    """The admin endpoint for an emulator connection string: ``admin_endpoint`` when given, else the
+    string's ``AdminEndpoint=``, else ``http://<Endpoint host>:5300`` (Microsoft's emulator convention)."""
+    if admin_endpoint:
+        scheme, netloc = _split_endpoint(admin_endpoint)
+        return f"{scheme}://{netloc}"
+    settings = _settings(connection_string)
+    if settings.get("adminendpoint"):
+        scheme, netloc = _split_endpoint(settings["adminendpoint"])
+        return f"{scheme}://{netloc}"
+    endpoint = settings.get("endpoint", "")
+    host = urllib.parse.urlsplit(endpoint if "://" in endpoint else "sb://" + endpoint).hostname
+    if not host:
+        raise ValueError("the connection string has no Endpoint=sb://host[:port]")
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{EMULATOR_ADMIN_PORT}"
+
+
+def _without_admin_endpoint(connection_string: str) -> str:
+    parts = [p for p in connection_string.strip().rstrip(";").split(";")
+             if p.partition("=")[0].strip().lower() != "adminendpoint"]
+    return ";".join(parts)
+
+
+def admin_client(
+    connection_string: str | None = None,
+    *,
+    fully_qualified_namespace: str | None = None,
+    credential: Any = None,
+    admin_endpoint: str | None = None,
+    **kwargs: Any,
+) -> ServiceBusAdministrationClient:
+    """A ``ServiceBusAdministrationClient`` for a connection string, or a namespace and a credential.
+
+    Emulator connection strings (``UseDevelopmentEmulator=true``) get plain HTTP to ``admin_endpoint``
+    (default: the string's ``AdminEndpoint=``, else port 5300 on the Endpoint's host). Anything else is
+    the SDK's own client with TLS; ``admin_endpoint`` is refused there. Other keyword arguments go to the
+    SDK (``retry_total``, ``api_version``, ``connection_timeout``...).
+    """
+    if connection_string is not None:
+        if fully_qualified_namespace is not None or credential is not None:
+            raise ValueError("pass either a connection string or fully_qualified_namespace and credential, not both")
+        if is_emulator(connection_string):
+            if "transport" in kwargs:
+                raise ValueError("a custom transport cannot be used with an emulator connection string")
+            endpoint = emulator_admin_endpoint(connection_string, admin_endpoint)
+            transport = EmulatorAdminTransport(endpoint, **kwargs)
+            _LOGGER.debug("admin client for the emulator's admin API at %s", endpoint)
+            return ServiceBusAdministrationClient.from_connection_string(
+                _without_admin_endpoint(connection_string), transport=transport, **kwargs
+            )
+        if admin_endpoint is not None or "adminendpoint" in _settings(connection_string):
+            raise ValueError("an admin endpoint applies only to emulator connection strings "
+                             "(UseDevelopmentEmulator=true); real namespaces are reached over TLS")
+        return ServiceBusAdministrationClient.from_connection_string(connection_string, **kwargs)
+    if fully_qualified_namespace is None or credential is None:
+        raise ValueError("pass a connection string, or fully_qualified_namespace and credential")
+    if admin_endpoint is not None:
+        raise ValueError("an admin endpoint applies only to emulator connection strings "
+                         "(UseDevelopmentEmulator=true); real namespaces are reached over TLS")
+    return ServiceBusAdministrationClient(fully_qualified_namespace, credential, **kwargs)

@@ -1,0 +1,1217 @@
+"""The administration REST API of an emulated namespace, as ``ServiceBusAdministrationClient`` expects it.
+
+Atom XML over plain HTTP (Microsoft's emulator serves the same API on port 5300), stdlib only: a
+``ThreadingHTTPServer`` in its own thread. Every broker access goes through ``call`` so that the broker
+is only ever touched from its own (reactor) thread.
+
+Routes (entity names may contain ``/``; the SDK percent-encodes them as ``%2F``)::
+
+    PUT|GET|DELETE /{queue-or-topic}                       create (update with If-Match), get, delete
+    GET            /$Resources/queues|topics?$skip&$top    list
+    PUT|GET|DELETE /{topic}/subscriptions/{sub}
+    GET            /{topic}/subscriptions?$skip&$top
+    PUT|GET|DELETE /{topic}/subscriptions/{sub}/rules/{rule}
+    GET            /{topic}/subscriptions/{sub}/rules?$skip&$top
+    GET            /$namespaceinfo
+    *              /$emulator/...                          local test controls (no SAS), JSON
+
+Status codes follow the service: 201 on create, 200 otherwise, 401 for a bad or missing token, 404 for a
+missing entity, 409 when it exists, 400 for an invalid description, 503 when busy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import select
+import socket
+import threading
+import time
+import urllib.parse
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from datetime import UTC, datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Protocol, TypeVar
+from xml.sax.saxutils import escape, quoteattr
+
+from . import model, sas
+from .broker import Broker, BrokerError, Cond, RuntimeCounts
+from .model import QUEUE, SUBSCRIPTION, TOPIC, QueueSpec, RuleSpec, SubscriptionSpec, TopicSpec
+
+_LOGGER = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ATOM_NS = "http://www.w3.org/2005/Atom"
+SB_NS = "http://schemas.microsoft.com/netservices/2010/10/servicebus/connect"
+COUNT_NS = "http://schemas.microsoft.com/netservices/2011/06/servicebus"
+XSI_NS = "http://www.w3.org/2001/XMLSchema-instance"
+XSD_NS = "http://www.w3.org/2001/XMLSchema"
+
+MAX_TIMESPAN = "P10675199DT2H48M5.4775807S"  # TimeSpan.MaxValue as the service writes it
+DEFAULT_API_VERSION = "2021-05"
+MAX_BODY_BYTES = 1024 * 1024
+FAULT_KINDS = ("down", "timeout", "busy", "disabled", "notfound", "quota", "unauthorized")
+
+_CT_ENTRY = "application/atom+xml;type=entry;charset=utf-8"
+_CT_FEED = "application/atom+xml;type=feed;charset=utf-8"
+_CT_ERROR = "application/xml; charset=utf-8"
+_CT_JSON = "application/json"
+
+
+class BrokerCall(Protocol):
+    """Runs ``fn()`` on the broker's thread and returns its result, or raises its exception."""
+
+    def __call__(self, fn: Callable[[], T], /) -> T: ...
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+        self.detail = detail
+
+
+# --------------------------------------------------------------------------- durations and times
+
+_ISO_DURATION_RE = re.compile(
+    r"^P(?:(?P<w>\d+(?:\.\d+)?)W)?(?:(?P<d>\d+(?:\.\d+)?)D)?"
+    r"(?:T(?:(?P<h>\d+(?:\.\d+)?)H)?(?:(?P<m>\d+(?:\.\d+)?)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?$"
+)
+
+
+def format_duration(seconds: float | None) -> str:
+    """ISO 8601 as .NET writes a TimeSpan: ``PT1M``, ``P1DT2H``, ``PT0.5S``; None (or beyond) = MaxValue."""
+    if seconds is None or seconds >= model.MAX_TTL_SECONDS:
+        return MAX_TIMESPAN
+    micros = max(0, round(seconds * 1_000_000))
+    days, rest = divmod(micros, 86_400_000_000)
+    hours, rest = divmod(rest, 3_600_000_000)
+    minutes, rest = divmod(rest, 60_000_000)
+    secs, frac = divmod(rest, 1_000_000)
+    out = "P" + (f"{days}D" if days else "")
+    clock = (f"{hours}H" if hours else "") + (f"{minutes}M" if minutes else "")
+    if secs or frac:
+        clock += f"{secs}.{frac:06d}".rstrip("0").rstrip(".") + "S"
+    if clock:
+        out += "T" + clock
+    return out if out != "P" else "PT0S"
+
+
+def parse_duration(text: str, field: str) -> float:
+    """Seconds from an ISO 8601 duration (days, hours, minutes, seconds; weeks tolerated)."""
+    m = _ISO_DURATION_RE.match(text.strip())
+    if not m or not any(m.groupdict().values()) or text.strip().endswith("T"):
+        raise _HttpError(400, f"{field}: expected an ISO 8601 duration such as PT1M, got {text!r}")
+    g = {k: float(v) if v else 0.0 for k, v in m.groupdict().items()}
+    return g["w"] * 604800 + g["d"] * 86400 + g["h"] * 3600 + g["m"] * 60 + g["s"]
+
+
+def _format_time(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def _bool(value: bool) -> str:
+    return "true" if value else "false"
+
+
+# --------------------------------------------------------------------------- parsing request bodies
+
+
+def _local(tag: str) -> str:
+    return tag.rsplit("}", 1)[-1]
+
+
+def _children(elem: ET.Element) -> dict[str, ET.Element]:
+    return {_local(child.tag): child for child in elem}
+
+
+def _xsi_type(elem: ET.Element) -> str | None:
+    value = elem.get(f"{{{XSI_NS}}}type")
+    return value.rsplit(":", 1)[-1] if value else None
+
+
+def parse_body(body: bytes) -> ET.Element:
+    """The description element inside ``<entry><content>``: QueueDescription, TopicDescription, ..."""
+    if not body.strip():
+        raise _HttpError(400, "the request body is empty; expected an Atom entry with a description")
+    if b"<!DOCTYPE" in body or b"<!ENTITY" in body:
+        raise _HttpError(400, "document type declarations are not accepted")
+    try:
+        root = ET.fromstring(body)
+    except ET.ParseError as err:
+        raise _HttpError(400, f"the request body is not well-formed XML ({err})") from None
+    if _local(root.tag) != "entry":
+        raise _HttpError(400, f"expected an Atom <entry>, got <{_local(root.tag)}>")
+    content = root.find(f"{{{ATOM_NS}}}content")
+    if content is None:
+        content = next((c for c in root if _local(c.tag) == "content"), None)
+    if content is None or len(content) == 0:
+        raise _HttpError(400, "the Atom entry has no <content> with a description")
+    return content[0]
+
+
+def _to_bool(text: str | None, field: str) -> bool:
+    value = (text or "").strip().lower()
+    if value in ("true", "1"):
+        return True
+    if value in ("false", "0"):
+        return False
+    raise _HttpError(400, f"{field}: expected true or false, got {text!r}")
+
+
+def _to_int(text: str | None, field: str) -> int:
+    try:
+        return int((text or "").strip())
+    except ValueError:
+        raise _HttpError(400, f"{field}: expected an integer, got {text!r}") from None
+
+
+def _to_duration(text: str | None, field: str) -> float:
+    if text is None or not text.strip():
+        raise _HttpError(400, f"{field}: expected an ISO 8601 duration such as PT1M, got {text!r}")
+    return parse_duration(text, field)
+
+
+def _to_duration_or_max(text: str | None, field: str) -> float | None:
+    seconds = _to_duration(text, field)
+    return None if seconds >= model.MAX_TTL_SECONDS else seconds
+
+
+def _to_str(text: str | None, field: str) -> str | None:
+    return text.strip() if text and text.strip() else None
+
+
+def _to_entity_ref(text: str | None, field: str) -> str | None:
+    """``sb://host/name`` (as the SDK sends forward_to) or a bare ``name`` -> ``name``."""
+    if not text or not text.strip():
+        return None
+    value = text.strip()
+    parsed = urllib.parse.urlsplit(value)
+    if parsed.scheme and parsed.netloc:
+        value = urllib.parse.unquote(parsed.path)
+    value = value.strip("/")
+    if not value:
+        raise _HttpError(400, f"{field}: expected an entity name or sb://namespace/entity, got {text!r}")
+    return value
+
+
+_Converter = Callable[[str | None, str], Any]
+
+_QUEUE_FIELDS: dict[str, tuple[str, _Converter]] = {
+    "LockDuration": ("lock_duration", _to_duration),
+    "MaxSizeInMegabytes": ("max_size_in_megabytes", _to_int),
+    "RequiresDuplicateDetection": ("requires_duplicate_detection", _to_bool),
+    "RequiresSession": ("requires_session", _to_bool),
+    "DefaultMessageTimeToLive": ("default_message_time_to_live", _to_duration_or_max),
+    "DeadLetteringOnMessageExpiration": ("dead_lettering_on_message_expiration", _to_bool),
+    "DuplicateDetectionHistoryTimeWindow": ("duplicate_detection_history_time_window", _to_duration),
+    "MaxDeliveryCount": ("max_delivery_count", _to_int),
+    "EnableBatchedOperations": ("enable_batched_operations", _to_bool),
+    "Status": ("status", _to_str),
+    "AutoDeleteOnIdle": ("auto_delete_on_idle", _to_duration_or_max),
+    "ForwardTo": ("forward_to", _to_entity_ref),
+    "ForwardDeadLetteredMessagesTo": ("forward_dead_lettered_messages_to", _to_entity_ref),
+}
+_TOPIC_FIELDS: dict[str, tuple[str, _Converter]] = {
+    "DefaultMessageTimeToLive": ("default_message_time_to_live", _to_duration_or_max),
+    "MaxSizeInMegabytes": ("max_size_in_megabytes", _to_int),
+    "RequiresDuplicateDetection": ("requires_duplicate_detection", _to_bool),
+    "DuplicateDetectionHistoryTimeWindow": ("duplicate_detection_history_time_window", _to_duration),
+    "EnableBatchedOperations": ("enable_batched_operations", _to_bool),
+    "Status": ("status", _to_str),
+    "SupportOrdering": ("support_ordering", _to_bool),
+    "AutoDeleteOnIdle": ("auto_delete_on_idle", _to_duration_or_max),
+}
+_SUBSCRIPTION_FIELDS: dict[str, tuple[str, _Converter]] = {
+    "LockDuration": ("lock_duration", _to_duration),
+    "RequiresSession": ("requires_session", _to_bool),
+    "DefaultMessageTimeToLive": ("default_message_time_to_live", _to_duration_or_max),
+    "DeadLetteringOnMessageExpiration": ("dead_lettering_on_message_expiration", _to_bool),
+    "MaxDeliveryCount": ("max_delivery_count", _to_int),
+    "EnableBatchedOperations": ("enable_batched_operations", _to_bool),
+    "Status": ("status", _to_str),
+    "ForwardTo": ("forward_to", _to_entity_ref),
+    "ForwardDeadLetteredMessagesTo": ("forward_dead_lettered_messages_to", _to_entity_ref),
+    "AutoDeleteOnIdle": ("auto_delete_on_idle", _to_duration_or_max),
+}
+_FIELDS = {QUEUE: _QUEUE_FIELDS, TOPIC: _TOPIC_FIELDS, SUBSCRIPTION: _SUBSCRIPTION_FIELDS}
+_DESCRIPTION_KIND = {"QueueDescription": QUEUE, "TopicDescription": TOPIC, "SubscriptionDescription": SUBSCRIPTION}
+
+
+def description_changes(desc: ET.Element, kind: str) -> dict[str, Any]:
+    """The spec fields a Queue/Topic/SubscriptionDescription sets (elements not given are left out;
+    read-only and unsupported elements such as MessageCount or EnablePartitioning are ignored)."""
+    element = _local(desc.tag)
+    changes: dict[str, Any] = {}
+    for name, child in _children(desc).items():
+        known = _FIELDS[kind].get(name)
+        if known is None:
+            continue
+        attr, convert = known
+        changes[attr] = convert(child.text, f"{element}/{name}")
+    return changes
+
+
+_KV_TYPES_IN = {
+    "string": str, "int": int, "long": int, "short": int, "byte": int, "double": float, "float": float,
+    "decimal": float,
+}
+
+
+def _parse_key_values(parent: ET.Element | None, field: str) -> dict[str, Any]:
+    """``<KeyValueOfstringanyType><Key/><Value i:type="d6p1:int"/>`` children -> dict."""
+    out: dict[str, Any] = {}
+    if parent is None:
+        return out
+    for kv in parent:
+        parts = _children(kv)
+        key_el, value_el = parts.get("Key"), parts.get("Value")
+        if key_el is None or not key_el.text or value_el is None:
+            raise _HttpError(400, f"{field}: each KeyValueOfstringanyType needs a Key and a Value")
+        key = key_el.text
+        vtype = _xsi_type(value_el) or "string"
+        text = value_el.text or ""
+        label = f"{field}[{key!r}]"
+        if vtype == "boolean":
+            out[key] = _to_bool(text, label)
+        elif vtype in _KV_TYPES_IN:
+            try:
+                out[key] = _KV_TYPES_IN[vtype](text)
+            except ValueError:
+                raise _HttpError(400, f"{label}: expected a {vtype}, got {text!r}") from None
+        elif vtype in ("dateTime", "duration"):
+            out[key] = text  # kept as its ISO 8601 text
+        else:
+            raise _HttpError(400, f"{label}: unsupported value type {vtype!r}")
+    return out
+
+
+_CORRELATION_IN = {
+    "CorrelationId": "correlation_id",
+    "MessageId": "message_id",
+    "To": "to",
+    "ReplyTo": "reply_to",
+    "Label": "subject",
+    "SessionId": "session_id",
+    "ReplyToSessionId": "reply_to_session_id",
+    "ContentType": "content_type",
+}
+
+
+def parse_rule(desc: ET.Element, name: str, *, check_tag: bool = True) -> RuleSpec:
+    """A RuleDescription element -> RuleSpec named ``name`` (the URL's name wins over <Name>)."""
+    if check_tag and _local(desc.tag) != "RuleDescription":
+        raise _HttpError(400, f"expected a RuleDescription, got <{_local(desc.tag)}>")
+    parts = _children(desc)
+    filt = parts.get("Filter")
+    spec: dict[str, Any]
+    if filt is None:
+        spec = {"type": "true"}
+    else:
+        ftype = _xsi_type(filt)
+        fparts = _children(filt)
+        if ftype == "CorrelationFilter":
+            spec = {"type": "correlation"}
+            for element, key in _CORRELATION_IN.items():
+                child = fparts.get(element)
+                if child is not None and child.text is not None:
+                    spec[key] = child.text
+            props = _parse_key_values(fparts.get("Properties"), "RuleDescription/Filter/Properties")
+            if props:
+                spec["properties"] = props
+        elif ftype in ("TrueFilter", "FalseFilter"):
+            spec = {"type": "true" if ftype == "TrueFilter" else "false"}
+        elif ftype == "SqlFilter":
+            expr = fparts.get("SqlExpression")
+            if expr is None or not (expr.text or "").strip():
+                raise _HttpError(400, "RuleDescription/Filter/SqlExpression: a SQL filter needs an expression")
+            spec = {"type": "sql", "expression": expr.text}
+            params = _parse_key_values(fparts.get("Parameters"), "RuleDescription/Filter/Parameters")
+            if params:
+                spec["parameters"] = params
+        else:
+            raise _HttpError(400, f"RuleDescription/Filter: unsupported filter type {ftype!r} "
+                                  "(expected CorrelationFilter, SqlFilter, TrueFilter or FalseFilter)")
+    action = parts.get("Action")
+    if action is not None:
+        atype = _xsi_type(action)
+        expr = _children(action).get("SqlExpression")
+        if atype not in (None, "EmptyRuleAction") and expr is not None and (expr.text or "").strip():
+            raise _HttpError(400, f"RuleDescription/Action: rule actions are not supported by the emulator, "
+                                  f"got {atype} {expr.text!r}")
+    return RuleSpec(name=name, filter=spec)
+
+
+# --------------------------------------------------------------------------- rendering responses
+
+
+@dataclasses.dataclass
+class _Snapshot:
+    """What the broker thread hands back for rendering one entity."""
+
+    spec: Any
+    counts: RuntimeCounts | None
+    created_at: float
+    subscription_count: int = 0
+
+
+def _el(name: str, value: str | None) -> str:
+    return f"<{name}>{escape(value)}</{name}>" if value is not None else ""
+
+
+def _count_details(counts: RuntimeCounts | None) -> str:
+    c = counts or RuntimeCounts()
+    items = [
+        ("ActiveMessageCount", c.active),
+        ("DeadLetterMessageCount", c.dead_letter),
+        ("ScheduledMessageCount", c.scheduled),
+        ("TransferMessageCount", c.transfer),
+        ("TransferDeadLetterMessageCount", c.transfer_dead_letter),
+    ]
+    inner = "".join(f"<d2p1:{n}>{v}</d2p1:{n}>" for n, v in items)
+    return f'<CountDetails xmlns:d2p1="{COUNT_NS}">{inner}</CountDetails>'
+
+
+def _message_count(counts: RuntimeCounts | None) -> int:
+    c = counts or RuntimeCounts()
+    return c.total + c.transfer + c.transfer_dead_letter
+
+
+class _Renderer:
+    """Atom entries and feeds for one request (``base`` = ``http://host``, ``namespace`` = the SAS host)."""
+
+    def __init__(self, base: str, namespace: str, api_version: str) -> None:
+        self.base = base
+        self.namespace = namespace
+        self.api_version = api_version
+
+    def _ref(self, name: str | None) -> str | None:
+        return f"sb://{self.namespace}/{name}" if name else None
+
+    def queue(self, snap: _Snapshot) -> str:
+        s: QueueSpec = snap.spec
+        c = snap.counts or RuntimeCounts()
+        t = _format_time(snap.created_at)
+        return (
+            f'<QueueDescription xmlns="{SB_NS}" xmlns:i="{XSI_NS}">'
+            + _el("LockDuration", format_duration(s.lock_duration))
+            + _el("MaxSizeInMegabytes", str(s.max_size_in_megabytes))
+            + _el("RequiresDuplicateDetection", _bool(s.requires_duplicate_detection))
+            + _el("RequiresSession", _bool(s.requires_session))
+            + _el("DefaultMessageTimeToLive", format_duration(s.default_message_time_to_live))
+            + _el("DeadLetteringOnMessageExpiration", _bool(s.dead_lettering_on_message_expiration))
+            + _el("DuplicateDetectionHistoryTimeWindow", format_duration(s.duplicate_detection_history_time_window))
+            + _el("MaxDeliveryCount", str(s.max_delivery_count))
+            + _el("EnableBatchedOperations", _bool(s.enable_batched_operations))
+            + _el("SizeInBytes", str(c.size_in_bytes))
+            + _el("MessageCount", str(_message_count(c)))
+            + _el("IsAnonymousAccessible", "false")
+            + "<AuthorizationRules/>"
+            + _el("Status", s.status)
+            + _el("CreatedAt", t) + _el("UpdatedAt", t) + _el("AccessedAt", t)
+            + _el("SupportOrdering", "true")
+            + _count_details(c)
+            + _el("AutoDeleteOnIdle", format_duration(s.auto_delete_on_idle))
+            + _el("EnablePartitioning", "false")
+            + _el("EntityAvailabilityStatus", "Available")
+            + _el("EnableExpress", "false")
+            + _el("ForwardTo", self._ref(s.forward_to))
+            + _el("ForwardDeadLetteredMessagesTo", self._ref(s.forward_dead_lettered_messages_to))
+            + _el("MaxMessageSizeInKilobytes", "256")
+            + "</QueueDescription>"
+        )
+
+    def topic(self, snap: _Snapshot) -> str:
+        s: TopicSpec = snap.spec
+        c = snap.counts or RuntimeCounts()
+        t = _format_time(snap.created_at)
+        return (
+            f'<TopicDescription xmlns="{SB_NS}" xmlns:i="{XSI_NS}">'
+            + _el("DefaultMessageTimeToLive", format_duration(s.default_message_time_to_live))
+            + _el("MaxSizeInMegabytes", str(s.max_size_in_megabytes))
+            + _el("RequiresDuplicateDetection", _bool(s.requires_duplicate_detection))
+            + _el("DuplicateDetectionHistoryTimeWindow", format_duration(s.duplicate_detection_history_time_window))
+            + _el("EnableBatchedOperations", _bool(s.enable_batched_operations))
+            + _el("SizeInBytes", str(c.size_in_bytes))
+            + _el("FilteringMessagesBeforePublishing", "false")
+            + _el("IsAnonymousAccessible", "false")
+            + "<AuthorizationRules/>"
+            + _el("Status", s.status)
+            + _el("CreatedAt", t) + _el("UpdatedAt", t) + _el("AccessedAt", t)
+            + _el("SupportOrdering", _bool(s.support_ordering))
+            + _count_details(c)
+            + _el("SubscriptionCount", str(snap.subscription_count))
+            + _el("AutoDeleteOnIdle", format_duration(s.auto_delete_on_idle))
+            + _el("EnablePartitioning", "false")
+            + _el("EntityAvailabilityStatus", "Available")
+            + _el("EnableSubscriptionPartitioning", "false")
+            + _el("EnableExpress", "false")
+            + _el("MaxMessageSizeInKilobytes", "256")
+            + "</TopicDescription>"
+        )
+
+    def subscription(self, snap: _Snapshot) -> str:
+        s: SubscriptionSpec = snap.spec
+        c = snap.counts or RuntimeCounts()
+        t = _format_time(snap.created_at)
+        return (
+            f'<SubscriptionDescription xmlns="{SB_NS}" xmlns:i="{XSI_NS}">'
+            + _el("LockDuration", format_duration(s.lock_duration))
+            + _el("RequiresSession", _bool(s.requires_session))
+            + _el("DefaultMessageTimeToLive", format_duration(s.default_message_time_to_live))
+            + _el("DeadLetteringOnMessageExpiration", _bool(s.dead_lettering_on_message_expiration))
+            + _el("DeadLetteringOnFilterEvaluationExceptions", "true")
+            + _el("MessageCount", str(_message_count(c)))
+            + _el("MaxDeliveryCount", str(s.max_delivery_count))
+            + _el("EnableBatchedOperations", _bool(s.enable_batched_operations))
+            + _el("Status", s.status)
+            + _el("ForwardTo", self._ref(s.forward_to))
+            + _el("CreatedAt", t) + _el("UpdatedAt", t) + _el("AccessedAt", t)
+            + _count_details(c)
+            + _el("ForwardDeadLetteredMessagesTo", self._ref(s.forward_dead_lettered_messages_to))
+            + _el("AutoDeleteOnIdle", format_duration(s.auto_delete_on_idle))
+            + _el("EntityAvailabilityStatus", "Available")
+            + "</SubscriptionDescription>"
+        )
+
+    @staticmethod
+    def _key_values(values: dict[str, Any]) -> str:
+        out = []
+        for key, value in values.items():
+            if isinstance(value, bool):
+                vtype, text = "boolean", _bool(value)
+            elif isinstance(value, int):
+                vtype, text = ("int" if -(2**31) <= value < 2**31 else "long"), str(value)
+            elif isinstance(value, float):
+                vtype, text = "double", repr(value)
+            else:
+                vtype, text = "string", str(value)
+            out.append(
+                f"<KeyValueOfstringanyType><Key>{escape(str(key))}</Key>"
+                f'<Value xmlns:d6p1="{XSD_NS}" i:type="d6p1:{vtype}">{escape(text)}</Value>'
+                "</KeyValueOfstringanyType>"
+            )
+        return "".join(out)
+
+    def rule(self, rule: RuleSpec, created_at: float) -> str:
+        f = rule.filter
+        ftype = f.get("type")
+        if ftype == "correlation":
+            fields = "".join(_el(element, f.get(key)) for element, key in _CORRELATION_IN.items())
+            props = f.get("properties") or {}
+            filt = (f'<Filter i:type="CorrelationFilter">{fields}'
+                    f"<Properties>{self._key_values(props)}</Properties></Filter>")
+        elif ftype == "sql":
+            params = f.get("parameters") or {}
+            filt = ('<Filter i:type="SqlFilter">' + _el("SqlExpression", f.get("expression", ""))
+                    + "<CompatibilityLevel>20</CompatibilityLevel>"
+                    + (f"<Parameters>{self._key_values(params)}</Parameters>" if params else "")
+                    + "</Filter>")
+        elif ftype == "false":
+            filt = ('<Filter i:type="FalseFilter"><SqlExpression>1=0</SqlExpression>'
+                    "<CompatibilityLevel>20</CompatibilityLevel></Filter>")
+        else:
+            filt = ('<Filter i:type="TrueFilter"><SqlExpression>1=1</SqlExpression>'
+                    "<CompatibilityLevel>20</CompatibilityLevel></Filter>")
+        return (
+            f'<RuleDescription xmlns="{SB_NS}" xmlns:i="{XSI_NS}">{filt}'
+            '<Action i:type="EmptyRuleAction"/>'
+            + _el("CreatedAt", _format_time(created_at))
+            + _el("Name", rule.name)
+            + "</RuleDescription>"
+        )
+
+    def namespace_info(self, name: str, created_at: float) -> str:
+        t = _format_time(created_at)
+        return (
+            f'<NamespaceInfo xmlns="{SB_NS}" xmlns:i="{XSI_NS}">'
+            + _el("CreatedTime", t) + _el("MessagingSKU", "Standard") + _el("ModifiedTime", t)
+            + _el("Name", name) + _el("NamespaceType", "Messaging")
+            + "</NamespaceInfo>"
+        )
+
+    def entry(self, path: str, title: str, created_at: float, description: str, *, root: bool = True) -> str:
+        quoted = urllib.parse.quote(path, safe="/$")
+        href = f"{self.base}/{quoted}?api-version={urllib.parse.quote(self.api_version)}"
+        t = _format_time(created_at)
+        ns = f' xmlns="{ATOM_NS}"' if root else ""
+        return (
+            f"<entry{ns} xml:base={quoteattr(href)}>"
+            f"<id>{escape(href)}</id>"
+            f'<title type="text">{escape(title)}</title>'
+            f"<published>{t}</published><updated>{t}</updated>"
+            f"<author><name>{escape(self.namespace)}</name></author>"
+            f'<link rel="self" href={quoteattr(href)}/>'
+            f'<content type="application/xml">{description}</content>'
+            "</entry>"
+        )
+
+    def feed(self, path: str, title: str, entries: list[str], skip: int, top: int, more: bool) -> str:
+        quoted = urllib.parse.quote(path, safe="/$")
+        api = urllib.parse.quote(self.api_version)
+        self_href = f"{self.base}/{quoted}?$skip={skip}&$top={top}&api-version={api}"
+        links = f'<link rel="self" href={quoteattr(self_href)}/>'
+        if more:
+            next_href = f"{self.base}/{quoted}?$skip={skip + top}&$top={top}&api-version={api}"
+            links += f'<link rel="next" href={quoteattr(next_href)}/>'
+        return (
+            f'<feed xmlns="{ATOM_NS}"><title type="text">{escape(title)}</title>'
+            f"<id>{escape(self_href)}</id><updated>{_format_time(time.time())}</updated>"
+            f"{links}{''.join(entries)}</feed>"
+        )
+
+
+def _xml(document: str) -> bytes:
+    return ('<?xml version="1.0" encoding="utf-8"?>' + document).encode("utf-8")
+
+
+def _error_body(status: int, detail: str) -> bytes:
+    return _xml(f"<Error><Code>{status}</Code><Detail>{escape(detail)}</Detail></Error>")
+
+
+# --------------------------------------------------------------------------- routing
+
+_SUBS = "/subscriptions/"
+_RULES = "/rules/"
+
+
+@dataclasses.dataclass
+class _Route:
+    kind: str  # "namespace", "list", "entity", "subscription", "subscriptions", "rule", "rules"
+    path: str = ""  # entity path (queue/topic), subscription path, or "" for namespace-level routes
+    topic: str = ""
+    subscription: str = ""
+    rule: str = ""
+    list_of: str = ""  # for kind "list": QUEUE or TOPIC
+
+    @property
+    def fault_entity(self) -> str | None:
+        if self.kind in ("entity", "subscription", "rule", "rules"):
+            return self.path
+        if self.kind == "subscriptions":
+            return self.topic
+        return None
+
+
+def _route(path: str) -> _Route:
+    """Classify a decoded request path (without the leading ``/``)."""
+    lower = path.lower()
+    if lower == "$namespaceinfo":
+        return _Route("namespace")
+    if lower.startswith("$resources/"):
+        what = lower[len("$resources/"):].strip("/")
+        if what in ("queues", "topics"):
+            return _Route("list", list_of=QUEUE if what == "queues" else TOPIC)
+        raise _HttpError(404, f"unknown resource collection {path!r} (expected $Resources/queues or topics)")
+    if not path or path.startswith("$"):
+        raise _HttpError(404, f"no such resource {('/' + path)!r}")
+    if _SUBS in path:
+        topic, rest = path.split(_SUBS, 1)
+        if _RULES in rest:
+            sub, rule = rest.split(_RULES, 1)
+            if not sub or not rule or "/" in rule or "/" in sub:
+                raise _HttpError(404, f"no such resource {('/' + path)!r}")
+            return _Route("rule", model.subscription_path(topic, sub), topic, sub, rule)
+        if rest.endswith("/rules"):
+            sub = rest[: -len("/rules")]
+            if not sub or "/" in sub:
+                raise _HttpError(404, f"no such resource {('/' + path)!r}")
+            return _Route("rules", model.subscription_path(topic, sub), topic, sub)
+        if not rest or "/" in rest:
+            raise _HttpError(404, f"no such resource {('/' + path)!r}")
+        return _Route("subscription", model.subscription_path(topic, rest), topic, rest)
+    if path.endswith("/subscriptions"):
+        return _Route("subscriptions", path, topic=path[: -len("/subscriptions")])
+    return _Route("entity", path)
+
+
+# --------------------------------------------------------------------------- the server
+
+
+class AdminServer:
+    """The admin HTTP API of one namespace.
+
+    ``call(fn)`` runs ``fn()`` on the broker's thread and returns its result (or raises its exception);
+    ``broker`` (a ``Broker``, or a proxy forwarding to one) is only ever touched inside it. ``keys`` maps SAS key names to keys. ``fault(entity)``
+    gives the active fault kind for an entity path, or for the namespace when called with None.
+    ``control(method, path, body)`` answers ``/$emulator/...`` requests with (status, JSON dict).
+    """
+
+    hold_seconds = 65.0  # how long a "timeout" fault holds a request without answering
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        broker: Any,
+        call: BrokerCall,
+        keys: dict[str, str],
+        fault: Callable[[str | None], str | None] | None = None,
+        control: Callable[[str, str, dict], tuple[int, dict]] | None = None,
+    ) -> None:
+        self._host = host
+        self._requested_port = port
+        self._broker = broker
+        self._call = call
+        self._keys = keys
+        self._fault = fault
+        self._control = control
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._started_at = time.time()
+
+    def __repr__(self) -> str:
+        return f"AdminServer(host={self._host!r}, port={self.port})"
+
+    @property
+    def port(self) -> int:
+        if self._httpd is not None:
+            return int(self._httpd.server_address[1])
+        return self._requested_port
+
+    def start(self) -> AdminServer:
+        if self._httpd is not None:
+            raise RuntimeError("the admin server is already started")
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        server_cls = type("_AdminHTTPServer", (_AdminHTTPServer,), {"address_family": family})
+        httpd = server_cls((self._host, self._requested_port), _Handler)
+        httpd.admin = self
+        self._httpd = httpd
+        self._stopping.clear()
+        self._thread = threading.Thread(
+            target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
+            name=f"spark-sb-admin-{self.port}", daemon=True,
+        )
+        self._thread.start()
+        _LOGGER.debug("admin API listening on http://%s:%d", self._host, self.port)
+        return self
+
+    def stop(self) -> None:
+        httpd, thread = self._httpd, self._thread
+        if httpd is None:
+            return
+        self._stopping.set()
+        if thread is not None and thread.is_alive():
+            httpd.shutdown()
+        httpd.server_close()
+        with self._lock:
+            connections = list(self._connections)
+            self._connections.clear()
+        for conn in connections:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if thread is not None:
+            thread.join(timeout=2.0)
+        self._httpd = None
+        self._thread = None
+
+    # ------------------------------------------------------------------ helpers for the handler
+    def _track(self, conn: socket.socket, add: bool) -> None:
+        with self._lock:
+            if add:
+                self._connections.add(conn)
+            else:
+                self._connections.discard(conn)
+
+    def _fault_for(self, entity: str | None) -> str | None:
+        if self._fault is None:
+            return None
+        kind = self._fault(entity) if entity else None
+        if kind is None:
+            kind = self._fault(None)
+        return kind
+
+    def _broker_call(self, fn: Callable[[Broker], T]) -> T:
+        broker = self._broker
+        return self._call(lambda: fn(broker))
+
+
+class _AdminHTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    block_on_close = False
+    admin: AdminServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        _LOGGER.debug("admin API: connection from %s ended with an error", client_address, exc_info=True)
+
+
+# Broker-thread functions: each takes the broker and returns plain data for rendering.
+
+
+def _snapshot(broker: Broker, spec: Any, path: str) -> _Snapshot:
+    subs = len(broker.list_entities(SUBSCRIPTION, topic=path)) if spec.kind == TOPIC else 0
+    return _Snapshot(spec, broker.runtime_counts(path), broker.entity_created_at(path), subs)
+
+
+def _find_entity(broker: Broker, path: str) -> Any | None:
+    """The queue or topic at ``path``, or None."""
+    for kind in (QUEUE, TOPIC):
+        try:
+            spec = broker.get_entity(kind, path)
+        except BrokerError as err:
+            if err.condition == Cond.NOT_FOUND:
+                continue
+            raise
+        if spec is not None and getattr(spec, "kind", kind) == kind:
+            return spec
+    return None
+
+
+def _not_found(path: str) -> BrokerError:
+    return BrokerError(Cond.NOT_FOUND, f"the messaging entity {path!r} could not be found")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server_version = "spark-sb-emulator"
+    sys_version = ""
+    timeout = 300  # idle keep-alive connections
+    server: _AdminHTTPServer
+
+    # ------------------------------------------------------------------ plumbing
+    def setup(self) -> None:
+        super().setup()
+        self.server.admin._track(self.connection, True)
+
+    def finish(self) -> None:
+        try:
+            super().finish()
+        finally:
+            self.server.admin._track(self.connection, False)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        _LOGGER.debug("admin API %s: %s", self.client_address[0], format % args)
+
+    def do_GET(self) -> None:
+        self._dispatch("GET")
+
+    def do_PUT(self) -> None:
+        self._dispatch("PUT")
+
+    def do_DELETE(self) -> None:
+        self._dispatch("DELETE")
+
+    def do_POST(self) -> None:
+        self._dispatch("POST")
+
+    def do_PATCH(self) -> None:
+        self._dispatch("PATCH")
+
+    def _read_body(self) -> bytes:
+        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+            chunks, total = [], 0
+            while True:
+                size_line = self.rfile.readline(1024)
+                try:
+                    size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
+                except ValueError:
+                    self.close_connection = True
+                    raise _HttpError(400, "malformed chunked request body") from None
+                if size == 0:
+                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
+                        pass
+                    break
+                total += size
+                if total > MAX_BODY_BYTES:
+                    self.close_connection = True
+                    raise _HttpError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+                chunks.append(self.rfile.read(size))
+                self.rfile.readline(1024)
+            return b"".join(chunks)
+        length_text = self.headers.get("Content-Length")
+        if not length_text:
+            return b""
+        try:
+            length = int(length_text)
+        except ValueError:
+            self.close_connection = True
+            raise _HttpError(400, f"invalid Content-Length {length_text!r}") from None
+        if length < 0 or length > MAX_BODY_BYTES:
+            self.close_connection = True
+            raise _HttpError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+        return self.rfile.read(length) if length else b""
+
+    def _send(self, status: int, body: bytes, content_type: str | None) -> None:
+        self.send_response(status)
+        if content_type:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
+        self.end_headers()
+        if body:
+            self.wfile.write(body)
+
+    def _send_error(self, status: int, detail: str) -> None:
+        self._send(status, _error_body(status, detail), _CT_ERROR)
+
+    def _drop(self) -> None:
+        """A "down" namespace: close the connection without an answer."""
+        self.close_connection = True
+        try:
+            self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _hold(self) -> None:
+        """A "timeout" fault: answer nothing until the client gives up (or hold_seconds pass)."""
+        admin = self.server.admin
+        deadline = time.monotonic() + admin.hold_seconds
+        sock = self.connection
+        while not admin._stopping.is_set() and time.monotonic() < deadline:
+            try:
+                readable, _, _ = select.select([sock], [], [], 0.2)
+                if readable and not sock.recv(1, socket.MSG_PEEK):
+                    break  # the client closed its socket
+                if readable:
+                    time.sleep(0.2)
+            except (OSError, ValueError):
+                break
+        self._drop()
+
+    # ------------------------------------------------------------------ dispatch
+    def _dispatch(self, method: str) -> None:
+        admin = self.server.admin
+        try:
+            split = urllib.parse.urlsplit(self.path)
+            path = urllib.parse.unquote(split.path)
+            body = self._read_body()
+            if path == "/$emulator" or path.startswith("/$emulator/"):
+                self._control(method, path, body)
+                return
+            query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
+            route = _route(path.lstrip("/"))
+            fault = admin._fault_for(route.fault_entity)
+            if fault == "down":
+                self._drop()
+                return
+            if fault == "timeout":
+                self._hold()
+                return
+            namespace = self._authenticate(route)
+            if fault == "unauthorized":
+                raise _HttpError(401, "Unauthorized access. 'Manage' claim(s) are required for this operation.")
+            if fault == "busy":
+                raise _HttpError(503, "The server is busy. Please try again later.")
+            if fault == "notfound" and route.kind in ("entity", "subscription", "rule") and (
+                method in ("GET", "DELETE") or (method == "PUT" and self.headers.get("If-Match"))
+            ):
+                raise _HttpError(404, f"the messaging entity {route.path!r} could not be found")
+            api_version = (query.get("api-version") or [DEFAULT_API_VERSION])[0]
+            host = self.headers.get("Host") or f"{admin._host}:{admin.port}"
+            renderer = _Renderer(f"http://{host}", namespace, api_version)
+            status, payload, content_type = self._handle(method, route, query, body, renderer)
+            self._send(status, payload, content_type)
+        except _HttpError as err:
+            self._send_error(err.status, err.detail)
+        except BrokerError as err:
+            self._send_error(_BROKER_STATUS.get(err.condition, 400), err.description)
+        except model.EntityConfigError as err:
+            self._send_error(400, str(err))
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception:  # noqa: BLE001 - a bug must not take the server down
+            _LOGGER.exception("admin API: %s %s failed", method, self.path.split("?", 1)[0])
+            self.close_connection = True
+            try:
+                self._send_error(500, "internal error in the emulator's admin API (see its log)")
+            except OSError:
+                pass
+
+    def _control(self, method: str, path: str, body: bytes) -> None:
+        control = self.server.admin._control
+        if control is None:
+            self._send_json(404, {"error": "no emulator controls on this server"})
+            return
+        try:
+            data = json.loads(body) if body.strip() else {}
+        except ValueError as err:
+            self._send_json(400, {"error": f"the body is not valid JSON ({err})"})
+            return
+        if not isinstance(data, dict):
+            self._send_json(400, {"error": f"the body must be a JSON object, got {type(data).__name__}"})
+            return
+        try:
+            status, answer = control(method, path, data)
+        except Exception as err:  # noqa: BLE001 - report the failure to the caller
+            _LOGGER.exception("admin API: control %s %s failed", method, path)
+            self._send_json(500, {"error": f"{type(err).__name__}: {err}"})
+            return
+        self._send_json(status, answer)
+
+    def _send_json(self, status: int, data: dict) -> None:
+        self._send(status, json.dumps(data).encode("utf-8"), _CT_JSON)
+
+    def _authenticate(self, route: _Route) -> str:
+        """Verify the SAS token; returns the namespace host the token names (e.g. ``localhost:5672``)."""
+        header = (self.headers.get("Authorization") or "").strip()
+        if not header:
+            raise _HttpError(401, "MissingToken: the request has no Authorization header.")
+        token = header[len("Bearer "):].strip() if header.lower().startswith("bearer ") else header
+        namespace = _token_namespace(token)
+        audience = namespace
+        if namespace and route.fault_entity:
+            audience = f"{namespace}/{route.fault_entity}"
+        try:
+            sas.verify(token, self.server.admin._keys, audience=audience or None)
+        except sas.SasError as err:
+            raise _HttpError(401, f"InvalidSignature: {err}") from None
+        return namespace or "localhost"
+
+    # ------------------------------------------------------------------ the API
+    def _handle(
+        self, method: str, route: _Route, query: dict[str, list[str]], body: bytes, r: _Renderer
+    ) -> tuple[int, bytes, str | None]:
+        admin = self.server.admin
+        call = admin._broker_call
+        kind = route.kind
+        if kind == "namespace":
+            self._only(method, "GET")
+            name = r.namespace.split(":", 1)[0].split(".", 1)[0]
+            return 200, _xml(r.entry("$namespaceinfo", name, admin._started_at,
+                                     r.namespace_info(name, admin._started_at))), _CT_ENTRY
+        if kind == "list":
+            self._only(method, "GET")
+            skip, top = _paging(query)
+            snaps, total = call(lambda b: _list_entities(b, route.list_of, skip, top))
+            render = r.queue if route.list_of == QUEUE else r.topic
+            entries = [r.entry(s.spec.name, s.spec.name, s.created_at, render(s), root=False) for s in snaps]
+            title = "Queues" if route.list_of == QUEUE else "Topics"
+            return 200, _xml(r.feed(f"$Resources/{title.lower()}", title, entries, skip, top,
+                                    skip + top < total)), _CT_FEED
+        if kind == "subscriptions":
+            if method == "GET":
+                skip, top = _paging(query)
+                result = call(lambda b: _list_subscriptions(b, route.topic, route.path, skip, top))
+                if isinstance(result, _Snapshot):  # "<name>/subscriptions" was itself a queue or topic
+                    return self._entity_response(r, route.path, result, 200)
+                snaps, total = result
+                entries = [r.entry(s.spec.path, s.spec.name, s.created_at, r.subscription(s), root=False)
+                           for s in snaps]
+                return 200, _xml(r.feed(route.path, "Subscriptions", entries, skip, top,
+                                        skip + top < total)), _CT_FEED
+            route = _Route("entity", route.path)
+            kind = "entity"
+        if kind == "entity":
+            return self._entity(method, route.path, body, r)
+        if kind == "subscription":
+            return self._subscription(method, route, body, r)
+        if kind == "rules":
+            self._only(method, "GET")
+            skip, top = _paging(query)
+            rules, created = call(lambda b: _list_rules(b, route))
+            page = rules[skip: skip + top]
+            entries = [r.entry(f"{route.path}/rules/{rule.name}", rule.name, created, r.rule(rule, created),
+                               root=False) for rule in page]
+            return 200, _xml(r.feed(f"{route.path}/rules", "Rules", entries, skip, top,
+                                    skip + top < len(rules))), _CT_FEED
+        return self._rule(method, route, body, r)
+
+    @staticmethod
+    def _only(method: str, *allowed: str) -> None:
+        if method not in allowed:
+            raise _HttpError(405, f"{method} is not supported here (use {', '.join(allowed)})")
+
+    def _entity_response(self, r: _Renderer, path: str, snap: _Snapshot, status: int) -> tuple[int, bytes, str]:
+        desc = r.queue(snap) if snap.spec.kind == QUEUE else r.topic(snap)
+        return status, _xml(r.entry(path, path, snap.created_at, desc)), _CT_ENTRY
+
+    def _entity(self, method: str, path: str, body: bytes, r: _Renderer) -> tuple[int, bytes, str | None]:
+        call = self.server.admin._broker_call
+        if method == "GET":
+            def get(b: Broker) -> _Snapshot:
+                spec = _find_entity(b, path)
+                if spec is None:
+                    raise _not_found(path)
+                return _snapshot(b, spec, path)
+
+            return self._entity_response(r, path, call(get), 200)
+        if method == "DELETE":
+            def delete(b: Broker) -> None:
+                spec = _find_entity(b, path)
+                if spec is None:
+                    raise _not_found(path)
+                b.delete_entity(spec.kind, path)
+
+            call(delete)
+            return 200, b"", None
+        self._only(method, "GET", "PUT", "DELETE")
+        desc = parse_body(body)
+        kind = _DESCRIPTION_KIND.get(_local(desc.tag))
+        if kind not in (QUEUE, TOPIC):
+            raise _HttpError(400, f"expected a QueueDescription or TopicDescription for {path!r}, "
+                                  f"got <{_local(desc.tag)}>")
+        changes = description_changes(desc, kind)
+        update = bool(self.headers.get("If-Match"))
+        cls = QueueSpec if kind == QUEUE else TopicSpec
+
+        def put(b: Broker) -> _Snapshot:
+            existing = _find_entity(b, path)
+            if update:
+                if existing is None:
+                    raise _not_found(path)
+                if existing.kind != kind:
+                    raise BrokerError(Cond.INVALID, f"{path!r} is a {existing.kind}, not a {kind}")
+                spec = dataclasses.replace(existing, **changes)
+                model.validate(spec)
+                b.update_entity(spec)
+            else:
+                if existing is not None:
+                    raise BrokerError(Cond.ALREADY_EXISTS, f"the messaging entity {path!r} already exists "
+                                                           f"(as a {existing.kind})")
+                spec = cls(name=path, **changes)
+                model.validate(spec)
+                b.create_entity(spec)
+            return _snapshot(b, b.get_entity(kind, path), path)
+
+        return self._entity_response(r, path, call(put), 200 if update else 201)
+
+    def _subscription(self, method: str, route: _Route, body: bytes, r: _Renderer) -> tuple[int, bytes, str | None]:
+        call = self.server.admin._broker_call
+        path = route.path
+
+        def render(snap: _Snapshot, status: int) -> tuple[int, bytes, str]:
+            return status, _xml(r.entry(path, route.subscription, snap.created_at, r.subscription(snap))), _CT_ENTRY
+
+        if method == "GET":
+            return render(call(lambda b: _snapshot(b, b.get_entity(SUBSCRIPTION, path), path)), 200)
+        if method == "DELETE":
+            call(lambda b: b.delete_entity(SUBSCRIPTION, path))
+            return 200, b"", None
+        self._only(method, "GET", "PUT", "DELETE")
+        desc = parse_body(body)
+        if _local(desc.tag) != "SubscriptionDescription":
+            raise _HttpError(400, f"expected a SubscriptionDescription for {path!r}, got <{_local(desc.tag)}>")
+        changes = description_changes(desc, SUBSCRIPTION)
+        update = bool(self.headers.get("If-Match"))
+        parts = _children(desc)
+        default_rule = parts.get("DefaultRuleDescription", parts.get("RuleDescription"))
+        if default_rule is not None and not update:
+            name_el = _children(default_rule).get("Name")
+            rule_name = (name_el.text or "").strip() if name_el is not None else ""
+            changes["rules"] = [parse_rule(default_rule, rule_name or "$Default", check_tag=False)]
+
+        def put(b: Broker) -> _Snapshot:
+            if update:
+                spec = dataclasses.replace(b.get_entity(SUBSCRIPTION, path), **changes)
+                model.validate(spec)
+                b.update_entity(spec)
+            else:
+                spec = SubscriptionSpec(topic=route.topic, name=route.subscription, **changes)
+                model.validate(spec)
+                b.create_entity(spec)
+            return _snapshot(b, b.get_entity(SUBSCRIPTION, path), path)
+
+        return render(call(put), 200 if update else 201)
+
+    def _rule(self, method: str, route: _Route, body: bytes, r: _Renderer) -> tuple[int, bytes, str | None]:
+        call = self.server.admin._broker_call
+        entry_path = f"{route.path}/rules/{route.rule}"
+
+        def render(rule: RuleSpec, created: float, status: int) -> tuple[int, bytes, str]:
+            return status, _xml(r.entry(entry_path, rule.name, created, r.rule(rule, created))), _CT_ENTRY
+
+        if method == "GET":
+            def get(b: Broker) -> tuple[RuleSpec, float]:
+                rules, created = _list_rules(b, route)
+                for rule in rules:
+                    if rule.name == route.rule:
+                        return rule, created
+                raise BrokerError(Cond.NOT_FOUND, f"rule {route.rule!r} of {route.path!r} could not be found")
+
+            rule, created = call(get)
+            return render(rule, created, 200)
+        if method == "DELETE":
+            call(lambda b: b.delete_rule(route.topic, route.subscription, route.rule))
+            return 200, b"", None
+        self._only(method, "GET", "PUT", "DELETE")
+        rule = parse_rule(parse_body(body), route.rule)
+        model.validate_rule(f"subscription {route.path!r}", rule)
+        update = bool(self.headers.get("If-Match"))
+
+        def put(b: Broker) -> float:
+            if update:
+                b.update_rule(route.topic, route.subscription, rule)
+            else:
+                b.create_rule(route.topic, route.subscription, rule)
+            return b.entity_created_at(route.path)
+
+        created = call(put)
+        return render(rule, created, 200 if update else 201)
+
+
+_BROKER_STATUS = {
+    Cond.NOT_FOUND: 404,
+    Cond.ALREADY_EXISTS: 409,
+    Cond.UNAUTHORIZED: 401,
+    Cond.BUSY: 503,
+    Cond.QUOTA: 403,
+    Cond.INTERNAL: 500,
+}
+
+
+def _paging(query: dict[str, list[str]]) -> tuple[int, int]:
+    def one(name: str, default: int) -> int:
+        values = query.get(name)
+        if not values or not values[0]:
+            return default
+        try:
+            value = int(values[0])
+        except ValueError:
+            raise _HttpError(400, f"{name}: expected a non-negative integer, got {values[0]!r}") from None
+        if value < 0:
+            raise _HttpError(400, f"{name}: expected a non-negative integer, got {values[0]!r}")
+        return value
+
+    return one("$skip", 0), max(1, one("$top", 100))
+
+
+def _list_entities(broker: Broker, kind: str, skip: int, top: int) -> tuple[list[_Snapshot], int]:
+    specs = broker.list_entities(kind)
+    return [_snapshot(broker, s, s.name) for s in specs[skip: skip + top]], len(specs)
+
+
+def _list_subscriptions(
+    broker: Broker, topic: str, full_path: str, skip: int, top: int
+) -> tuple[list[_Snapshot], int] | _Snapshot:
+    try:
+        broker.get_entity(TOPIC, topic)
+    except BrokerError as err:
+        if err.condition != Cond.NOT_FOUND:
+            raise
+        spec = _find_entity(broker, full_path)
+        if spec is not None:
+            return _snapshot(broker, spec, full_path)
+        raise BrokerError(Cond.NOT_FOUND, f"the topic {topic!r} could not be found") from None
+    specs = broker.list_entities(SUBSCRIPTION, topic=topic)
+    return [_snapshot(broker, s, s.path) for s in specs[skip: skip + top]], len(specs)
+
+
+def _list_rules(broker: Broker, route: _Route) -> tuple[list[RuleSpec], float]:
+    rules = broker.list_rules(route.topic, route.subscription)
+    return list(rules), broker.entity_created_at(route.path)
+
+
+def _token_namespace(token: str) -> str:
+    """The host (and port) of the token's ``sr`` (``https://localhost:5672`` -> ``localhost:5672``)."""
+    prefix = "SharedAccessSignature "
+    if not token.startswith(prefix):
+        return ""
+    for part in token[len(prefix):].split("&"):
+        name, _, value = part.partition("=")
+        if name.strip() == "sr":
+            resource = urllib.parse.unquote_plus(value)
+            if "://" in resource:
+                resource = resource.split("://", 1)[1]
+            return resource.split("/", 1)[0].lower()
+    return ""

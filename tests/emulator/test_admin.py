@@ -1,0 +1,674 @@
+"""The real ServiceBusAdministrationClient, built by spark_sb.admin.admin_client, against the emulator's
+admin HTTP API (AdminServer) over a real Broker."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from azure.core.exceptions import (
+    AzureError,
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.core.pipeline.transport import RequestsTransport
+from azure.servicebus.management import (
+    CorrelationRuleFilter,
+    FalseRuleFilter,
+    SqlRuleFilter,
+    TrueRuleFilter,
+)
+
+from spark_sb import admin
+from spark_sb.admin import EmulatorAdminTransport, admin_client, emulator_admin_endpoint
+from spark_sb.emulator import sas, store
+from spark_sb.emulator.admin_http import AdminServer, format_duration, parse_duration
+from spark_sb.emulator.broker import Broker, Incoming
+from spark_sb.emulator.model import MAX_TTL_SECONDS, QueueSpec
+
+KEY_NAME = "RootManageSharedAccessKey"
+KEY = "SAS_KEY_VALUE"
+CONN = f"Endpoint=sb://localhost:5672;SharedAccessKeyName={KEY_NAME};SharedAccessKey={KEY};UseDevelopmentEmulator=true"
+MAX_DAYS = 10675199
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+class Namespace:
+    """A broker on a one-thread executor (standing in for the reactor) and its admin server."""
+
+    def __init__(self, make_store: Any) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=1)
+        self.faults: dict[str | None, str] = {}
+        self.controls: list[tuple[str, str, dict]] = []
+        self.broker = self.call(lambda: Broker(make_store()))
+        self.server = AdminServer(
+            "127.0.0.1", 0, broker=self.broker, call=self.call, keys={KEY_NAME: KEY},
+            fault=self.faults.get, control=self.control,
+        )
+        self.server.start()
+        self.endpoint = f"http://127.0.0.1:{self.server.port}"
+
+    def call(self, fn: Any) -> Any:
+        return self.executor.submit(fn).result()
+
+    def control(self, method: str, path: str, body: dict) -> tuple[int, dict]:
+        self.controls.append((method, path, body))
+        return 200, {"method": method, "path": path, "body": body}
+
+    def client(self, conn: str = CONN, **kwargs: Any) -> Any:
+        kwargs.setdefault("retry_total", 0)
+        return admin_client(conn, admin_endpoint=self.endpoint, **kwargs)
+
+    def send(self, path: str, count: int) -> list[int]:
+        msgs = [Incoming(raw=b"hello-%d" % i, message_id=f"m{i}") for i in range(count)]
+        return self.call(lambda: self.broker.send(path, msgs))
+
+    def close(self) -> None:
+        self.server.stop()
+        self.call(self.broker.close)
+        self.executor.shutdown(wait=True)
+
+
+@pytest.fixture
+def ns() -> Any:
+    namespace = Namespace(store.MemoryStore)
+    yield namespace
+    namespace.close()
+
+
+@pytest.fixture
+def client(ns: Namespace) -> Any:
+    c = ns.client()
+    yield c
+    c.close()
+
+
+def raw_request(ns: Namespace, method: str, path: str, body: bytes | None = None,
+                headers: dict[str, str] | None = None, token: str | None = "default") -> tuple[int, bytes]:
+    """One HTTP request without the SDK; returns (status, body)."""
+    hdrs = dict(headers or {})
+    if token == "default":
+        token = sas.make_token("https://localhost:5672", KEY_NAME, KEY)
+    if token is not None:
+        hdrs["Authorization"] = token
+    req = urllib.request.Request(ns.endpoint + path, data=body, method=method, headers=hdrs)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+# --------------------------------------------------------------------------- queues
+
+
+def test_create_queue_round_trips_every_property(ns: Namespace, client: Any) -> None:
+    ns.call(lambda: ns.broker.create_entity(QueueSpec(name="target")))
+    created = client.create_queue(
+        "orders",
+        lock_duration=timedelta(seconds=45),
+        max_delivery_count=7,
+        default_message_time_to_live=timedelta(hours=2),
+        dead_lettering_on_message_expiration=True,
+        requires_session=True,
+        requires_duplicate_detection=True,
+        duplicate_detection_history_time_window=timedelta(minutes=3),
+        max_size_in_megabytes=2048,
+        auto_delete_on_idle=timedelta(hours=6),
+        forward_dead_lettered_messages_to="target",
+        status="Disabled",
+    )
+    for props in (created, client.get_queue("orders")):
+        assert props.name == "orders"
+        assert props.lock_duration == timedelta(seconds=45)
+        assert props.max_delivery_count == 7
+        assert props.default_message_time_to_live == timedelta(hours=2)
+        assert props.dead_lettering_on_message_expiration is True
+        assert props.requires_session is True
+        assert props.requires_duplicate_detection is True
+        assert props.duplicate_detection_history_time_window == timedelta(minutes=3)
+        assert props.max_size_in_megabytes == 2048
+        assert props.auto_delete_on_idle == timedelta(hours=6)
+        assert props.forward_dead_lettered_messages_to.endswith("/target")
+        assert props.status == "Disabled"
+    spec = ns.call(lambda: ns.broker.get_entity("queue", "orders"))
+    assert spec == QueueSpec(
+        name="orders", lock_duration=45.0, max_delivery_count=7, default_message_time_to_live=7200.0,
+        dead_lettering_on_message_expiration=True, requires_session=True, requires_duplicate_detection=True,
+        duplicate_detection_history_time_window=180.0, max_size_in_megabytes=2048, status="Disabled",
+        auto_delete_on_idle=21600.0, forward_dead_lettered_messages_to="target",
+    )
+
+
+def test_queue_defaults_and_max_timespan(ns: Namespace, client: Any) -> None:
+    client.create_queue("plain")
+    props = client.get_queue("plain")
+    assert props.lock_duration == timedelta(minutes=1)
+    assert props.max_delivery_count == 10
+    assert props.default_message_time_to_live.days == MAX_DAYS  # TimeSpan.MaxValue
+    assert props.auto_delete_on_idle.days == MAX_DAYS
+    assert props.duplicate_detection_history_time_window == timedelta(minutes=10)
+    assert props.status == "Active"
+    assert props.requires_session is False
+    spec = ns.call(lambda: ns.broker.get_entity("queue", "plain"))
+    assert spec.default_message_time_to_live is None and spec.auto_delete_on_idle is None
+
+
+def test_update_queue_changes_description_and_keeps_messages(ns: Namespace, client: Any) -> None:
+    client.create_queue("orders")
+    ns.send("orders", 2)
+    props = client.get_queue("orders")
+    props.max_delivery_count = 3
+    props.lock_duration = timedelta(seconds=20)
+    props.default_message_time_to_live = timedelta(minutes=30)
+    client.update_queue(props)
+    after = client.get_queue("orders")
+    assert after.max_delivery_count == 3
+    assert after.lock_duration == timedelta(seconds=20)
+    assert after.default_message_time_to_live == timedelta(minutes=30)
+    assert client.get_queue_runtime_properties("orders").active_message_count == 2
+    # keyword overrides and a max TTL sent back by the SDK (P10675199DT2H48M5.47758S) both work
+    client.update_queue(after, default_message_time_to_live=timedelta(days=MAX_DAYS, seconds=10085.47758))
+    assert ns.call(lambda: ns.broker.get_entity("queue", "orders")).default_message_time_to_live is None
+
+
+def test_update_of_a_missing_queue_is_not_found(ns: Namespace, client: Any) -> None:
+    props = client.create_queue("gone")
+    client.delete_queue("gone")
+    with pytest.raises(ResourceNotFoundError):
+        client.update_queue(props)
+
+
+def test_create_existing_queue_raises_resource_exists(client: Any) -> None:
+    client.create_queue("orders")
+    with pytest.raises(ResourceExistsError):
+        client.create_queue("orders")
+    with pytest.raises(ResourceExistsError):
+        client.create_topic("orders")  # one namespace of names for queues and topics
+
+
+def test_missing_entities_raise_resource_not_found(client: Any) -> None:
+    client.create_topic("events")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_queue("nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_queue_runtime_properties("nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_topic("nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_topic_runtime_properties("nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_subscription("events", "nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_subscription("nope", "nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.delete_queue("nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.delete_topic("nope")
+    with pytest.raises(ResourceNotFoundError):
+        client.create_subscription("nope", "sub")
+    with pytest.raises(ResourceNotFoundError):
+        list(client.list_subscriptions("nope"))
+
+
+def test_delete_queue(ns: Namespace, client: Any) -> None:
+    client.create_queue("orders")
+    ns.send("orders", 1)
+    client.delete_queue("orders")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_queue("orders")
+    assert [q.name for q in client.list_queues()] == []
+
+
+def test_list_queues_pages_through_everything(ns: Namespace, client: Any) -> None:
+    names = [f"q{i}" for i in range(5)]
+    for name in reversed(names):
+        client.create_queue(name)
+    ns.send("q3", 2)
+    assert [q.name for q in client.list_queues(max_page_size=2)] == names
+    runtime = {q.name: q.active_message_count for q in client.list_queues_runtime_properties(max_page_size=3)}
+    assert runtime == {"q0": 0, "q1": 0, "q2": 0, "q3": 2, "q4": 0}
+
+
+def test_queue_name_with_slashes(client: Any) -> None:
+    name = "contoso/x-servicebus-transfer/3"
+    client.create_queue(name, max_delivery_count=4)
+    assert client.get_queue(name).max_delivery_count == 4
+    assert [q.name for q in client.list_queues()] == [name]
+    client.delete_queue(name)
+    with pytest.raises(ResourceNotFoundError):
+        client.get_queue(name)
+
+
+def test_runtime_counts_after_send(ns: Namespace, client: Any) -> None:
+    client.create_queue("orders")
+    ns.send("orders", 3)
+    rt = client.get_queue_runtime_properties("orders")
+    assert rt.name == "orders"
+    assert rt.active_message_count == 3
+    assert rt.total_message_count == 3
+    assert rt.dead_letter_message_count == 0
+    assert rt.scheduled_message_count == 0
+    assert rt.size_in_bytes >= 0
+    assert rt.created_at_utc is not None
+
+
+def test_invalid_description_is_400_naming_the_field(client: Any) -> None:
+    with pytest.raises(HttpResponseError) as info:
+        client.create_queue("bad", lock_duration=timedelta(seconds=1))
+    assert info.value.status_code == 400
+    assert "lock_duration" in str(info.value)
+    with pytest.raises(HttpResponseError) as info:
+        client.create_queue("bad2", max_delivery_count=0)
+    assert info.value.status_code == 400
+    assert "max_delivery_count" in str(info.value)
+
+
+def test_malformed_xml_is_400_and_the_server_keeps_serving(ns: Namespace, client: Any) -> None:
+    status, body = raw_request(ns, "PUT", "/broken?api-version=2021-05", b"<entry><content>not closed")
+    assert status == 400
+    assert b"<Code>400</Code>" in body
+    status, body = raw_request(ns, "PUT", "/broken?api-version=2021-05", b"\x00\xff garbage")
+    assert status == 400
+    bad_value = (b'<entry xmlns="http://www.w3.org/2005/Atom"><content type="application/xml">'
+                 b'<QueueDescription xmlns="http://schemas.microsoft.com/netservices/2010/10/servicebus/connect">'
+                 b"<MaxDeliveryCount>many</MaxDeliveryCount></QueueDescription></content></entry>")
+    status, body = raw_request(ns, "PUT", "/broken", bad_value)
+    assert status == 400
+    assert b"MaxDeliveryCount" in body and b"many" in body
+    status, _ = raw_request(ns, "PUT", "/broken", b"")
+    assert status == 400
+    client.create_queue("fine")
+    assert client.get_queue("fine").name == "fine"
+
+
+# --------------------------------------------------------------------------- topics, subscriptions, rules
+
+
+def test_topics(ns: Namespace, client: Any) -> None:
+    created = client.create_topic(
+        "events",
+        default_message_time_to_live=timedelta(hours=1),
+        requires_duplicate_detection=True,
+        duplicate_detection_history_time_window=timedelta(minutes=5),
+        max_size_in_megabytes=2048,
+    )
+    assert created.requires_duplicate_detection is True
+    props = client.get_topic("events")
+    assert props.default_message_time_to_live == timedelta(hours=1)
+    assert props.duplicate_detection_history_time_window == timedelta(minutes=5)
+    assert props.max_size_in_megabytes == 2048
+    props.default_message_time_to_live = timedelta(minutes=10)
+    client.update_topic(props)
+    assert client.get_topic("events").default_message_time_to_live == timedelta(minutes=10)
+    client.create_topic("alerts")
+    assert [t.name for t in client.list_topics()] == ["alerts", "events"]
+    client.create_subscription("events", "a")
+    client.create_subscription("events", "b")
+    assert client.get_topic_runtime_properties("events").subscription_count == 2
+    assert {t.name: t.subscription_count for t in client.list_topics_runtime_properties()} == {
+        "alerts": 0, "events": 2}
+    client.delete_topic("events")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_subscription("events", "a")
+    assert [t.name for t in client.list_topics()] == ["alerts"]
+
+
+def test_subscriptions(ns: Namespace, client: Any) -> None:
+    client.create_topic("events")
+    sub = client.create_subscription(
+        "events", "all",
+        lock_duration=timedelta(seconds=30),
+        max_delivery_count=5,
+        default_message_time_to_live=timedelta(hours=1),
+        dead_lettering_on_message_expiration=True,
+        requires_session=False,
+    )
+    assert sub.name == "all" and sub.lock_duration == timedelta(seconds=30)
+    got = client.get_subscription("events", "all")
+    assert got.max_delivery_count == 5
+    assert got.default_message_time_to_live == timedelta(hours=1)
+    assert got.dead_lettering_on_message_expiration is True
+    with pytest.raises(ResourceExistsError):
+        client.create_subscription("events", "all")
+    client.create_rule("events", "all", "eu", filter=CorrelationRuleFilter(properties={"region": "eu"}))
+    got.max_delivery_count = 8
+    client.update_subscription("events", got)
+    assert client.get_subscription("events", "all").max_delivery_count == 8
+    assert [r.name for r in client.list_rules("events", "all")] == ["$Default", "eu"]  # rules survive updates
+    client.create_subscription("events", "other")
+    assert [s.name for s in client.list_subscriptions("events")] == ["all", "other"]
+    ns.send("events", 2)
+    rt = client.get_subscription_runtime_properties("events", "other")
+    assert rt.active_message_count == 2 and rt.total_message_count == 2
+    assert {s.name: s.active_message_count
+            for s in client.list_subscriptions_runtime_properties("events")} == {"all": 2, "other": 2}
+    client.delete_subscription("events", "other")
+    with pytest.raises(ResourceNotFoundError):
+        client.get_subscription("events", "other")
+    assert [s.name for s in client.list_subscriptions("events")] == ["all"]
+
+
+def test_rules(ns: Namespace, client: Any) -> None:
+    client.create_topic("events")
+    client.create_subscription("events", "s")
+    default = client.get_rule("events", "s", "$Default")
+    assert isinstance(default.filter, TrueRuleFilter)
+
+    corr = CorrelationRuleFilter(
+        correlation_id="c1", message_id="m1", to="to1", reply_to="rt1", label="subj", session_id="s1",
+        reply_to_session_id="rs1", content_type="application/json",
+        properties={"region": "eu", "priority": 2, "big": 2**40, "urgent": True, "ratio": 0.5},
+    )
+    created = client.create_rule("events", "s", "corr", filter=corr)
+    for rule in (created, client.get_rule("events", "s", "corr")):
+        f = rule.filter
+        assert isinstance(f, CorrelationRuleFilter)
+        assert (f.correlation_id, f.message_id, f.to, f.reply_to, f.label, f.session_id,
+                f.reply_to_session_id, f.content_type) == (
+            "c1", "m1", "to1", "rt1", "subj", "s1", "rs1", "application/json")
+        assert dict(f.properties) == {"region": "eu", "priority": 2, "big": 2**40, "urgent": True, "ratio": 0.5}
+
+    client.create_rule("events", "s", "sql", filter=SqlRuleFilter("region = 'eu'"))
+    client.create_rule("events", "s", "never", filter=FalseRuleFilter())
+    with pytest.raises(ResourceExistsError):
+        client.create_rule("events", "s", "sql", filter=SqlRuleFilter("region = 'us'"))
+    rules = {r.name: r for r in client.list_rules("events", "s")}
+    assert set(rules) == {"$Default", "corr", "sql", "never"}
+    assert isinstance(rules["sql"].filter, SqlRuleFilter) and rules["sql"].filter.sql_expression == "region = 'eu'"
+    assert isinstance(rules["never"].filter, FalseRuleFilter)
+    assert dict(rules["corr"].filter.properties)["priority"] == 2
+
+    stored = {r.name: r.filter for r in ns.call(lambda: ns.broker.list_rules("events", "s"))}
+    assert stored["$Default"] == {"type": "true"}
+    assert stored["never"] == {"type": "false"}
+    assert stored["sql"] == {"type": "sql", "expression": "region = 'eu'"}
+    assert stored["corr"] == {
+        "type": "correlation", "correlation_id": "c1", "message_id": "m1", "to": "to1", "reply_to": "rt1",
+        "subject": "subj", "session_id": "s1", "reply_to_session_id": "rs1", "content_type": "application/json",
+        "properties": {"region": "eu", "priority": 2, "big": 2**40, "urgent": True, "ratio": 0.5},
+    }
+
+    sql_rule = rules["sql"]
+    sql_rule.filter = SqlRuleFilter("region = 'us'")
+    client.update_rule("events", "s", sql_rule)
+    assert client.get_rule("events", "s", "sql").filter.sql_expression == "region = 'us'"
+
+    client.delete_rule("events", "s", "$Default")
+    client.delete_rule("events", "s", "never")
+    assert sorted(r.name for r in client.list_rules("events", "s")) == ["corr", "sql"]
+    with pytest.raises(ResourceNotFoundError):
+        client.get_rule("events", "s", "never")
+    with pytest.raises(ResourceNotFoundError):
+        client.delete_rule("events", "s", "never")
+
+
+def test_namespace_properties(client: Any) -> None:
+    props = client.get_namespace_properties()
+    assert props.name == "localhost"
+    assert props.messaging_sku == "Standard"
+    assert props.created_at_utc is not None
+
+
+def test_description_survives_a_restart_on_sqlite(tmp_path: Any) -> None:
+    db = tmp_path / "ns.db"
+    first = Namespace(lambda: store.SqliteStore(db))
+    try:
+        c = first.client()
+        c.create_queue("durable", max_delivery_count=3, lock_duration=timedelta(seconds=15))
+        c.create_topic("events")
+        c.create_subscription("events", "s")
+        c.create_rule("events", "s", "eu", filter=CorrelationRuleFilter(properties={"region": "eu"}))
+        first.send("durable", 1)
+        c.close()
+    finally:
+        first.close()
+    second = Namespace(lambda: store.SqliteStore(db))
+    try:
+        c = second.client()
+        props = c.get_queue("durable")
+        assert (props.max_delivery_count, props.lock_duration) == (3, timedelta(seconds=15))
+        assert c.get_queue_runtime_properties("durable").active_message_count == 1
+        assert dict(c.get_rule("events", "s", "eu").filter.properties) == {"region": "eu"}
+        c.close()
+    finally:
+        second.close()
+
+
+# --------------------------------------------------------------------------- authentication and secrets
+
+
+def test_wrong_key_is_client_authentication_error(ns: Namespace) -> None:
+    bad = CONN.replace(KEY, "NOT_THE_KEY")
+    with ns.client(bad) as c, pytest.raises(ClientAuthenticationError) as info:
+        c.get_queue("orders")
+    assert KEY not in str(info.value) and "NOT_THE_KEY" not in str(info.value)
+    body = info.value.response.text()
+    assert "<Code>401</Code>" in body
+    assert "sig=" not in body and "NOT_THE_KEY" not in body
+
+
+def test_unknown_key_name_is_rejected(ns: Namespace) -> None:
+    bad = CONN.replace(f"SharedAccessKeyName={KEY_NAME}", "SharedAccessKeyName=Other")
+    with ns.client(bad) as c, pytest.raises(ClientAuthenticationError):
+        list(c.list_queues())
+
+
+def test_expired_token_rejected_and_fresh_token_accepted(ns: Namespace) -> None:
+    expired = sas.make_token("https://localhost:5672", KEY_NAME, KEY, ttl=-60)
+    conn = f"Endpoint=sb://localhost:5672;SharedAccessSignature={expired};UseDevelopmentEmulator=true"
+    with ns.client(conn) as c, pytest.raises(ClientAuthenticationError):
+        c.get_namespace_properties()
+    status, body = raw_request(ns, "GET", "/$namespaceinfo", token=expired)
+    assert status == 401 and b"expired" in body
+    fresh = sas.make_token("https://localhost:5672", KEY_NAME, KEY, ttl=600)
+    conn = f"Endpoint=sb://localhost:5672;SharedAccessSignature={fresh};UseDevelopmentEmulator=true"
+    with ns.client(conn) as c:  # the SDK sends it as "Bearer SharedAccessSignature ..."
+        c.create_queue("with-sas-token")
+        assert c.get_queue("with-sas-token").name == "with-sas-token"
+
+
+def test_missing_or_entity_scoped_tokens(ns: Namespace, client: Any) -> None:
+    client.create_queue("mine")
+    client.create_queue("theirs")
+    status, body = raw_request(ns, "GET", "/mine", token=None)
+    assert status == 401 and b"<Code>401</Code>" in body
+    scoped = sas.make_token("sb://localhost:5672/mine", KEY_NAME, KEY)
+    assert raw_request(ns, "GET", "/mine", token=scoped)[0] == 200
+    assert raw_request(ns, "GET", "/theirs", token=scoped)[0] == 401
+    assert raw_request(ns, "GET", "/$Resources/queues", token=scoped)[0] == 401
+
+
+def test_secrets_never_in_repr_str_or_logs(ns: Namespace, caplog: Any) -> None:
+    caplog.set_level(logging.DEBUG)
+    with ns.client() as c:
+        c.create_queue("q")
+        things = [c, c._pipeline._transport, c._credential, ns.server]
+        for thing in things:
+            assert KEY not in repr(thing) and KEY not in str(thing)
+    bad = CONN.replace(KEY, "ANOTHER_SECRET")
+    with ns.client(bad) as c, pytest.raises(ClientAuthenticationError) as info:
+        c.get_queue("q")
+    assert "ANOTHER_SECRET" not in str(info.value) and "ANOTHER_SECRET" not in repr(info.value)
+    with pytest.raises(ValueError) as bad_endpoint:
+        admin_client(CONN, admin_endpoint="ftp://nowhere/x")
+    assert KEY not in str(bad_endpoint.value)
+    assert KEY not in caplog.text and "ANOTHER_SECRET" not in caplog.text
+    assert "sig=" not in caplog.text
+
+
+# --------------------------------------------------------------------------- faults and controls
+
+
+def test_busy_fault_is_503(ns: Namespace, client: Any) -> None:
+    client.create_queue("orders")
+    ns.faults[None] = "busy"
+    with pytest.raises(HttpResponseError) as info:
+        client.get_queue("orders")
+    assert info.value.status_code == 503
+    assert "busy" in str(info.value).lower()
+    del ns.faults[None]
+    assert client.get_queue("orders").name == "orders"
+
+
+def test_unauthorized_fault_is_401(ns: Namespace, client: Any) -> None:
+    ns.faults[None] = "unauthorized"
+    with pytest.raises(ClientAuthenticationError):
+        client.create_queue("orders")
+    ns.faults.clear()
+    client.create_queue("orders")
+
+
+def test_notfound_fault_hides_one_entity(ns: Namespace, client: Any) -> None:
+    client.create_queue("orders")
+    client.create_queue("other")
+    ns.faults["orders"] = "notfound"
+    with pytest.raises(ResourceNotFoundError):
+        client.get_queue("orders")
+    with pytest.raises(ResourceNotFoundError):
+        client.delete_queue("orders")
+    assert client.get_queue("other").name == "other"
+    assert [q.name for q in client.list_queues()] == ["orders", "other"]
+    del ns.faults["orders"]
+    assert client.get_queue("orders").name == "orders"
+
+
+def test_disabled_and_quota_faults_do_not_affect_admin(ns: Namespace, client: Any) -> None:
+    ns.faults[None] = "disabled"
+    client.create_queue("orders")
+    ns.faults[None] = "quota"
+    assert client.get_queue("orders").name == "orders"
+
+
+def test_down_fault_closes_the_connection(ns: Namespace, client: Any) -> None:
+    ns.faults[None] = "down"
+    with pytest.raises((ServiceRequestError, ServiceResponseError)):
+        client.get_namespace_properties()
+    ns.faults.clear()
+    assert client.get_namespace_properties().name == "localhost"
+
+
+def test_timeout_fault_holds_without_blocking_others(ns: Namespace, client: Any) -> None:
+    client.create_queue("slow")
+    client.create_queue("fast")
+    ns.faults["slow"] = "timeout"
+    started = time.monotonic()
+    with pytest.raises(ServiceResponseError):
+        client.get_queue("slow", read_timeout=1)
+    assert time.monotonic() - started < 10
+    assert client.get_queue("fast").name == "fast"
+    # a request still held when the server stops does not delay stop()
+    held = threading.Thread(target=lambda: _swallow(lambda: client.get_queue("slow", read_timeout=30)))
+    held.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    ns.server.stop()
+    assert time.monotonic() - started < 2.5
+    held.join(5)
+    assert not held.is_alive()
+
+
+def _swallow(fn: Any) -> None:
+    try:
+        fn()
+    except AzureError:
+        pass
+
+
+def test_control_requests_need_no_auth_and_return_json(ns: Namespace) -> None:
+    status, body = raw_request(ns, "POST", "/$emulator/fault", b'{"kind": "busy"}',
+                               headers={"Content-Type": "application/json"}, token=None)
+    assert status == 200
+    assert b'"path": "/$emulator/fault"' in body
+    assert ns.controls == [("POST", "/$emulator/fault", {"kind": "busy"})]
+    status, body = raw_request(ns, "GET", "/$emulator/faults", token=None)
+    assert status == 200 and ns.controls[-1] == ("GET", "/$emulator/faults", {})
+    status, body = raw_request(ns, "POST", "/$emulator/fault", b"{not json", token=None)
+    assert status == 400
+
+
+def test_stop_releases_the_port(ns: Namespace, client: Any) -> None:
+    client.create_queue("orders")
+    port = ns.server.port
+    started = time.monotonic()
+    ns.server.stop()
+    assert time.monotonic() - started < 2.5
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    with pytest.raises((ServiceRequestError, ServiceResponseError)):
+        client.get_queue("orders")
+
+
+# --------------------------------------------------------------------------- admin.py without a server
+
+
+def test_real_namespace_keeps_tls_and_the_default_transport(monkeypatch: Any) -> None:
+    conn = "Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=" + KEY
+    seen: list[str] = []
+
+    def fake_send(self: Any, request: Any, **kwargs: Any) -> Any:
+        seen.append(request.url)
+        raise ServiceRequestError("no network in tests")
+
+    monkeypatch.setattr(RequestsTransport, "send", fake_send)
+    with admin_client(conn, retry_total=0) as c:
+        assert type(c._pipeline._transport) is RequestsTransport
+        with pytest.raises(ServiceRequestError):
+            c.get_queue("orders")
+    assert seen and seen[0].startswith("https://contoso.servicebus.windows.net/orders")
+    with pytest.raises(ValueError):
+        admin_client(conn, admin_endpoint="http://localhost:5300")
+    with pytest.raises(ValueError):
+        admin_client(conn + ";AdminEndpoint=http://localhost:5300")
+    with pytest.raises(ValueError):
+        admin_client(fully_qualified_namespace="contoso.servicebus.windows.net", credential=object(),
+                     admin_endpoint="http://localhost:5300")
+
+
+def test_emulator_admin_endpoint_resolution() -> None:
+    assert emulator_admin_endpoint(CONN) == "http://localhost:5300"
+    assert emulator_admin_endpoint(CONN + ";AdminEndpoint=http://127.0.0.1:9999") == "http://127.0.0.1:9999"
+    assert emulator_admin_endpoint(CONN, "127.0.0.1:7000") == "http://127.0.0.1:7000"
+    mixed_case = CONN.replace("UseDevelopmentEmulator=true", "usedevelopmentemulator=TRUE")
+    assert admin.is_emulator(mixed_case)
+    with admin_client(mixed_case) as c:
+        transport = c._pipeline._transport
+        assert isinstance(transport, EmulatorAdminTransport)
+        assert transport.admin_endpoint == "http://localhost:5300"
+        assert transport.rewrite("https://localhost:5672/q?api-version=2024-05") == (
+            "http://localhost:5300/q?api-version=2024-05")
+    with pytest.raises(ValueError):
+        admin_client(CONN, transport=RequestsTransport())
+    with pytest.raises(ValueError):
+        admin_client()
+
+
+def test_emulator_admin_endpoint_from_connection_string(ns: Namespace) -> None:
+    with admin_client(CONN + f";AdminEndpoint={ns.endpoint}", retry_total=0) as c:
+        c.create_queue("via-conn-string")
+        assert c.get_queue("via-conn-string").name == "via-conn-string"
+
+
+@pytest.mark.parametrize(
+    ("seconds", "text"),
+    [(60.0, "PT1M"), (600.0, "PT10M"), (30.5, "PT30.5S"), (86400.0 + 7200, "P1DT2H"), (0.0, "PT0S"),
+     (None, "P10675199DT2H48M5.4775807S"), (MAX_TTL_SECONDS, "P10675199DT2H48M5.4775807S")],
+)
+def test_durations(seconds: float | None, text: str) -> None:
+    assert format_duration(seconds) == text
+    if seconds is not None and seconds < MAX_TTL_SECONDS:
+        assert parse_duration(text, "x") == seconds
