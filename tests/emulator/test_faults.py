@@ -1,0 +1,137 @@
+"""Injected faults and rejected credentials, as the SDK surfaces them."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+from azure.core.credentials import AzureSasCredential
+from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
+from azure.servicebus.exceptions import (
+    MessagingEntityDisabledError,
+    MessagingEntityNotFoundError,
+    OperationTimeoutError,
+    ServiceBusAuthenticationError,
+    ServiceBusAuthorizationError,
+    ServiceBusConnectionError,
+    ServiceBusQuotaExceededError,
+    ServiceBusServerBusyError,
+)
+
+from spark_sb.emulator import fault, heal
+from spark_sb.emulator.sas import make_token
+
+EXPECTED = {
+    "busy": ServiceBusServerBusyError,
+    "disabled": MessagingEntityDisabledError,
+    "notfound": MessagingEntityNotFoundError,
+    "quota": ServiceBusQuotaExceededError,
+    "down": ServiceBusConnectionError,
+    "unauthorized": (ServiceBusAuthenticationError, ServiceBusAuthorizationError),
+}
+
+
+def _send(conn_str: str, queue: str, body: str = "x", timeout: float | None = None) -> None:
+    with ServiceBusClient.from_connection_string(conn_str, retry_total=0) as c:
+        with c.get_queue_sender(queue) as s:
+            s.send_messages(ServiceBusMessage(body), timeout=timeout)
+
+
+def _drain(conn_str: str, queue: str) -> list[str]:
+    with ServiceBusClient.from_connection_string(conn_str, retry_total=0) as c:
+        with c.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as r:
+            return [str(m) for m in r.receive_messages(max_message_count=100, max_wait_time=2)]
+
+
+@pytest.mark.parametrize("kind", sorted(EXPECTED))
+def test_each_namespace_fault_surfaces_as_the_services_exception(emulator, primary, make_queue, kind) -> None:
+    q = make_queue()
+    emulator.fault("primary", kind)
+    with pytest.raises(EXPECTED[kind]):
+        _send(primary.connection_string, q, "during-fault")
+    emulator.heal("primary")
+    _send(primary.connection_string, q, "after-heal")
+    assert _drain(primary.connection_string, q) == ["after-heal"]  # nothing half-stored by the fault
+
+
+def test_timeout_fault_never_answers_and_stores_nothing(emulator, primary, make_queue) -> None:
+    q = make_queue()
+    emulator.fault("primary", "timeout", entity=q)
+    started = time.monotonic()
+    with pytest.raises(OperationTimeoutError):
+        _send(primary.connection_string, q, "unanswered", timeout=2)
+    assert time.monotonic() - started < 20
+    emulator.heal("primary", entity=q)
+    _send(primary.connection_string, q, "answered")
+    assert _drain(primary.connection_string, q) == ["answered"]
+
+
+def test_entity_fault_leaves_other_entities_working(emulator, primary, make_queue) -> None:
+    broken, fine = make_queue(), make_queue()
+    emulator.fault("primary", "busy", entity=broken)
+    with pytest.raises(ServiceBusServerBusyError):
+        _send(primary.connection_string, broken)
+    _send(primary.connection_string, fine, "ok")
+    assert _drain(primary.connection_string, fine) == ["ok"]
+
+
+def test_fault_with_duration_heals_by_itself(emulator, primary, make_queue) -> None:
+    q = make_queue()
+    emulator.fault("primary", "disabled", entity=q, duration=0.5)
+    with pytest.raises(MessagingEntityDisabledError):
+        _send(primary.connection_string, q)
+    time.sleep(0.8)
+    _send(primary.connection_string, q, "healed")
+    assert _drain(primary.connection_string, q) == ["healed"]
+
+
+def test_fault_and_heal_over_the_admin_port_as_the_cli_does(primary, make_queue) -> None:
+    q = make_queue()
+    result = fault(primary.admin_url, "busy", entity=q)
+    assert result["kind"] == "busy"
+    with pytest.raises(ServiceBusServerBusyError):
+        _send(primary.connection_string, q)
+    heal(primary.admin_url, entity=q)
+    _send(primary.connection_string, q, "ok")
+    with pytest.raises(RuntimeError, match="kind must be one of"):
+        fault(primary.admin_url, "meltdown")
+
+
+def test_a_wrong_key_is_rejected(primary, make_queue) -> None:
+    q = make_queue()
+    wrong = primary.connection_string.replace("SAS_KEY_VALUE", "not-the-key")
+    with pytest.raises((ServiceBusAuthenticationError, ServiceBusAuthorizationError)) as info:
+        _send(wrong, q)
+    assert "not-the-key" not in str(info.value)
+    assert _drain(primary.connection_string, q) == []
+
+
+def test_an_expired_token_is_rejected_and_a_valid_one_accepted(primary, make_queue) -> None:
+    q = make_queue()
+    resource = f"sb://localhost:{primary.amqp_port}/{q}"
+    endpoint = f"localhost:{primary.amqp_port}"
+    expired = AzureSasCredential(make_token(resource, primary.key_name, primary.key, ttl=-60))
+    with ServiceBusClient(endpoint, expired, retry_total=0, use_tls=False) as c:
+        with pytest.raises((ServiceBusAuthenticationError, ServiceBusAuthorizationError)):
+            with c.get_queue_sender(q) as s:
+                s.send_messages(ServiceBusMessage("x"))
+    valid = AzureSasCredential(make_token(resource, primary.key_name, primary.key, ttl=600))
+    with ServiceBusClient(endpoint, valid, retry_total=0, use_tls=False) as c:
+        with c.get_queue_sender(q) as s:
+            s.send_messages(ServiceBusMessage("signed"))
+    assert _drain(primary.connection_string, q) == ["signed"]
+
+
+def test_garbage_on_the_socket_does_not_hurt_other_clients(primary, make_queue) -> None:
+    q = make_queue()
+    for junk in (b"GET / HTTP/1.1\r\n\r\n", b"AMQP\x00\x01\x00\x00" + b"\xff" * 64, b"\x00" * 8):
+        with socket.create_connection(("127.0.0.1", primary.amqp_port), timeout=5) as sock:
+            sock.sendall(junk)
+            sock.settimeout(2)
+            try:
+                sock.recv(1024)
+            except (TimeoutError, ConnectionResetError):
+                pass
+    _send(primary.connection_string, q, "still-serving")
+    assert _drain(primary.connection_string, q) == ["still-serving"]

@@ -1,0 +1,130 @@
+"""The emulator as users run it: the CLI, a child process, kill -9 and a restart on the same data."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
+from azure.servicebus.management import QueueProperties
+
+from spark_sb.admin import admin_client
+from spark_sb.emulator import EmulatorProcess, NamespaceOptions
+
+ENTITIES = """
+queues:
+  - name: orders
+    max_delivery_count: 5
+  - name: sessions
+    requires_session: true
+topics:
+  - name: events
+    subscriptions:
+      - name: all
+"""
+
+
+def _cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "spark_sb.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_start_prints_one_connection_string_per_namespace_and_stops_on_sigterm(tmp_path) -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--data-dir", str(tmp_path),
+         "--namespace", "alpha=0:0", "--namespace", "beta=0:0"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        lines = [proc.stdout.readline().strip() for _ in range(2)]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert [line.split(" ", 1)[0] for line in lines] == ["alpha", "beta"]
+    for line in lines:
+        conn = line.split(" ", 1)[1]
+        assert conn.startswith("Endpoint=sb://localhost:")
+        assert "SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=SAS_KEY_VALUE" in conn
+        assert conn.endswith("UseDevelopmentEmulator=true")
+    assert proc.returncode == 0
+
+
+def test_a_bad_entities_file_is_a_clear_cli_error(tmp_path) -> None:
+    bad = tmp_path / "entities.yaml"
+    bad.write_text("queues:\n  - name: orders\n    max_delivery_count: zero\n")
+    result = _cli("emulator", "start", "--data-dir", str(tmp_path), "--namespace", "p=0:0", "--entities", str(bad))
+    assert result.returncode == 2
+    assert "orders" in result.stderr and "max_delivery_count" in result.stderr and "'zero'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_bad_namespace_option_is_a_clear_cli_error(tmp_path) -> None:
+    result = _cli("emulator", "start", "--data-dir", str(tmp_path), "--namespace", "primary:5672")
+    assert result.returncode == 2
+    assert "NAME=AMQP_PORT:ADMIN_PORT" in result.stderr and "'primary:5672'" in result.stderr
+
+
+def test_fault_cli_reaches_a_running_emulator_and_reports_an_unreachable_one(tmp_path) -> None:
+    with EmulatorProcess.start(data_dir=tmp_path, namespaces=[NamespaceOptions("p")]) as emu:
+        out = _cli("emulator", "fault", "--admin", emu["p"].admin_url, "busy", "--entity", "orders", "--duration", "5")
+        assert out.returncode == 0 and "busy on orders for 5 s" in out.stdout
+        out = _cli("emulator", "heal", "--admin", emu["p"].admin_url)
+        assert out.returncode == 0 and "healed all" in out.stdout
+    out = _cli("emulator", "heal", "--admin", "http://127.0.0.1:9")
+    assert out.returncode == 1 and "cannot reach" in out.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_keeps_every_accepted_unsettled_message_and_every_entity(tmp_path) -> None:
+    entities = tmp_path / "entities.yaml"
+    entities.write_text(ENTITIES)
+    emu = EmulatorProcess.start(data_dir=tmp_path / "data", namespaces=[NamespaceOptions("p")], entities=entities)
+    try:
+        info = emu["p"]
+        admin = admin_client(info.connection_string, admin_endpoint=info.admin_url)
+        admin.create_queue("made-at-runtime", lock_duration="PT45S")
+        with ServiceBusClient.from_connection_string(info.connection_string) as c:
+            with c.get_queue_sender("orders") as s:
+                s.send_messages([ServiceBusMessage(f"o{i}", message_id=f"o{i}") for i in range(200)])
+            with c.get_topic_sender("events") as s:
+                s.send_messages(ServiceBusMessage("e", message_id="e"))
+            with c.get_queue_sender("sessions") as s:
+                s.send_messages(ServiceBusMessage("s", message_id="s", session_id="S1"))
+            with c.get_queue_receiver("orders") as r:
+                got = r.receive_messages(max_message_count=30, max_wait_time=2)
+                for m in got[:10]:
+                    r.complete_message(m)
+                r.defer_message(got[10])
+                # the other 19 stay locked, unsettled, when the process dies
+                emu.kill()
+        restarted = emu.restart()
+        info = restarted["p"]
+        admin = admin_client(info.connection_string, admin_endpoint=info.admin_url)
+        names = {q.name for q in admin.list_queues()}
+        assert {"orders", "sessions", "made-at-runtime"} <= names
+        made: QueueProperties = admin.get_queue("made-at-runtime")
+        assert made.lock_duration.total_seconds() == 45
+        assert admin.get_subscription("events", "all") is not None
+        with ServiceBusClient.from_connection_string(info.connection_string) as c:
+            with c.get_queue_receiver("orders", receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as r:
+                back = []
+                deadline = time.monotonic() + 30
+                while len(back) < 189 and time.monotonic() < deadline:
+                    back.extend(r.receive_messages(max_message_count=100, max_wait_time=2))
+            with c.get_queue_receiver("orders") as r:
+                deferred = r.peek_messages(max_message_count=5, sequence_number=1)
+            with c.get_subscription_receiver("events", "all") as r:
+                events = r.receive_messages(max_wait_time=2)
+            with c.get_queue_receiver("sessions", session_id="S1") as r:
+                sessions = r.receive_messages(max_wait_time=2)
+        completed = {m.message_id for m in got[:10]}
+        expected = {f"o{i}" for i in range(200)} - completed - {got[10].message_id}
+        assert {m.message_id for m in back} == expected and len(back) == len(expected)
+        assert [(m.message_id, m.state.name) for m in deferred] == [(got[10].message_id, "DEFERRED")]
+        assert [m.message_id for m in events] == ["e"]
+        assert [m.message_id for m in sessions] == ["s"]
+        restarted.stop()
+    finally:
+        emu.stop()
