@@ -1,0 +1,391 @@
+"""One error hierarchy for spark-sb, and the single place that classifies Service Bus exceptions.
+
+Every error spark-sb raises derives from :class:`SparkSbError`. Like ``azure/servicebus/exceptions.py``,
+each class carries its behaviour as flags (``error_class``, ``retryable``) and the code that handles it
+acts on the flags, never on message text.
+
+:func:`classify` implements the "Error classes" table of ``behaviour.md``: it maps an exception raised by
+azure-servicebus (after the SDK's own retry policy has run) to an :class:`ErrorClass`. No other module
+inspects SDK exception types.
+
+Credential rejected versus connection broken
+--------------------------------------------
+The SDK raises ``ServiceBusAuthenticationError`` for every failure of the claims-based-security (CBS)
+handshake and ``ServiceBusAuthorizationError`` for an ``amqp:unauthorized-access`` condition. Read in the
+SDK (``_transport/_pyamqp_transport.py`` ``_handle_amqp_exception_with_condition``, ``_pyamqp/cbs.py``),
+the causes are:
+
+* a rejected token: the ``$cbs`` node answers ``put-token`` with status 401 (or 403); the SDK raises
+  ``TokenAuthFailure(status_code=401, ...)`` and wraps it as ``ServiceBusAuthenticationError`` with
+  ``inner_exception`` (and ``__context__``) set to it, condition ``amqp:client-error``;
+* a missing claim (e.g. no ``Send`` right): the link attach or the management request fails with
+  ``amqp:unauthorized-access`` -> ``ServiceBusAuthorizationError``, condition ``amqp:unauthorized-access``
+  (management requests also carry status code 401);
+* a credential that cannot produce a token at all (azure-identity raises ``ClientAuthenticationError``):
+  the SDK wraps it as a plain ``ServiceBusError("Handler failed: ...")`` with that ``inner_exception``;
+* a broken CBS exchange: ``TokenAuthFailure`` with status 0 ("Auth message has been rejected") or with an
+  ``amqp:client-error`` status ("CBS authentication link is in broken status"), ``AuthenticationException``
+  "Failed to open CBS authentication link" (``amqp:internal-error``), ``TokenExpired``, or a socket or
+  connection error (``AMQPConnectionError``) anywhere in the chain.
+
+The rule: an exception is a **rejected credential** (configuration) when it, or any exception reachable
+from it through ``inner_exception``, ``__cause__`` or ``__context__``, shows positive evidence of rejection:
+condition ``amqp:unauthorized-access`` or ``com.microsoft:auth-failed``, a status code 401 or 403, or an
+``azure.core.exceptions.ClientAuthenticationError`` (``__context__`` is followed only when not suppressed;
+a status code counts only under an authentication or authorisation error, because a management request
+over quota is also answered 403). An authentication or authorisation error without such
+evidence is an **outage**: the CBS exchange failed for a reason other than the service saying no, which is
+what a dropped connection looks like. A CBS status 404 (the audience's entity does not exist) is
+``CONFIGURATION_NOT_FOUND``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import re
+from collections.abc import Iterator
+
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceNotFoundError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.servicebus.exceptions import (
+    MessageSizeExceededError,
+    MessagingEntityNotFoundError,
+    ServiceBusAuthenticationError,
+    ServiceBusAuthorizationError,
+    ServiceBusError,
+    ServiceBusServerBusyError,
+)
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = [
+    "BacklogUnavailableError",
+    "BadMessageError",
+    "ConfigError",
+    "CredentialRejectedError",
+    "EntityNotFoundError",
+    "ErrorClass",
+    "PairingError",
+    "SparkSbError",
+    "as_spark_sb_error",
+    "classify",
+    "redact",
+]
+
+
+class ErrorClass(enum.Enum):
+    """What a failure means for the paired sender (the "Error classes" table of behaviour.md).
+
+    * ``OUTAGE``: the namespace or entity is unavailable; counts toward failover for that entity.
+    * ``THROTTLED``: the service is busy; wait ``server_busy_backoff`` and retry the primary. Never by
+      itself causes failover.
+    * ``CONFIGURATION_CREDENTIAL``: the service rejected the credential (or it lacks a right); fail at once,
+      no failover.
+    * ``CONFIGURATION_NOT_FOUND``: the entity does not exist; fail at once, no failover (the syphon could
+      never deliver it).
+    * ``BAD_MESSAGE``: this message can never be sent (too large); reject it with an error naming its id.
+    * ``OTHER``: not a Service Bus failure (a bug, misuse of a client, a closed handler): re-raise unchanged,
+      no failover. Not in the table; it keeps programming errors from being mistaken for outages.
+    """
+
+    OUTAGE = "outage"
+    THROTTLED = "throttled"
+    CONFIGURATION_CREDENTIAL = "configuration-credential"
+    CONFIGURATION_NOT_FOUND = "configuration-not-found"
+    BAD_MESSAGE = "bad-message"
+    OTHER = "other"
+
+    @property
+    def counts_toward_failover(self) -> bool:
+        """True only for outages: the failover timer starts or keeps running."""
+        return self is ErrorClass.OUTAGE
+
+    @property
+    def is_configuration(self) -> bool:
+        return self in (ErrorClass.CONFIGURATION_CREDENTIAL, ErrorClass.CONFIGURATION_NOT_FOUND)
+
+    @property
+    def fails_at_once(self) -> bool:
+        """True when the caller must see the error now: configuration problems and non-Service-Bus errors."""
+        return self.is_configuration or self is ErrorClass.OTHER
+
+
+# --- redaction -------------------------------------------------------------------------------------------
+
+_SECRET_NAMES = r"SharedAccessKey|SharedAccessSignature|AccountKey|sig|client_secret|clientSecret|password"
+# Key=value (connection strings, SAS tokens, query strings)
+_SECRET_ASSIGNMENT = re.compile(rf"(?i)\b({_SECRET_NAMES})(\s*=\s*)([^;&\s,'\"]+)")
+# 'key': 'value' (a dict or JSON in a message)
+_SECRET_ITEM = re.compile(rf"(?i)(['\"](?:{_SECRET_NAMES})['\"]\s*:\s*)(['\"])((?:(?!\2).)*)\2")
+_SAS_TOKEN = re.compile(r"(?i)(SharedAccessSignature\s+)(\S+)")
+
+
+def redact(text: str) -> str:
+    """Replace secret values in ``text`` (SAS keys, signatures, client secrets) with ``***``."""
+    text = _SAS_TOKEN.sub(r"\1***", text)
+    text = _SECRET_ITEM.sub(r"\1\2***\2", text)
+    return _SECRET_ASSIGNMENT.sub(r"\1\2***", text)
+
+
+# --- the hierarchy ---------------------------------------------------------------------------------------
+
+
+class SparkSbError(Exception):
+    """Root of every error spark-sb raises.
+
+    :ivar error_class: how :func:`classify` (and so the paired sender) treats this error.
+    :ivar retryable: whether repeating the same call later can succeed without a change of configuration.
+    """
+
+    error_class: ErrorClass = ErrorClass.OTHER
+    retryable: bool = False
+
+
+class ConfigError(SparkSbError, ValueError):
+    """The configuration is wrong. The message names the option path and the bad value (secrets redacted).
+
+    ``str(ConfigError("send_availability.failover_interval", "must be between 0 s and 60 min", "2 h"))`` is
+    ``send_availability.failover_interval: must be between 0 s and 60 min, got 2 h``.
+    """
+
+    _NO_VALUE = object()
+
+    def __init__(self, option: str, problem: str, value: object = _NO_VALUE) -> None:
+        self.option = option
+        self.problem = problem
+        self._value = value
+        self.value = None if value is ConfigError._NO_VALUE else value
+        text = f"{option}: {problem}"
+        if value is not ConfigError._NO_VALUE:
+            text += f", got {value}"
+        super().__init__(redact(text))
+
+    def with_option(self, option: str) -> ConfigError:
+        """The same error naming the option differently (e.g. as the user spelled a Spark option)."""
+        return ConfigError(option, self.problem, self._value)
+
+
+class PairingError(SparkSbError):
+    """Pairing (provisioning the backlog queues on the secondary) failed: zero usable backlog queues, or an
+    authorisation failure while provisioning. Raised when pairing, never later at send time."""
+
+
+class CredentialRejectedError(SparkSbError):
+    """A namespace rejected the configured credential, or the credential lacks a right (Send, Listen, Manage)."""
+
+    error_class = ErrorClass.CONFIGURATION_CREDENTIAL
+
+    def __init__(self, namespace: str | None, detail: str, *, entity: str | None = None) -> None:
+        self.namespace = namespace
+        self.entity = entity
+        where = namespace or "the namespace"
+        if entity:
+            where = f"{where}/{entity}"
+        super().__init__(redact(f"credential rejected by {where}: {detail}"))
+
+
+class EntityNotFoundError(SparkSbError):
+    """The queue or topic does not exist on the namespace."""
+
+    error_class = ErrorClass.CONFIGURATION_NOT_FOUND
+
+    def __init__(self, namespace: str | None, entity: str | None, detail: str = "") -> None:
+        self.namespace = namespace
+        self.entity = entity
+        text = f"entity {entity!r} not found on {namespace or 'the namespace'}"
+        if detail:
+            text += f": {detail}"
+        super().__init__(redact(text))
+
+
+class BadMessageError(SparkSbError, ValueError):
+    """This message can never be sent (e.g. too large for the entity, before or after the backlog rewrite)."""
+
+    error_class = ErrorClass.BAD_MESSAGE
+
+    def __init__(self, message_id: object, entity: str | None, reason: str) -> None:
+        self.message_id = message_id
+        self.entity = entity
+        self.reason = reason
+        super().__init__(redact(f"message {message_id!r} for entity {entity!r} rejected: {reason}"))
+
+
+class BacklogUnavailableError(SparkSbError):
+    """No backlog queue accepted the message while the primary is failed over. Nothing was acknowledged, so
+    the caller can retry (in Spark the batch fails and is replayed from the checkpoint)."""
+
+    error_class = ErrorClass.OUTAGE
+    retryable = True
+
+    def __init__(self, entity: str, tried: list[str] | tuple[str, ...] = (), detail: str = "") -> None:
+        self.entity = entity
+        self.tried = tuple(tried)
+        text = f"no backlog queue accepted the message(s) for entity {entity!r}"
+        if self.tried:
+            text += f" (tried {', '.join(self.tried)})"
+        text += "; nothing was acknowledged, the send can be retried"
+        if detail:
+            text += f": {detail}"
+        super().__init__(redact(text))
+
+
+# --- classification --------------------------------------------------------------------------------------
+
+_REJECTING_CONDITIONS = frozenset({"amqp:unauthorized-access", "com.microsoft:auth-failed"})
+_REJECTING_STATUS = frozenset({401, 403})
+_NOT_FOUND_STATUS = 404
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """``exc`` and every exception reachable through ``inner_exception`` (where azure-core keeps the cause the
+    SDK attaches), ``__cause__``, and ``__context__`` unless suppressed (``raise ... from None``)."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack and len(seen) < 32:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        yield current
+        context = None if current.__suppress_context__ else current.__context__
+        for linked in (getattr(current, "inner_exception", None), current.__cause__, context):
+            if isinstance(linked, BaseException):
+                stack.append(linked)
+
+
+def _text(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+def _condition(exc: BaseException) -> str | None:
+    # ServiceBusError keeps it in _condition (decoded to str); pyamqp's AMQPException in .condition (bytes)
+    value = getattr(exc, "_condition", None)
+    if value is None:
+        value = getattr(exc, "condition", None)
+    return _text(value)
+
+
+def _status(exc: BaseException) -> int | None:
+    # ServiceBusError: _status_code; TokenAuthFailure and HttpResponseError: status_code
+    for name in ("_status_code", "status_code"):
+        value = getattr(exc, name, None)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            return value
+        try:
+            return int(_text(value) or "")
+        except ValueError:
+            continue
+    return None
+
+
+def _credential_rejected(exc: BaseException, *, by_status: bool = True) -> bool:
+    for link in _causes(exc):
+        if isinstance(link, ClientAuthenticationError):
+            return True
+        if _condition(link) in _REJECTING_CONDITIONS:
+            return True
+        if by_status and _status(link) in _REJECTING_STATUS:
+            return True
+    return False
+
+
+def _entity_not_found(exc: BaseException) -> bool:
+    return any(_status(link) == _NOT_FOUND_STATUS for link in _causes(exc))
+
+
+def classify(exc: BaseException) -> ErrorClass:
+    """Map an exception to its :class:`ErrorClass` (behaviour.md, "Error classes").
+
+    Service Bus (AMQP) exceptions:
+
+    * ``MessageSizeExceededError`` (also what ``ServiceBusMessageBatch.add_message`` and a list send raise
+      when a message does not fit) -> ``BAD_MESSAGE``
+    * ``ServiceBusServerBusyError`` -> ``THROTTLED``
+    * ``MessagingEntityNotFoundError`` -> ``CONFIGURATION_NOT_FOUND``
+    * ``ServiceBusAuthenticationError`` / ``ServiceBusAuthorizationError``: ``CONFIGURATION_CREDENTIAL`` when
+      the credential was rejected (see the module docstring for the rule), ``CONFIGURATION_NOT_FOUND`` for
+      a CBS 404, else ``OUTAGE``
+    * any other ``ServiceBusError`` (connection, communication, timeout, entity disabled, quota exceeded, ...)
+      -> ``OUTAGE``, except one whose cause is a rejected credential (the SDK wraps an azure-identity
+      ``ClientAuthenticationError`` as a plain ``ServiceBusError``) -> ``CONFIGURATION_CREDENTIAL``; a status
+      code alone does not count here (a management request over quota is answered 403)
+
+    Administration (HTTP) exceptions from ``ServiceBusAdministrationClient``: ``ClientAuthenticationError``
+    and status 401/403 -> ``CONFIGURATION_CREDENTIAL``; ``ResourceNotFoundError`` and 404 ->
+    ``CONFIGURATION_NOT_FOUND``; 429 -> ``THROTTLED``; 408 and 5xx, ``ServiceRequestError``,
+    ``ServiceResponseError`` -> ``OUTAGE``.
+
+    spark-sb's own errors return their ``error_class``. Builtin ``ConnectionError`` and ``TimeoutError`` are
+    ``OUTAGE``. Anything else (``ValueError`` from a closed handler, ``TypeError``, ...) is ``OTHER``.
+    """
+    if isinstance(exc, SparkSbError):
+        return exc.error_class
+    if isinstance(exc, MessageSizeExceededError):
+        return ErrorClass.BAD_MESSAGE
+    if isinstance(exc, ServiceBusServerBusyError):
+        return ErrorClass.THROTTLED
+    if isinstance(exc, MessagingEntityNotFoundError):
+        return ErrorClass.CONFIGURATION_NOT_FOUND
+    if isinstance(exc, ServiceBusAuthenticationError | ServiceBusAuthorizationError):
+        if _credential_rejected(exc):
+            return ErrorClass.CONFIGURATION_CREDENTIAL
+        if _entity_not_found(exc):
+            return ErrorClass.CONFIGURATION_NOT_FOUND
+        return ErrorClass.OUTAGE
+    if isinstance(exc, ServiceBusError):
+        # status codes are not evidence here: a management request over quota also answers 403
+        if _credential_rejected(exc, by_status=False):
+            return ErrorClass.CONFIGURATION_CREDENTIAL
+        return ErrorClass.OUTAGE
+    if isinstance(exc, ClientAuthenticationError):
+        return ErrorClass.CONFIGURATION_CREDENTIAL
+    if isinstance(exc, ResourceNotFoundError):
+        return ErrorClass.CONFIGURATION_NOT_FOUND
+    if isinstance(exc, HttpResponseError):
+        status = _status(exc)
+        if status in _REJECTING_STATUS:
+            return ErrorClass.CONFIGURATION_CREDENTIAL
+        if status == _NOT_FOUND_STATUS:
+            return ErrorClass.CONFIGURATION_NOT_FOUND
+        if status == 429:
+            return ErrorClass.THROTTLED
+        if status is not None and (status == 408 or status >= 500):
+            return ErrorClass.OUTAGE
+        return ErrorClass.OTHER
+    if isinstance(exc, ServiceRequestError | ServiceResponseError | ConnectionError | TimeoutError):
+        return ErrorClass.OUTAGE
+    return ErrorClass.OTHER
+
+
+def as_spark_sb_error(
+    exc: BaseException,
+    *,
+    namespace: str | None = None,
+    entity: str | None = None,
+    message_id: object = None,
+) -> SparkSbError | None:
+    """The spark-sb error to raise (``raise err from exc``) for a configuration or bad-message class
+    exception; ``None`` for the other classes, which the caller handles (retry, fail over, re-raise)."""
+    if isinstance(exc, SparkSbError):
+        return exc
+    error_class = classify(exc)
+    detail = redact(str(exc))
+    if error_class is ErrorClass.CONFIGURATION_CREDENTIAL:
+        return CredentialRejectedError(namespace, detail, entity=entity)
+    if error_class is ErrorClass.CONFIGURATION_NOT_FOUND:
+        return EntityNotFoundError(namespace, entity, detail)
+    if error_class is ErrorClass.BAD_MESSAGE:
+        return BadMessageError(message_id, entity, detail)
+    return None

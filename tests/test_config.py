@@ -1,0 +1,421 @@
+"""The configuration: parsed once, typed, frozen, validated, with errors that name the option and value."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+
+from spark_sb.config import (
+    SparkSbConfig,
+    format_duration,
+    from_options,
+    load_config,
+    parse_duration,
+    redact_connection_string,
+)
+from spark_sb.errors import ConfigError
+
+KEY = "Zm9vYmFyLXNlY3JldC1rZXktMTIzNDU2Nzg5MA=="
+PRIMARY = f"Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey={KEY}"
+SECONDARY = f"Endpoint=sb://contoso-dr.servicebus.windows.net/;SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey={KEY}"
+CLIENT_SECRET = "cl13nt~s3cr3t~value"
+
+
+def minimal(**sections: object) -> dict[str, object]:
+    data: dict[str, object] = {"primary": {"connection_string": PRIMARY}, "secondary": {"connection_string": SECONDARY}}
+    data.update(sections)
+    return data
+
+
+def error_of(data: object) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config(data)  # type: ignore[arg-type]
+    return str(caught.value)
+
+
+def test_defaults_follow_the_behaviour_table() -> None:
+    config = load_config(minimal())
+    sa = config.send_availability
+    assert sa.backlog_queue_count == 10
+    assert sa.failover_interval == timedelta(seconds=60)
+    assert sa.ping_primary_interval == timedelta(seconds=60)
+    assert sa.server_busy_backoff == timedelta(seconds=10)
+    assert config.syphon.receive_batch == 100
+    assert config.syphon.retry_interval == timedelta(seconds=1)
+    assert sa.backlog_prefix == "contoso"
+    assert sa.backlog_queue_names()[0] == "contoso/x-servicebus-transfer/0"
+    assert sa.backlog_queue_names()[-1] == "contoso/x-servicebus-transfer/9"
+    assert dict(config.sink) == {}
+
+
+def test_yaml_file_with_environment_interpolation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SB_PRIMARY", PRIMARY)
+    monkeypatch.setenv("SB_SECONDARY", SECONDARY)
+    monkeypatch.delenv("SB_COUNT", raising=False)
+    path = tmp_path / "conf.yaml"
+    path.write_text(
+        """
+primary:   {connection_string: "${SB_PRIMARY}"}
+secondary: {connection_string: "${SB_SECONDARY}"}
+send_availability:
+  backlog_queue_count: ${SB_COUNT:-4}
+  failover_interval: 500ms
+  ping_primary_interval: PT2M
+  backlog_prefix: shop-eu
+syphon: {retry_interval: 90, receive_batch: 50}
+sink: {key_column: id, options: {a: [1, 2]}}
+""",
+        encoding="utf-8",
+    )
+    config = load_config(path)
+    assert config.primary.connection_string is not None
+    assert config.primary.connection_string.shared_access_key == KEY
+    assert config.send_availability.backlog_queue_count == 4
+    assert config.send_availability.failover_interval == timedelta(milliseconds=500)
+    assert config.send_availability.ping_primary_interval == timedelta(minutes=2)
+    assert config.send_availability.backlog_prefix == "shop-eu"
+    assert config.syphon.retry_interval == timedelta(seconds=90)
+    assert config.sink["key_column"] == "id"
+    assert config.sink.to_dict() == {"key_column": "id", "options": {"a": [1, 2]}}
+    assert load_config(str(path)) == config
+
+
+def test_escaped_reference_is_kept_literally(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SINK_TABLE", "metrics")
+    config = load_config(minimal(sink={"table": "${SINK_TABLE}", "template": "$${NOT_A_VARIABLE}"}))
+    assert config.sink["table"] == "metrics"
+    assert config.sink["template"] == "${NOT_A_VARIABLE}"
+
+
+def test_unset_variable_names_the_variable_and_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SB_MISSING", raising=False)
+    text = error_of(minimal(secondary={"connection_string": "${SB_MISSING}"}))
+    assert text.startswith("secondary.connection_string:")
+    assert "SB_MISSING is not set" in text
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("500ms", timedelta(milliseconds=500)),
+        ("60s", timedelta(seconds=60)),
+        ("5m", timedelta(minutes=5)),
+        ("1h30m", timedelta(minutes=90)),
+        ("2 min", timedelta(minutes=2)),
+        ("PT1M", timedelta(minutes=1)),
+        ("PT0.5S", timedelta(milliseconds=500)),
+        ("P1DT1H", timedelta(days=1, hours=1)),
+        (90, timedelta(seconds=90)),
+        ("90", timedelta(seconds=90)),
+        (1.5, timedelta(seconds=1.5)),
+    ],
+)
+def test_durations(text: object, expected: timedelta) -> None:
+    assert parse_duration(text, "x") == expected
+
+
+def test_durations_are_written_as_people_write_them() -> None:
+    assert format_duration(timedelta(hours=2)) == "2 h"
+    assert format_duration(timedelta(minutes=60)) == "60 min"
+    assert format_duration(timedelta(seconds=90)) == "90 s"
+    assert format_duration(timedelta(milliseconds=1500)) == "1.5 s"
+    assert format_duration(timedelta(milliseconds=500)) == "500 ms"
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"send_availability": {"failover_interval": "2h"}},
+         "send_availability.failover_interval: must be between 0 s and 60 min, got 2 h"),
+        ({"send_availability": {"ping_primary_interval": "500ms"}},
+         "send_availability.ping_primary_interval: must be between 1 s and 30 min, got 500 ms"),
+        ({"send_availability": {"ping_primary_interval": "31m"}},
+         "send_availability.ping_primary_interval: must be between 1 s and 30 min, got 31 min"),
+        ({"send_availability": {"server_busy_backoff": "5s"}},
+         "send_availability.server_busy_backoff: must be at least 10 s, got 5 s"),
+        ({"send_availability": {"backlog_queue_count": 0}},
+         "send_availability.backlog_queue_count: must be at least 1, got 0"),
+        ({"send_availability": {"backlog_queue_count": "ten"}},
+         "send_availability.backlog_queue_count: must be a whole number, got 'ten'"),
+        ({"send_availability": {"failover_interval": "soon"}},
+         "send_availability.failover_interval: not a duration"),
+        ({"send_availability": {"primary_retry_total": 11}},
+         "send_availability.primary_retry_total: must be between 0 and 10, got 11"),
+        ({"send_availability": {"backlog_prefix": "/bad/"}},
+         "send_availability.backlog_prefix: must be letters, digits"),
+        ({"syphon": {"retry_interval": "3m"}}, "syphon.retry_interval: must be between 1 s and 2 min, got 3 min"),
+        ({"syphon": {"retry_interval": "0.5s"}}, "syphon.retry_interval: must be between 1 s and 2 min, got 500 ms"),
+        ({"syphon": {"receive_batch": 0}}, "syphon.receive_batch: must be at least 1, got 0"),
+    ],
+)
+def test_out_of_range_values_are_named_with_their_value(sections: dict[str, object], message: str) -> None:
+    assert error_of(minimal(**sections)).startswith(message)
+
+
+def test_edges_of_the_ranges_are_accepted() -> None:
+    config = load_config(
+        minimal(
+            send_availability={"failover_interval": 0, "ping_primary_interval": "30m", "server_busy_backoff": "10s"},
+            syphon={"retry_interval": "2m"},
+        )
+    )
+    assert config.send_availability.failover_interval == timedelta(0)
+    assert config.syphon.retry_interval == timedelta(minutes=2)
+    assert load_config(minimal(send_availability={"failover_interval": "60m"})).send_availability.failover_interval == (
+        timedelta(hours=1)
+    )
+
+
+def test_unknown_options_are_named_with_a_suggestion() -> None:
+    assert error_of(minimal(send_availability={"failover_intervall": "1m"})) == (
+        "send_availability.failover_intervall: unknown option (did you mean failover_interval?)"
+    )
+    assert error_of(minimal(send_availability={"failoverInterval": "1m"})) == (
+        "send_availability.failoverInterval: unknown option (did you mean failover_interval?)"
+    )
+    text = error_of(minimal(syphon={"retry": 1, "zzz": 2}))
+    assert text.startswith("syphon: unknown options retry") and "zzz" in text
+    assert error_of(minimal(secundary={})) == "secundary: unknown option (did you mean secondary?)"
+
+
+def test_connection_string_is_parsed_into_fields() -> None:
+    config = load_config(minimal())
+    cs = config.primary.connection_string
+    assert cs is not None
+    assert cs.host == "contoso.servicebus.windows.net"
+    assert cs.shared_access_key_name == "RootManageSharedAccessKey"
+    assert cs.shared_access_key == KEY
+    assert not cs.use_development_emulator
+    assert config.primary.fully_qualified_namespace == "contoso.servicebus.windows.net"
+    credential = config.primary.credential()
+    assert isinstance(credential, AzureNamedKeyCredential)
+    assert credential.named_key == ("RootManageSharedAccessKey", KEY)
+
+
+def test_sas_connection_string() -> None:
+    sas = "SharedAccessSignature sr=contoso&sig=SIGSECRET&se=1900000000&skn=send"
+    config = load_config(minimal(primary={"connection_string": f"Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessSignature={sas}"}))
+    credential = config.primary.credential()
+    assert isinstance(credential, AzureSasCredential) and credential.signature == sas
+    assert "SIGSECRET" not in repr(config)
+
+
+@pytest.mark.parametrize(
+    ("connection_string", "problem"),
+    [
+        (f"SharedAccessKeyName=n;SharedAccessKey={KEY}", "missing Endpoint"),
+        (f"Endpoint=contoso;SharedAccessKeyName=n;SharedAccessKey={KEY}", "Endpoint must look like sb://"),
+        (f"Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKey={KEY}", "SharedAccessKeyName and SharedAccessKey"),
+        ("Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=n", "SharedAccessKeyName and SharedAccessKey"),
+        ("Endpoint=sb://contoso.servicebus.windows.net/", "missing SharedAccessKey"),
+        (f"Endpoint=sb://c.servicebus.windows.net/;SharedAccessKeyName=n;SharedAccessKey={KEY};SharedAccessSignature=s",
+         "give either SharedAccessKey or SharedAccessSignature"),
+        (f"Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=n;{KEY.rstrip('=')}", "malformed"),
+        (f"{PRIMARY};UseDevelopmentEmulator=maybe", "UseDevelopmentEmulator must be true or false"),
+        ("", "must be a Service Bus connection string"),
+    ],
+)
+def test_bad_connection_strings_name_the_option_but_never_the_key(connection_string: str, problem: str) -> None:
+    text = error_of(minimal(primary={"connection_string": connection_string}))
+    assert text.startswith(f"primary.connection_string: {problem}")
+    assert KEY not in text
+
+
+def test_repr_and_str_never_show_a_secret() -> None:
+    config = load_config(
+        minimal(
+            secondary={
+                "fully_qualified_namespace": "contoso-dr.servicebus.windows.net",
+                "credential": {"type": "client_secret", "tenant_id": "t", "client_id": "c", "client_secret": CLIENT_SECRET},
+            },
+            sink={"password": "hunter2", "key_column": "id"},
+        )
+    )
+    for text in (repr(config), str(config), repr(config.primary), str(config.primary.connection_string),
+                 repr(config.secondary.credential_config), str(config.to_dict())):
+        assert KEY not in text
+        assert CLIENT_SECRET not in text
+        assert "hunter2" not in text
+    assert str(config.primary.connection_string) == (
+        "Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=***"
+    )
+    assert "'key_column': 'id'" in repr(config.sink)
+
+
+def test_redacting_a_malformed_connection_string_hides_unknown_segments() -> None:
+    assert redact_connection_string(f"Endpoint=sb://a/;{KEY};SharedAccessKey={KEY}") == (
+        "Endpoint=sb://a/;***;SharedAccessKey=***"
+    )
+
+
+def test_credential_sections() -> None:
+    config = load_config(minimal(secondary={"fully_qualified_namespace": "sb://contoso-dr.servicebus.windows.net/"}))
+    assert config.secondary.fully_qualified_namespace == "contoso-dr.servicebus.windows.net"
+    assert config.secondary.credential_config is not None
+    assert config.secondary.credential_config.type == "default"
+    secret = load_config(
+        minimal(secondary={
+            "fully_qualified_namespace": "contoso-dr.servicebus.windows.net",
+            "credential": {"type": "client_secret", "tenant_id": "t", "client_id": "c", "client_secret": CLIENT_SECRET},
+        })
+    )
+    credential = secret.secondary.credential()
+    assert type(credential).__name__ == "ClientSecretCredential"
+
+
+@pytest.mark.parametrize(
+    ("secondary", "message"),
+    [
+        ({"fully_qualified_namespace": "x.servicebus.windows.net", "credential": {"type": "client_secret", "client_id": "c"}},
+         "secondary.credential.tenant_id: required when type is client_secret"),
+        ({"fully_qualified_namespace": "x.servicebus.windows.net", "credential": {"type": "managed_identiy"}},
+         "secondary.credential.type: must be one of default, client_secret, managed_identity (did you mean managed_identity?)"),
+        ({"fully_qualified_namespace": "x.servicebus.windows.net", "credential": {"client_secret": CLIENT_SECRET}},
+         "secondary.credential.client_secret: only used with type client_secret, got ***"),
+        ({"connection_string": SECONDARY, "fully_qualified_namespace": "x.servicebus.windows.net"},
+         "secondary: give either connection_string or fully_qualified_namespace"),
+        ({"connection_string": SECONDARY, "credential": {"type": "default"}},
+         "secondary.credential: only used with fully_qualified_namespace"),
+        ({}, "secondary: needs connection_string, or fully_qualified_namespace"),
+        ({"connection_string": PRIMARY}, "secondary: must be a different namespace from the primary, got contoso.servicebus.windows.net"),
+        ({"fully_qualified_namespace": "CONTOSO.servicebus.windows.net"}, "secondary: must be a different namespace"),
+        ({"connection_string": SECONDARY + ";EntityPath=orders"}, "secondary.connection_string: EntityPath is not allowed"),
+    ],
+)
+def test_namespace_errors(secondary: dict[str, object], message: str) -> None:
+    text = error_of(minimal(secondary=secondary))
+    assert text.startswith(message)
+    assert CLIENT_SECRET not in text and KEY not in text
+
+
+def test_missing_sections_are_named(tmp_path: Path) -> None:
+    assert error_of({"secondary": {"connection_string": SECONDARY}}) == "primary: required"
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("", encoding="utf-8")
+    assert error_of(empty) == "primary: required"
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(f"primary: {{connection_string: '{PRIMARY}'\nsecondary: [", encoding="utf-8")
+    text = error_of(broken)
+    assert text.startswith(f"{broken}: not valid YAML at line") and KEY not in text
+    assert "cannot read the configuration file" in error_of(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "prefix"),
+    [
+        ("sb://contoso.servicebus.windows.net/", "contoso"),
+        ("sb://Contoso.servicebus.windows.net:5671/", "contoso"),
+        ("sb://localhost:5672;UseDevelopmentEmulator=true", "localhost-5672"),
+        ("sb://127.0.0.1:5673;UseDevelopmentEmulator=true", "127-0-0-1-5673"),
+    ],
+)
+def test_default_backlog_prefix(endpoint: str, prefix: str) -> None:
+    primary = f"Endpoint={endpoint};SharedAccessKeyName=n;SharedAccessKey={KEY}"
+    if ";UseDevelopmentEmulator" in endpoint:
+        address, flag = endpoint.split(";")
+        primary = f"Endpoint={address};SharedAccessKeyName=n;SharedAccessKey={KEY};{flag}"
+    config = load_config(minimal(primary={"connection_string": primary}))
+    assert config.send_availability.backlog_prefix == prefix
+
+
+def test_two_emulator_namespaces_differ_by_port() -> None:
+    emulator = "Endpoint=sb://localhost:{};SharedAccessKeyName=n;SharedAccessKey=k;UseDevelopmentEmulator=true"
+    config = load_config({"primary": {"connection_string": emulator.format(5672)},
+                          "secondary": {"connection_string": emulator.format(5673)}})
+    assert config.primary.fully_qualified_namespace == "localhost:5672"
+    assert config.secondary.fully_qualified_namespace == "localhost:5673"
+    assert config.primary.is_emulator
+    with pytest.raises(ConfigError, match="different namespace"):
+        load_config({"primary": {"connection_string": emulator.format(5672)},
+                     "secondary": {"connection_string": emulator.format(5672)}})
+
+
+def test_primary_clients_get_small_sdk_retry_settings() -> None:
+    config = load_config(minimal(send_availability={"primary_try_timeout": "2s"}))
+    kwargs = config.send_availability.primary_client_kwargs()
+    assert kwargs == {"retry_total": 0, "retry_backoff_factor": 0.8, "retry_backoff_max": 5.0, "try_timeout": 2.0}
+    client = config.primary.client(**kwargs)  # builds, does not connect
+    try:
+        assert client._config.retry_total == 0
+        assert client._config.try_timeout == 2.0
+        assert client.fully_qualified_namespace == "contoso.servicebus.windows.net"
+    finally:
+        client.close()
+
+
+def test_frozen_picklable_and_fingerprinted() -> None:
+    config = load_config(minimal(sink={"table": "metrics"}))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.send_availability.failover_interval = timedelta(0)  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        config.sink["table"] = "other"  # type: ignore[index]
+    copied = pickle.loads(pickle.dumps(config))
+    assert copied == config and hash(copied) == hash(config)
+    assert copied.fingerprint() == config.fingerprint() == load_config(minimal(sink={"table": "metrics"})).fingerprint()
+    assert len(config.fingerprint()) == 32
+    assert KEY not in config.fingerprint()
+    other_key = load_config(minimal(primary={"connection_string": PRIMARY.replace(KEY, "b3RoZXI=")}, sink={"table": "metrics"}))
+    assert other_key.fingerprint() != config.fingerprint()
+    other_interval = load_config(minimal(send_availability={"failover_interval": "61s"}, sink={"table": "metrics"}))
+    assert other_interval.fingerprint() != config.fingerprint()
+
+
+def test_to_dict_with_secrets_round_trips() -> None:
+    config = load_config(
+        minimal(
+            secondary={
+                "fully_qualified_namespace": "contoso-dr.servicebus.windows.net",
+                "credential": {"type": "client_secret", "tenant_id": "t", "client_id": "c", "client_secret": CLIENT_SECRET},
+            },
+            send_availability={"failover_interval": "1500ms", "backlog_queue_count": 3},
+            sink={"key_column": "id", "template": "$${NOT_A_VARIABLE}"},
+        )
+    )
+    assert config.sink["template"] == "${NOT_A_VARIABLE}"
+    assert load_config(config.to_dict(secrets=True)) == config
+    assert isinstance(load_config(config), SparkSbConfig)
+
+
+def test_spark_options_build_the_same_object() -> None:
+    expected = load_config(
+        minimal(
+            send_availability={"failover_interval": "30s", "backlog_queue_count": 4, "backlog_prefix": "shop"},
+            syphon={"receive_batch": 10},
+            sink={"keyColumn": "id"},
+        )
+    )
+    options = {
+        "primary.connectionString": PRIMARY,
+        "SECONDARY.CONNECTION_STRING": SECONDARY,
+        "sendAvailability.failoverInterval": "30s",
+        "send_availability.backlog_queue_count": "4",
+        "sendavailability.backlogprefix": "shop",
+        "sendAvailability.pingPrimaryInterval": "",  # empty: unset, the default applies
+        "syphon.receiveBatch": "10",
+        "sink.keyColumn": "id",
+        "checkpointLocation": "/tmp/cp",  # not ours: ignored
+        "maxMessagesPerTrigger": "100",
+    }
+    assert from_options(options) == expected
+
+
+def test_spark_option_errors_name_the_option_as_written() -> None:
+    options = {"primary.connectionString": PRIMARY, "secondary.connectionString": SECONDARY}
+    with pytest.raises(ConfigError) as caught:
+        from_options({**options, "sendAvailability.failoverInterval": "2h"})
+    assert str(caught.value) == "sendAvailability.failoverInterval: must be between 0 s and 60 min, got 2 h"
+    with pytest.raises(ConfigError) as caught:
+        from_options({**options, "sendAvailability.failoverIntervall": "1m"})
+    assert str(caught.value) == "sendAvailability.failoverIntervall: unknown option (did you mean failover_interval?)"
+    with pytest.raises(ConfigError) as caught:
+        from_options({**options, "primary.connectionString": f"Endpoint=sb://a/;SharedAccessKey={KEY}"})
+    assert str(caught.value).startswith("primary.connectionString: SharedAccessKeyName and SharedAccessKey")
+    assert KEY not in str(caught.value)
+    with pytest.raises(ConfigError) as caught:
+        from_options({**options, "secondary.credential.clientSecret": CLIENT_SECRET})
+    assert CLIENT_SECRET not in str(caught.value)

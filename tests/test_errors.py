@@ -1,0 +1,265 @@
+"""classify() maps every SDK exception as the "Error classes" table of behaviour.md says.
+
+The SDK exceptions are made by the SDK itself: the AMQP-level cause is raised inside a real
+ServiceBusSender's send (its link opening is replaced by the raise, so no network is used) and the SDK's
+own handler (``_do_retryable_operation`` -> ``_handle_exception`` -> ``create_servicebus_exception``)
+turns it into the exception an application sees, with the cause the SDK attaches.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+from azure.core.exceptions import ClientAuthenticationError, HttpResponseError, ResourceNotFoundError
+from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusMessageBatch
+from azure.servicebus._pyamqp.error import (
+    AMQPConnectionError,
+    AMQPLinkError,
+    AuthenticationException,
+    ErrorCondition,
+    TokenAuthFailure,
+    TokenExpired,
+)
+from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
+from azure.servicebus.exceptions import (
+    MessageSizeExceededError,
+    MessagingEntityDisabledError,
+    MessagingEntityNotFoundError,
+    OperationTimeoutError,
+    ServiceBusAuthenticationError,
+    ServiceBusAuthorizationError,
+    ServiceBusCommunicationError,
+    ServiceBusConnectionError,
+    ServiceBusError,
+    ServiceBusQuotaExceededError,
+    ServiceBusServerBusyError,
+)
+
+from spark_sb.errors import (
+    BacklogUnavailableError,
+    BadMessageError,
+    ConfigError,
+    CredentialRejectedError,
+    EntityNotFoundError,
+    ErrorClass,
+    PairingError,
+    SparkSbError,
+    as_spark_sb_error,
+    classify,
+    redact,
+)
+
+SECRET = "c2VjcmV0LWtleS12YWx1ZQ=="
+CONNECTION_STRING = f"Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=send;SharedAccessKey={SECRET}"
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[ServiceBusClient]:
+    sb_client = ServiceBusClient.from_connection_string(CONNECTION_STRING, retry_total=0)
+    yield sb_client
+    sb_client.close()
+
+
+def raised_by_sdk(client: ServiceBusClient, cause: BaseException) -> BaseException:
+    """What ``sender.send_messages`` raises when opening the link fails with ``cause``."""
+    sender = client.get_queue_sender("orders")
+
+    def fail(*_args: object, **_kwargs: object) -> None:
+        raise cause
+
+    sender._open = fail  # the only replaced piece: no network, the SDK's own error handling runs
+    with pytest.raises(BaseException) as caught:
+        sender.send_messages(ServiceBusMessage("x"))
+    return caught.value
+
+
+SDK_CASES = [
+    # (id, AMQP cause, SDK exception the application sees, class)
+    ("socket-error", AMQPConnectionError(ErrorCondition.SocketError, description="reset by peer"),
+     ServiceBusConnectionError, ErrorClass.OUTAGE),
+    ("link-detach-forced", AMQPLinkError(ErrorCondition.LinkDetachForced, description="idle"),
+     ServiceBusConnectionError, ErrorClass.OUTAGE),
+    ("host-not-found", AMQPConnectionError(ErrorCondition.NotFound, description="no such host"),
+     ServiceBusCommunicationError, ErrorClass.OUTAGE),
+    ("send-timed-out", AMQPLinkError(ErrorCondition.ClientError, description="Send timed out"),
+     OperationTimeoutError, ErrorClass.OUTAGE),
+    ("entity-disabled", AMQPLinkError(b"com.microsoft:entity-disabled", description="disabled"),
+     MessagingEntityDisabledError, ErrorClass.OUTAGE),
+    ("quota-exceeded", AMQPLinkError(ErrorCondition.ResourceLimitExceeded, description="entity full"),
+     ServiceBusQuotaExceededError, ErrorClass.OUTAGE),
+    ("internal-error", AMQPLinkError(ErrorCondition.InternalError, description="oops"),
+     ServiceBusError, ErrorClass.OUTAGE),
+    ("server-busy", AMQPLinkError(b"com.microsoft:server-busy", description="busy"),
+     ServiceBusServerBusyError, ErrorClass.THROTTLED),
+    ("entity-not-found", AMQPLinkError(ErrorCondition.NotFound, description="no entity orders"),
+     MessagingEntityNotFoundError, ErrorClass.CONFIGURATION_NOT_FOUND),
+    ("message-too-large", AMQPLinkError(ErrorCondition.LinkMessageSizeExceeded, description="too large"),
+     MessageSizeExceededError, ErrorClass.BAD_MESSAGE),
+    # the credential is rejected: CBS put-token answered 401 / 403, or a claim is missing on attach
+    ("cbs-401", TokenAuthFailure(401, b"InvalidSignature: The token has an invalid signature."),
+     ServiceBusAuthenticationError, ErrorClass.CONFIGURATION_CREDENTIAL),
+    ("cbs-403", TokenAuthFailure(403, b"Forbidden"),
+     ServiceBusAuthenticationError, ErrorClass.CONFIGURATION_CREDENTIAL),
+    ("missing-send-claim", AMQPLinkError(ErrorCondition.UnauthorizedAccess, description="'Send' claim required"),
+     ServiceBusAuthorizationError, ErrorClass.CONFIGURATION_CREDENTIAL),
+    ("cbs-404", TokenAuthFailure(404, b"The messaging entity could not be found"),
+     ServiceBusAuthenticationError, ErrorClass.CONFIGURATION_NOT_FOUND),
+    # the CBS exchange broke without the service saying no: an outage
+    ("cbs-put-token-rejected", TokenAuthFailure(0, "Auth message has been rejected."),
+     ServiceBusAuthenticationError, ErrorClass.OUTAGE),
+    ("cbs-link-broken", TokenAuthFailure(
+        status_code=ErrorCondition.ClientError,
+        status_description="CBS authentication link is in broken status, please recreate the cbs link."),
+     ServiceBusAuthenticationError, ErrorClass.OUTAGE),
+    ("cbs-link-failed-to-open", AuthenticationException(
+        ErrorCondition.InternalError, description="Failed to open CBS authentication link."),
+     ServiceBusAuthenticationError, ErrorClass.OUTAGE),
+    ("cbs-token-expired", TokenExpired(ErrorCondition.InternalError, description="CBS Authentication Expired."),
+     ServiceBusAuthenticationError, ErrorClass.OUTAGE),
+    # not AMQP errors: the SDK wraps them as "Handler failed"
+    ("identity-rejects-secret", ClientAuthenticationError("AADSTS7000215: Invalid client secret provided."),
+     ServiceBusError, ErrorClass.CONFIGURATION_CREDENTIAL),
+    ("cbs-timed-out", TimeoutError("Authentication attempt timed-out."),
+     ServiceBusError, ErrorClass.OUTAGE),
+]
+
+
+@pytest.mark.parametrize(
+    ("cause", "sdk_type", "expected"),
+    [case[1:] for case in SDK_CASES],
+    ids=[case[0] for case in SDK_CASES],
+)
+def test_classify_maps_what_the_sdk_raises(
+    client: ServiceBusClient, cause: BaseException, sdk_type: type, expected: ErrorClass
+) -> None:
+    raised = raised_by_sdk(client, cause)
+    assert type(raised) is sdk_type
+    assert classify(raised) is expected
+
+
+def test_a_credential_error_is_told_apart_by_its_cause_not_its_text() -> None:
+    # same SDK type and message, different causes
+    rejected = ServiceBusAuthenticationError(message="auth failed 401", error=TokenAuthFailure(401, b"bad"))
+    broken = ServiceBusAuthenticationError(
+        message="auth failed 401", error=AMQPConnectionError(ErrorCondition.SocketError, description="reset")
+    )
+    assert classify(rejected) is ErrorClass.CONFIGURATION_CREDENTIAL
+    assert classify(broken) is ErrorClass.OUTAGE
+
+
+@pytest.mark.parametrize(
+    ("condition", "status", "expected"),
+    [
+        (b"amqp:unauthorized-access", 401, ErrorClass.CONFIGURATION_CREDENTIAL),
+        (b"com.microsoft:server-busy", 503, ErrorClass.THROTTLED),
+        (b"amqp:not-found", 404, ErrorClass.CONFIGURATION_NOT_FOUND),
+        (b"com.microsoft:timeout", 408, ErrorClass.OUTAGE),
+        (b"amqp:resource-limit-exceeded", 403, ErrorClass.OUTAGE),  # quota: 403 is not a rejected credential
+    ],
+)
+def test_classify_maps_management_request_failures(condition: bytes, status: int, expected: ErrorClass) -> None:
+    # schedule_messages / cancel_scheduled_messages / peek fail through the SDK's management error handler
+    with pytest.raises(ServiceBusError) as caught:
+        PyamqpTransport.handle_amqp_mgmt_error(
+            logging.getLogger("test"), "Service request failed.", condition, "described", status
+        )
+    assert classify(caught.value) is expected
+
+
+def test_a_message_that_does_not_fit_a_batch_is_a_bad_message() -> None:
+    batch = ServiceBusMessageBatch(max_size_in_bytes=200)
+    with pytest.raises(ValueError) as caught:  # MessageSizeExceededError is also a ValueError
+        batch.add_message(ServiceBusMessage(b"x" * 500))
+    assert isinstance(caught.value, MessageSizeExceededError)
+    assert classify(caught.value) is ErrorClass.BAD_MESSAGE
+
+
+def test_a_plain_value_error_is_not_a_bad_message(client: ServiceBusClient) -> None:
+    sender = client.get_queue_sender("orders")
+    sender.close()
+    with pytest.raises(ValueError) as caught:  # "The handler has already been shutdown"
+        sender.send_messages(ServiceBusMessage("x"))
+    assert classify(caught.value) is ErrorClass.OTHER
+    assert classify(KeyError("bug")) is ErrorClass.OTHER
+
+
+def _http_error(status: int) -> HttpResponseError:
+    error = HttpResponseError(message=f"status {status}")
+    error.status_code = status
+    return error
+
+
+@pytest.mark.parametrize(
+    ("error", "expected"),
+    [
+        (ClientAuthenticationError("401 Unauthorized"), ErrorClass.CONFIGURATION_CREDENTIAL),
+        (_http_error(403), ErrorClass.CONFIGURATION_CREDENTIAL),
+        (ResourceNotFoundError("Queue 'orders' does not exist"), ErrorClass.CONFIGURATION_NOT_FOUND),
+        (_http_error(429), ErrorClass.THROTTLED),
+        (_http_error(503), ErrorClass.OUTAGE),
+        (_http_error(400), ErrorClass.OTHER),
+        (ConnectionResetError("reset"), ErrorClass.OUTAGE),
+    ],
+)
+def test_classify_maps_administration_failures(error: BaseException, expected: ErrorClass) -> None:
+    assert classify(error) is expected
+
+
+def test_only_outages_count_toward_failover() -> None:
+    assert [c for c in ErrorClass if c.counts_toward_failover] == [ErrorClass.OUTAGE]
+    assert not ErrorClass.THROTTLED.fails_at_once
+    assert ErrorClass.CONFIGURATION_CREDENTIAL.fails_at_once
+    assert ErrorClass.CONFIGURATION_NOT_FOUND.fails_at_once
+    assert ErrorClass.OTHER.fails_at_once
+    assert not ErrorClass.BAD_MESSAGE.fails_at_once
+
+
+def test_project_errors_share_one_root_and_carry_their_class() -> None:
+    bad = BadMessageError("m-17", "orders", "324 KiB after the backlog rewrite, the limit is 256 KiB")
+    assert str(bad) == (
+        "message 'm-17' for entity 'orders' rejected: 324 KiB after the backlog rewrite, the limit is 256 KiB"
+    )
+    assert (bad.message_id, bad.entity) == ("m-17", "orders")
+    backlog = BacklogUnavailableError("orders", ["contoso/x-servicebus-transfer/3"])
+    assert "contoso/x-servicebus-transfer/3" in str(backlog) and "retried" in str(backlog)
+    assert backlog.retryable
+    cases = {
+        bad: ErrorClass.BAD_MESSAGE,
+        backlog: ErrorClass.OUTAGE,
+        CredentialRejectedError("contoso.servicebus.windows.net", "401"): ErrorClass.CONFIGURATION_CREDENTIAL,
+        EntityNotFoundError("contoso.servicebus.windows.net", "orders"): ErrorClass.CONFIGURATION_NOT_FOUND,
+        ConfigError("syphon.receive_batch", "must be at least 1", 0): ErrorClass.OTHER,
+        PairingError("no usable backlog queue"): ErrorClass.OTHER,
+    }
+    for error, expected in cases.items():
+        assert isinstance(error, SparkSbError)
+        assert classify(error) is expected
+
+
+def test_config_error_names_option_and_value() -> None:
+    error = ConfigError("send_availability.failover_interval", "must be between 0 s and 60 min", "2 h")
+    assert str(error) == "send_availability.failover_interval: must be between 0 s and 60 min, got 2 h"
+    assert str(error.with_option("sendAvailability.failoverInterval")).startswith("sendAvailability.failoverInterval:")
+
+
+def test_as_spark_sb_error_turns_a_rejected_credential_into_a_clear_error(client: ServiceBusClient) -> None:
+    raised = raised_by_sdk(client, TokenAuthFailure(401, b"InvalidSignature"))
+    error = as_spark_sb_error(raised, namespace="contoso.servicebus.windows.net", entity="orders")
+    assert isinstance(error, CredentialRejectedError)
+    assert "contoso.servicebus.windows.net/orders" in str(error)
+    too_large = raised_by_sdk(client, AMQPLinkError(ErrorCondition.LinkMessageSizeExceeded, description="big"))
+    bad = as_spark_sb_error(too_large, entity="orders", message_id="m-1")
+    assert isinstance(bad, BadMessageError) and "'m-1'" in str(bad)
+    outage = raised_by_sdk(client, AMQPConnectionError(ErrorCondition.SocketError, description="reset"))
+    assert as_spark_sb_error(outage) is None
+
+
+def test_secrets_never_reach_an_error_message() -> None:
+    text = f"failed for {CONNECTION_STRING} with SharedAccessSignature sr=x&sig=abcSIG123&se=1&skn=send"
+    cleaned = redact(text)
+    assert SECRET not in cleaned and "abcSIG123" not in cleaned
+    assert "SharedAccessKey=***" in cleaned
+    assert SECRET not in str(CredentialRejectedError("contoso", text))
+    assert SECRET not in str(ConfigError("primary.connection_string", "bad", CONNECTION_STRING))

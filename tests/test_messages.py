@@ -1,0 +1,302 @@
+"""The backlog rewrite and its inverse, through the SDK's own wire encoding.
+
+A "received" message here is what the SDK's receiver would hand over: the message is converted for sending
+by the SDK (``transform_outbound_messages``), encoded by its AMQP encoder, given the annotations a broker
+adds (enqueued time, sequence number), and decoded by ``ServiceBusReceivedMessage.from_bytes`` (the same
+``decode_payload`` the receiver link uses).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from typing import Any
+
+import pytest
+from azure.servicebus import ServiceBusMessage, ServiceBusMessageBatch, ServiceBusReceivedMessage
+from azure.servicebus._common.utils import transform_outbound_messages
+from azure.servicebus._pyamqp._encode import encode_payload
+from azure.servicebus._pyamqp.utils import amqp_long_value, amqp_timestamp_value
+from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
+from azure.servicebus.amqp import AmqpAnnotatedMessage, AmqpMessageBodyType
+
+from spark_sb.messages import (
+    PING_CONTENT_TYPE,
+    TTL_EXPIRED_IN_BACKLOG,
+    X_MS_PARTITION_KEY,
+    X_MS_PATH,
+    X_MS_SCHEDULED_ENQUEUE_TIME,
+    X_MS_SESSION_ID,
+    X_MS_TIME_TO_LIVE,
+    RestoreStatus,
+    from_backlog,
+    is_ping,
+    message_size,
+    ping_message,
+    to_backlog,
+)
+
+ENQUEUED = dt.datetime(2030, 5, 1, 12, 0, 0, tzinfo=dt.UTC)
+SCHEDULED = dt.datetime(2030, 5, 2, 8, 30, 15, 250000, tzinfo=dt.UTC)
+
+
+def receive(message: ServiceBusMessage, enqueued: dt.datetime = ENQUEUED, sequence_number: int = 7) -> ServiceBusReceivedMessage:
+    outgoing = transform_outbound_messages(message, ServiceBusMessage, PyamqpTransport.to_outgoing_amqp_message)
+    wire = outgoing._message
+    annotations = dict(wire.message_annotations or {})
+    annotations[b"x-opt-enqueued-time"] = amqp_timestamp_value(round(enqueued.timestamp() * 1000))
+    annotations[b"x-opt-sequence-number"] = amqp_long_value(sequence_number)
+    annotations[b"x-opt-locked-until"] = amqp_timestamp_value(round(enqueued.timestamp() * 1000) + 60_000)
+    payload = bytearray()
+    encode_payload(payload, wire._replace(message_annotations=annotations))
+    return ServiceBusReceivedMessage.from_bytes(bytes(payload))
+
+
+def full_message(body: Any = "hello", **overrides: Any) -> ServiceBusMessage:
+    fields: dict[str, Any] = dict(
+        application_properties={"tenant": "eu", "attempt": 3, "ratio": 0.5, "flag": True,
+                                 "trace": uuid.UUID("12345678-1234-5678-1234-567812345678")},
+        session_id="session-1",
+        partition_key="session-1",
+        message_id="m-1",
+        correlation_id="c-1",
+        subject="order-created",
+        content_type="application/json",
+        to="billing",
+        reply_to="replies",
+        reply_to_session_id="reply-session",
+        time_to_live=dt.timedelta(minutes=10),
+        scheduled_enqueue_time_utc=SCHEDULED,
+    )
+    fields.update(overrides)
+    return ServiceBusMessage(body, **fields)
+
+
+def with_body(kind: str) -> ServiceBusMessage:
+    if kind == "str":
+        return full_message("hello")
+    if kind == "bytes":
+        return full_message(b"\x00\x01binary\xff")
+    if kind == "none":
+        return full_message(None)
+    raw = {
+        "data-sections": AmqpAnnotatedMessage(data_body=[b"part-1", b"part-2"]),
+        "value": AmqpAnnotatedMessage(value_body={"k": "v", "n": [1, 2, 3]}),
+        "sequence": AmqpAnnotatedMessage(sequence_body=[[1, "a"], [2, "b"]]),
+    }[kind]
+    message = transform_outbound_messages(raw, ServiceBusMessage, PyamqpTransport.to_outgoing_amqp_message)
+    base = full_message()
+    for name in ("session_id", "message_id", "correlation_id", "subject", "content_type", "to", "reply_to",
+                 "reply_to_session_id", "time_to_live", "partition_key", "scheduled_enqueue_time_utc",
+                 "application_properties"):
+        setattr(message, name, getattr(base, name))
+    return message
+
+
+def body_of(message: ServiceBusMessage) -> Any:
+    return message.body if message.body_type == AmqpMessageBodyType.VALUE else list(message.body)
+
+
+def text_properties(properties: dict[Any, Any] | None) -> dict[str, Any]:
+    def text(value: Any) -> Any:
+        return value.decode() if isinstance(value, bytes) else value
+
+    return {text(k): text(v) for k, v in (properties or {}).items()}
+
+
+def seen_by_consumer(message: ServiceBusReceivedMessage) -> dict[str, Any]:
+    """Everything a consumer of the destination entity can observe, except times set by the broker."""
+    return {
+        "body_type": message.body_type,
+        "body": body_of(message),
+        "application_properties": text_properties(message.application_properties),
+        **{name: getattr(message, name) for name in (
+            "message_id", "correlation_id", "subject", "content_type", "to", "reply_to", "reply_to_session_id",
+            "session_id", "partition_key", "scheduled_enqueue_time_utc", "time_to_live")},
+    }
+
+
+def test_to_backlog_moves_the_fields_a_backlog_queue_cannot_hold() -> None:
+    original = full_message()
+    backlog = to_backlog(original, "billing/events")
+    assert backlog.session_id is None
+    assert backlog.partition_key is None
+    assert backlog.time_to_live is None
+    assert backlog.scheduled_enqueue_time_utc is None
+    received = receive(backlog)
+    properties = text_properties(received.application_properties)
+    assert properties[X_MS_PATH] == "billing/events"
+    assert properties[X_MS_SESSION_ID] == "session-1"
+    assert properties[X_MS_PARTITION_KEY] == "session-1"
+    assert properties[X_MS_TIME_TO_LIVE] == 600_000
+    assert properties[X_MS_SCHEDULED_ENQUEUE_TIME] == round(SCHEDULED.timestamp() * 1000)  # AMQP timestamp, ms
+    assert received.session_id is None and received.time_to_live is None and received.partition_key is None
+    for name in ("message_id", "correlation_id", "subject", "content_type", "to", "reply_to", "reply_to_session_id"):
+        assert getattr(received, name) == getattr(original, name), name
+    assert list(received.body) == [b"hello"]
+    assert {k: v for k, v in properties.items() if not k.startswith("x-ms-")} == text_properties(
+        original.application_properties
+    )
+
+
+def test_to_backlog_writes_the_ttl_as_an_amqp_long() -> None:
+    # 30 days in ms does not fit an AMQP int: it must go out as a long (int64 milliseconds)
+    original = full_message(time_to_live=dt.timedelta(days=30))
+    received = receive(to_backlog(original, "orders"))
+    assert received.application_properties[b"x-ms-timetolive"] == 30 * 86_400_000
+
+
+def test_to_backlog_never_mutates_its_input() -> None:
+    original = full_message()
+    before = (repr(original), dict(original.application_properties), dict(original.raw_amqp_message.annotations))
+    to_backlog(original, "orders")
+    message_size(original)
+    assert (repr(original), dict(original.application_properties), dict(original.raw_amqp_message.annotations)) == before
+    assert original.session_id == "session-1" and original.time_to_live == dt.timedelta(minutes=10)
+
+
+@pytest.mark.parametrize("kind", ["str", "bytes", "none", "data-sections", "value", "sequence"])
+def test_round_trip_restores_every_field(kind: str) -> None:
+    original = with_body(kind)
+    in_backlog = receive(to_backlog(original, "orders"), enqueued=ENQUEUED)
+
+    restored = from_backlog(in_backlog, now=ENQUEUED + dt.timedelta(seconds=90))
+
+    assert restored.status is RestoreStatus.RESTORED and restored.ok
+    assert restored.entity == "orders"
+    message = restored.message
+    assert message is not None
+    assert message.session_id == "session-1"
+    assert message.partition_key == "session-1"
+    assert message.scheduled_enqueue_time_utc == SCHEDULED
+    assert message.time_to_live == dt.timedelta(minutes=10) - dt.timedelta(seconds=90)
+    assert not [k for k in message.application_properties or {} if str(k).startswith("x-ms-")]
+    expected = seen_by_consumer(receive(original))
+    expected["time_to_live"] = dt.timedelta(minutes=8, seconds=30)
+    assert seen_by_consumer(receive(message)) == expected
+
+
+def test_ttl_counts_from_the_backlog_enqueued_time_given() -> None:
+    in_backlog = receive(to_backlog(full_message(), "orders"), enqueued=ENQUEUED)
+    restored = from_backlog(
+        in_backlog,
+        now=ENQUEUED + dt.timedelta(minutes=5),
+        backlog_enqueued_time=ENQUEUED + dt.timedelta(minutes=4, milliseconds=500),
+    )
+    assert restored.message is not None
+    assert restored.message.raw_amqp_message.header.time_to_live == 600_000 - 59_500
+
+
+@pytest.mark.parametrize("spent", [dt.timedelta(minutes=10), dt.timedelta(hours=3)])
+def test_a_message_expired_in_the_backlog_is_dead_lettered(spent: dt.timedelta) -> None:
+    in_backlog = receive(to_backlog(full_message(), "orders"), enqueued=ENQUEUED)
+    restored = from_backlog(in_backlog, now=ENQUEUED + spent)
+    assert restored.status is RestoreStatus.EXPIRED
+    assert restored.reason == TTL_EXPIRED_IN_BACKLOG
+    assert restored.entity == "orders"
+    assert restored.message is None
+    assert "600000 ms" in (restored.description or "")
+
+
+def test_a_message_without_optional_fields_round_trips_without_them() -> None:
+    original = ServiceBusMessage(b"plain", message_id="m-2")
+    backlog = to_backlog(original, "orders")
+    assert set(text_properties(receive(backlog).application_properties)) == {X_MS_PATH}
+    restored = from_backlog(receive(backlog), now=ENQUEUED + dt.timedelta(days=365))
+    assert restored.message is not None
+    assert seen_by_consumer(receive(restored.message)) == seen_by_consumer(receive(original))
+
+
+def test_stale_backlog_properties_on_the_input_are_replaced() -> None:
+    original = ServiceBusMessage(b"x", application_properties={"x-ms-sessionid": "stale", b"x-ms-path": "stale"})
+    received = receive(to_backlog(original, "orders"))
+    assert text_properties(received.application_properties) == {X_MS_PATH: "orders"}
+
+
+def test_every_x_ms_property_and_broker_annotation_is_removed() -> None:
+    original = full_message(application_properties={"x-ms-extra": "1", "keep": "yes"})
+    restored = from_backlog(receive(to_backlog(original, "orders")), now=ENQUEUED)
+    assert restored.message is not None
+    assert restored.message.application_properties == {"keep": "yes"}
+    annotation_keys = {bytes(k).decode() if isinstance(k, bytes) else k for k in restored.message.raw_amqp_message.annotations}
+    assert annotation_keys == {"x-opt-partition-key", "x-opt-scheduled-enqueue-time"}
+
+
+def test_a_received_message_can_be_forwarded_to_the_backlog() -> None:
+    received = receive(full_message())  # bytes keys and values, broker annotations
+    in_backlog = receive(to_backlog(received, "orders"))
+    restored = from_backlog(in_backlog, now=ENQUEUED)
+    assert restored.message is not None
+    assert restored.message.message_id == "m-1"
+    assert restored.message.session_id == "session-1"
+    assert restored.message.application_properties["tenant"] == "eu"
+
+
+def backlog_message(**properties: Any) -> ServiceBusReceivedMessage:
+    return receive(ServiceBusMessage(b"payload", message_id="bad-1", application_properties=properties))
+
+
+@pytest.mark.parametrize(
+    ("properties", "reason"),
+    [
+        ({}, "x-ms-path missing or not a string"),
+        ({X_MS_PATH: 5}, "x-ms-path missing or not a string"),
+        ({X_MS_PATH: ""}, "x-ms-path missing or not a string"),
+        ({X_MS_PATH: "orders", X_MS_TIME_TO_LIVE: "60000"}, "x-ms-timetolive is not an int64 number of milliseconds"),
+        ({X_MS_PATH: "orders", X_MS_TIME_TO_LIVE: 1.5}, "x-ms-timetolive is not an int64 number of milliseconds"),
+        ({X_MS_PATH: "orders", X_MS_TIME_TO_LIVE: -5}, "x-ms-timetolive is not a positive int64 number of milliseconds"),
+        ({X_MS_PATH: "orders", X_MS_SESSION_ID: 42}, "x-ms-sessionid is not a string"),
+        ({X_MS_PATH: "orders", X_MS_SESSION_ID: "s" * 129}, "x-ms-sessionid is longer than 128 characters"),
+        ({X_MS_PATH: "orders", X_MS_PARTITION_KEY: True}, "x-ms-partitionkey is not a string"),
+        ({X_MS_PATH: "orders", X_MS_SCHEDULED_ENQUEUE_TIME: "tomorrow"}, "x-ms-scheduledenqueuetimeutc is not a UTC timestamp"),
+        ({X_MS_PATH: "orders", X_MS_SESSION_ID: "a", X_MS_PARTITION_KEY: "b"}, "x-ms-partitionkey differs from x-ms-sessionid"),
+    ],
+    ids=["path-missing", "path-int", "path-empty", "ttl-string", "ttl-float", "ttl-negative", "session-int",
+         "session-long", "partition-bool", "schedule-string", "partition-vs-session"],
+)
+def test_each_bad_property_is_dead_lettered_with_a_reason_naming_it(properties: dict[str, Any], reason: str) -> None:
+    restored = from_backlog(backlog_message(**properties), now=ENQUEUED)
+    assert restored.status is RestoreStatus.INVALID
+    assert restored.reason == reason
+    assert restored.message is None
+    assert restored.description
+
+
+def test_a_ttl_beyond_the_amqp_header_range_is_restored_as_no_ttl() -> None:
+    # .NET's TimeSpan.MaxValue in ms: the AMQP header ttl (uint) cannot carry it; the entity default applies
+    in_backlog = backlog_message(**{X_MS_PATH: "orders", X_MS_TIME_TO_LIVE: amqp_long_value(922337203685477)})
+    restored = from_backlog(in_backlog, now=ENQUEUED + dt.timedelta(days=1))
+    assert restored.message is not None and restored.message.time_to_live is None
+    receive(restored.message)  # and the SDK can send it
+
+
+def test_restoring_a_message_built_in_process_accepts_its_own_types() -> None:
+    restored = from_backlog(to_backlog(full_message(), "orders"), now=ENQUEUED, backlog_enqueued_time=ENQUEUED)
+    assert restored.message is not None
+    assert restored.message.time_to_live == dt.timedelta(minutes=10)
+    assert restored.message.scheduled_enqueue_time_utc == SCHEDULED
+
+
+def test_message_size_is_what_the_sdk_batch_counts() -> None:
+    for message in (full_message(), full_message(b"x" * 1000), to_backlog(full_message(), "orders")):
+        size = message_size(message)
+        batch = ServiceBusMessageBatch(max_size_in_bytes=1024 * 1024)
+        before = batch.size_in_bytes
+        batch.add_message(message)
+        assert batch.size_in_bytes - before == size + (5 if size < 256 else 8)
+    original = full_message()
+    assert message_size(to_backlog(original, "orders")) > message_size(original)
+
+
+def test_pings_are_recognised_after_the_wire() -> None:
+    ping = ping_message(session_id="any")
+    assert ping.content_type == PING_CONTENT_TYPE
+    assert ping.time_to_live == dt.timedelta(seconds=1)
+    assert ping.session_id == "any" and ping.message_id
+    assert is_ping(ping) and is_ping(receive(ping))
+    assert not is_ping(full_message()) and not is_ping(receive(full_message()))
+
+
+def test_to_backlog_needs_an_entity() -> None:
+    with pytest.raises(ValueError, match="entity"):
+        to_backlog(full_message(), "")
