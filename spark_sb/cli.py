@@ -15,6 +15,8 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
     start = esub.add_parser("start", help="run namespaces in the foreground until SIGINT/SIGTERM")
     start.add_argument("--data-dir", default="data/emulator",
                        help="where messages and entities are stored (default: %(default)s)")
+    start.add_argument("--in-memory", action="store_true",
+                       help="keep messages in memory only (nothing survives a restart); for comparisons")
     start.add_argument("--namespace", action="append", default=[], metavar="NAME=AMQP_PORT:ADMIN_PORT",
                        help="a namespace to serve; repeatable; port 0 picks a free port "
                             "(default: primary=5672:5300 and secondary=5673:5301)")
@@ -50,7 +52,8 @@ def _emulator(args: argparse.Namespace) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         try:
             namespaces = [server.NamespaceOptions.parse(t) for t in args.namespace] or list(server.DEFAULT_NAMESPACES)
-            return server.run_foreground(namespaces, args.data_dir, args.entities, args.status_file)
+            data_dir = None if args.in_memory else args.data_dir
+            return server.run_foreground(namespaces, data_dir, args.entities, args.status_file)
         except (ValueError, EntityConfigError, OSError) as err:
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2

@@ -239,6 +239,11 @@ class NamespaceServer(Handler):
             self._try_session_attach(link)
         event.container.schedule(self.tick_interval, self)
 
+    def stats(self) -> dict[str, Any]:
+        """Open connections and attached entity links, for monitoring and the benchmark."""
+        links = sum(len(v) for v in self._links_by_path.values())
+        return {"namespace": self.name, "connections": len(self._connections), "entity_links": links}
+
     # ------------------------------------------------------------------ faults
     def fault(self, kind: str, entity: str | None = None, duration: float | None = None) -> None:
         if kind not in FAULT_KINDS:

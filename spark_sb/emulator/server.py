@@ -238,6 +238,8 @@ def _control(server: NamespaceServer) -> Callable[[str, str, dict], tuple[int, d
         if method == "GET" and op == "faults":
             faults = server.call(lambda: {k or "": asdict(v) for k, v in server.faults.items()})
             return 200, {"namespace": server.name, "faults": faults}
+        if method == "GET" and op == "stats":
+            return 200, server.call(server.stats)
         return 404, {"error": f"unknown control endpoint {method} {path}"}
 
     return handle
@@ -291,15 +293,16 @@ class EmulatorProcess:
     def start(
         cls,
         *,
-        data_dir: str | Path,
+        data_dir: str | Path | None,
         namespaces: Sequence[NamespaceOptions] = DEFAULT_NAMESPACES,
         entities: str | Path | None = None,
         timeout: float = 30.0,
         log_file: str | Path | None = None,
     ) -> EmulatorProcess:
+        """``data_dir=None`` keeps messages in memory only."""
         status = Path(tempfile.mkdtemp(prefix="sb-emu-")) / "status.json"
-        args = [sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--data-dir", str(data_dir),
-                "--status-file", str(status)]
+        store = ["--in-memory"] if data_dir is None else ["--data-dir", str(data_dir)]
+        args = [sys.executable, "-m", "spark_sb.cli", "emulator", "start", *store, "--status-file", str(status)]
         for n in namespaces:
             args += ["--namespace", f"{n.name}={n.amqp_port}:{n.admin_port}"]
         if entities is not None:
@@ -369,7 +372,7 @@ class EmulatorProcess:
 
 def run_foreground(
     namespaces: Sequence[NamespaceOptions],
-    data_dir: str | Path,
+    data_dir: str | Path | None,
     entities: str | Path | None,
     status_file: str | Path | None,
     out: Any = sys.stdout,
