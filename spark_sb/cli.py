@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -22,6 +24,11 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                             "(default: primary=5672:5300 and secondary=5673:5301)")
     start.add_argument("--entities", metavar="FILE", help="YAML/JSON file of queues, topics and subscriptions "
                                                           "to create in every namespace")
+    start.add_argument("--key-name", default="RootManageSharedAccessKey",
+                       help="shared access key name of every namespace (default: %(default)s)")
+    start.add_argument("--key-env", metavar="VAR", default="SPARK_SB_EMULATOR_KEY",
+                       help="environment variable holding the shared access key (default: %(default)s; "
+                            "unset: SAS_KEY_VALUE, as Microsoft's emulator)")
     start.add_argument("--status-file", metavar="FILE", help=argparse.SUPPRESS)
     start.add_argument("-v", "--verbose", action="store_true", help="log every connection and fault")
 
@@ -52,6 +59,8 @@ def _emulator(args: argparse.Namespace) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         try:
             namespaces = [server.NamespaceOptions.parse(t) for t in args.namespace] or list(server.DEFAULT_NAMESPACES)
+            key = os.environ.get(args.key_env) or server.DEFAULT_KEY
+            namespaces = [dataclasses.replace(n, key_name=args.key_name, key=key) for n in namespaces]
             data_dir = None if args.in_memory else args.data_dir
             return server.run_foreground(namespaces, data_dir, args.entities, args.status_file)
         except (ValueError, EntityConfigError, OSError) as err:

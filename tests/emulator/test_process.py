@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -49,6 +50,19 @@ def test_start_prints_one_connection_string_per_namespace_and_stops_on_sigterm(t
         assert "SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=SAS_KEY_VALUE" in conn
         assert conn.endswith("UseDevelopmentEmulator=true")
     assert proc.returncode == 0
+
+
+def test_a_configured_key_replaces_the_default_one(tmp_path) -> None:
+    env = {**os.environ, "SPARK_SB_EMULATOR_KEY": "s3cret-key"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory", "--namespace", "p=0:0",
+         "--key-name", "sender"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        conn = proc.stdout.readline().strip().split(" ", 1)[1]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert "SharedAccessKeyName=sender;SharedAccessKey=s3cret-key;" in conn
 
 
 def test_a_bad_entities_file_is_a_clear_cli_error(tmp_path) -> None:
