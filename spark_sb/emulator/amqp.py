@@ -663,11 +663,7 @@ class NamespaceServer(Handler):
                 else:
                     self.broker.abandon(path, token, _annotations(remote.annotations))
             elif state == Delivery.RELEASED:
-                release = getattr(self.broker, "release", None)
-                if release is not None:
-                    release(path, token)
-                else:
-                    self.broker.abandon(path, token)
+                self.broker.release(path, token)
             else:
                 return
         except BrokerError as err:

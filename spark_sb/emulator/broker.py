@@ -1254,6 +1254,19 @@ class Broker:
             self._release(box, msg, now, abandoned=True)
         self._flush()
 
+    def release(self, path: str, lock_token: uuid.UUID) -> None:
+        """The client gave back a message it never processed (AMQP ``released``: prefetched messages of a
+        closing receiver). Unlike abandon this is not a delivery attempt: the count is taken back."""
+        now = self._clock()
+        box = self._box(path)
+        msg = self._locked(box, lock_token, now)
+        with self._store.transaction():
+            msg.delivery_count = max(0, msg.delivery_count - 1)
+            self._store.update_messages([msg])
+            self._unlock(msg)
+            self._release(box, msg, now, abandoned=False)
+        self._flush()
+
     def defer(self, path: str, lock_token: uuid.UUID) -> None:
         """The message becomes DEFERRED: never delivered by receive, only by receive_deferred."""
         box = self._box(path)

@@ -107,6 +107,26 @@ def test_abandon_redelivers_with_incremented_delivery_count_then_dead_letters(
     assert d.dead_letter_reason == "MaxDeliveryCountExceeded"
 
 
+def test_prefetched_messages_released_by_a_closing_receiver_are_not_counted_as_deliveries(
+    client: ServiceBusClient, make_queue
+) -> None:
+    q = make_queue(max_delivery_count=1)
+    with client.get_queue_sender(q) as s:
+        s.send_messages([ServiceBusMessage(f"r{i}", message_id=f"r{i}") for i in range(20)])
+    for _ in range(3):  # each receiver prefetches, takes one, and closes
+        with client.get_queue_receiver(q, prefetch_count=20) as r:
+            (m,) = r.receive_messages(max_message_count=1, max_wait_time=2)
+            r.complete_message(m)
+    with client.get_queue_receiver(q) as r:
+        rest = []
+        while batch := r.receive_messages(max_message_count=20, max_wait_time=2):
+            rest.extend(batch)
+            for m in batch:
+                r.complete_message(m)
+    assert len(rest) == 17  # none dead-lettered by the release churn
+    assert all(m.delivery_count == 0 for m in rest)
+
+
 def test_dead_letter_with_reason_and_description(client: ServiceBusClient, make_queue) -> None:
     q = make_queue()
     with client.get_queue_sender(q) as s:
