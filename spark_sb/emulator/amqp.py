@@ -171,7 +171,11 @@ class NamespaceServer(Handler):
     def on_reactor_init(self, event: Any) -> None:
         try:
             self._acceptor = event.container.acceptor(self.host, self.port)
-            self.port = self._acceptor._selectable._delegate.getsockname()[1]
+            sock = self._acceptor._selectable._delegate
+            # Proton listens with a backlog of 10: a burst of clients connecting at once (a Spark job's
+            # executors) would see dropped SYNs and the SDK's connect timeout. Widen it.
+            sock.listen(1024)
+            self.port = sock.getsockname()[1]
         except BaseException as err:  # noqa: BLE001
             self._start_error = OSError(f"namespace {self.name}: cannot listen on {self.host}:{self.port}: {err}")
             self._ready.set()
@@ -679,7 +683,7 @@ class NamespaceServer(Handler):
         msg = Message()
         msg.decode(data)
         self._settle_ok(dlv)
-        props = {str(k): v for k, v in (msg.properties or {}).items()}
+        props = _str_keys(msg.properties)
         audience = str(props.get("name", ""))
         token = msg.body.decode() if isinstance(msg.body, bytes) else str(msg.body)
         status, text = 202, "Accepted"
@@ -711,7 +715,7 @@ class NamespaceServer(Handler):
         msg.decode(data)
         self._settle_ok(dlv)
         node = entity_path(link.remote_target.address)[: -len(MGMT_SUFFIX)]
-        props = {str(k): v for k, v in (msg.properties or {}).items()}
+        props = _str_keys(msg.properties)
         operation = str(props.get("operation", ""))
         body = msg.body if isinstance(msg.body, dict) else {}
         body = {str(k): v for k, v in body.items()}
@@ -860,6 +864,10 @@ def _has_attr(obj: Any, name: str) -> bool:
         return name in obj.__dict__["_attrs"]
     except (KeyError, TypeError):
         return False
+
+
+def _str_keys(mapping: Any) -> dict[str, Any]:
+    return {str(k): v for k, v in dict(mapping or {}).items()}
 
 
 def _opt_str(v: Any) -> str | None:

@@ -161,8 +161,8 @@ def incoming(raw: bytes) -> Incoming:
         m.decode(raw)
     except Exception as err:  # noqa: BLE001 - proton raises its own error types
         raise MalformedMessage(f"cannot decode AMQP message: {err}") from err
-    ann = m.annotations or {}
-    props = m.properties or {}
+    ann: dict[Any, Any] = dict(m.annotations or {})
+    props: dict[Any, Any] = dict(m.properties or {})
     ttl = m.ttl if m.ttl else None
     return Incoming(
         raw=bytes(raw),

@@ -201,7 +201,9 @@ class _BrokerProxy:
 def _apply_entities(broker: Broker, entities: model.EntitiesFile) -> None:
     """Create what the entities file describes and the store does not hold yet. Existing entities keep
     their stored description (the admin API may have changed them)."""
-    for spec in [*entities.queues, *entities.topics, *entities.subscriptions]:
+    specs: list[model.QueueSpec | model.TopicSpec | model.SubscriptionSpec] = [
+        *entities.queues, *entities.topics, *entities.subscriptions]
+    for spec in specs:
         try:
             broker.create_entity(spec)
         except BrokerError as err:

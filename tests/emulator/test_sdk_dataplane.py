@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import datetime as dt
+import threading
 import time
-import uuid
 
 import pytest
 from azure.servicebus import (
@@ -23,6 +23,7 @@ from azure.servicebus.exceptions import (
 )
 
 from spark_sb.emulator.model import RuleSpec
+from spark_sb.emulator.server import send_control
 
 
 def _utc(seconds_from_now: float) -> dt.datetime:
@@ -322,24 +323,33 @@ def test_topic_fans_out_to_matching_subscriptions(client: ServiceBusClient, make
     assert got == {"all": ["eu-normal", "us-urgent"], "eu": ["eu-normal"], "urgent": ["us-urgent"], "sql": ["us-urgent"]}
 
 
-def test_many_concurrent_clients_are_served(primary, make_queue) -> None:
+def test_many_concurrent_clients_are_served_at_once(primary, make_queue) -> None:
     q = make_queue()
-    clients = [ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) for _ in range(20)]
-    senders = [c.get_queue_sender(q) for c in clients]
-    try:
-        for i, s in enumerate(senders):
-            s.send_messages(ServiceBusMessage(str(i), message_id=str(uuid.uuid4())))
-    finally:
-        for s in senders:
-            s.close()
-        for c in clients:
-            c.close()
+    n = 25
+    all_open = threading.Barrier(n + 1, timeout=120)
+    may_close = threading.Event()
+    sent = []
+
+    def work(i: int) -> None:
+        with ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) as c:
+            with c.get_queue_sender(q) as s:
+                s.send_messages(ServiceBusMessage(str(i)))
+                sent.append(i)
+                all_open.wait()
+                may_close.wait(60)  # hold the connection until the emulator has been asked
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    all_open.wait()
+    peak = send_control(primary.admin_url, "stats")["connections"]
+    may_close.set()
+    for t in threads:
+        t.join(60)
+    assert peak >= n
     with ServiceBusClient.from_connection_string(primary.connection_string) as c:
         with c.get_queue_receiver(q, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as r:
             got = []
-            while len(got) < 20:
-                batch = r.receive_messages(max_message_count=20, max_wait_time=2)
-                if not batch:
-                    break
+            while batch := r.receive_messages(max_message_count=n, max_wait_time=2):
                 got.extend(batch)
-    assert sorted(int(str(m)) for m in got) == list(range(20))
+    assert sorted(int(str(m)) for m in got) == list(range(n))
