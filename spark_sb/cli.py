@@ -43,11 +43,77 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
     heal.add_argument("--entity", metavar="PATH", help="heal only this entity's fault (default: all)")
 
 
+def _paired_parsers(sub: argparse._SubParsersAction) -> None:
+    provision = sub.add_parser("provision", help="create the missing backlog queues on the secondary and print "
+                                                 "the usable count")
+    provision.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
+    status = sub.add_parser("status", help="backlog queue message counts, and the health of the entities this "
+                                           "process has seen (none for a fresh process)")
+    status.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spark-sb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _emulator_parser(sub)
+    _paired_parsers(sub)
     return parser
+
+
+def _provision(args: argparse.Namespace) -> int:
+    from .paired import PairedSender
+
+    with PairedSender.from_config(args.conf) as sender:
+        count = sender.pair()
+    print(count)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    """Per backlog queue: active and dead-letter counts from the secondary's runtime properties. Entity health
+    lives in the memory of the process that sends; this command's own process has sent nothing, so it lists
+    the entities of its own boards only (none, for a fresh process)."""
+    from .paired import PairedSender
+    from .paired.health import all_boards
+
+    with PairedSender.from_config(args.conf) as sender:
+        sa = sender.config.send_availability
+        wanted = sa.backlog_queue_names()
+        client = sender.admin_client()
+        try:
+            found = {props.name: props for props in client.list_queues_runtime_properties()
+                     if props.name in wanted or props.name.startswith(f"{sa.backlog_prefix}/")}
+        finally:
+            client.close()
+    width = max(len(name) for name in [*wanted, *found, "backlog queue"])
+    print(f"{'backlog queue':<{width}}  {'active':>8}  {'dead-letter':>11}")
+    for name in wanted + sorted(set(found) - set(wanted)):
+        props = found.get(name)
+        if props is None:
+            print(f"{name:<{width}}  {'missing':>8}  {'-':>11}")
+        else:
+            note = "" if name in wanted else "  (not a backlog queue of this configuration: never used)"
+            print(f"{name:<{width}}  {props.active_message_count:>8}  {props.dead_letter_message_count:>11}{note}")
+    entities = {entity: state for board in all_boards().values() for entity, state in board.snapshot().items()}
+    if not entities:
+        print("entities: none seen by this process (health is kept per sending process)")
+    for entity, state in sorted(entities.items()):
+        print(f"entity {entity}: {state}")
+    return 0
+
+
+def _paired(args: argparse.Namespace) -> int:
+    from .errors import SparkSbError, classify, redact
+
+    try:
+        return _provision(args) if args.command == "provision" else _status(args)
+    except SparkSbError as err:
+        print(f"spark-sb {args.command}: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # a Service Bus or HTTP failure: one line, no traceback
+        first_line = (redact(str(err)).splitlines() or [type(err).__name__])[0]
+        print(f"spark-sb {args.command}: {classify(err).value}: {first_line}", file=sys.stderr)
+        return 1
 
 
 def _emulator(args: argparse.Namespace) -> int:
@@ -85,6 +151,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "emulator":
         return _emulator(args)
+    if args.command in ("provision", "status"):
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        return _paired(args)
     return 2
 
 

@@ -375,6 +375,9 @@ class NamespaceConfig:
     fully_qualified_namespace: str
     connection_string: ConnectionString | None = None
     credential_config: CredentialConfig | None = None
+    #: the emulator's admin REST endpoint (``http://host:port``) for provisioning; only with an emulator
+    #: connection string (``UseDevelopmentEmulator=true``). ``None``: ``http://<Endpoint host>:5300``.
+    admin_endpoint: str | None = None
 
     @property
     def host(self) -> str:
@@ -690,7 +693,10 @@ def _address_key(namespace: NamespaceConfig) -> str:
 def _namespace_dict(namespace: NamespaceConfig, secrets: bool) -> dict[str, Any]:
     if namespace.connection_string is not None:
         cs = namespace.connection_string
-        return {"connection_string": cs.reveal() if secrets else cs.redacted()}
+        shown: dict[str, Any] = {"connection_string": cs.reveal() if secrets else cs.redacted()}
+        if namespace.admin_endpoint is not None:
+            shown["admin_endpoint"] = namespace.admin_endpoint
+        return shown
     out: dict[str, Any] = {"fully_qualified_namespace": namespace.fully_qualified_namespace}
     if namespace.credential_config is not None:
         cred = namespace.credential_config
@@ -792,7 +798,7 @@ def _section(data: Mapping[str, Any], name: str, required: bool = False) -> Mapp
     return value
 
 
-_NAMESPACE_KEYS = ["connection_string", "fully_qualified_namespace", "credential"]
+_NAMESPACE_KEYS = ["connection_string", "fully_qualified_namespace", "credential", "admin_endpoint"]
 _CREDENTIAL_KEYS = ["type", "tenant_id", "client_id", "client_secret"]
 
 
@@ -802,6 +808,27 @@ def _optional_str(value: Any, option: str, secret: bool = False) -> str | None:
     if not isinstance(value, str | int) or isinstance(value, bool):
         raise ConfigError(option, "must be a string", _REDACTED if secret else repr(value))
     return str(value)
+
+
+def _parse_admin_endpoint(value: Any, option: str, cs: ConnectionString) -> str | None:
+    """``http://host:port`` (scheme optional, ``http`` assumed), normalised; only for the emulator."""
+    if value is None:
+        return None
+    if not cs.use_development_emulator:
+        raise ConfigError(option, "only used with an emulator connection string (UseDevelopmentEmulator=true)",
+                          repr(value))
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(option, "must look like http://host:port", repr(value))
+    text = value.strip()
+    parsed = urlparse(text if "://" in text else f"http://{text}")
+    try:
+        port = parsed.port
+    except ValueError as err:
+        raise ConfigError(option, "has an invalid port", repr(value)) from err
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path.strip("/") or parsed.query:
+        raise ConfigError(option, "must look like http://host:port", repr(value))
+    del port  # validated above
+    return f"{parsed.scheme}://{parsed.netloc}"
 
 
 def _parse_namespace(data: Mapping[str, Any], path: str) -> NamespaceConfig:
@@ -817,7 +844,14 @@ def _parse_namespace(data: Mapping[str, Any], path: str) -> NamespaceConfig:
         address = cs.host
         if cs.use_development_emulator and cs.port is not None:
             address = f"{cs.host}:{cs.port}"
-        return NamespaceConfig(fully_qualified_namespace=address, connection_string=cs)
+        admin_endpoint = _parse_admin_endpoint(data.get("admin_endpoint"), f"{path}.admin_endpoint", cs)
+        return NamespaceConfig(fully_qualified_namespace=address, connection_string=cs, admin_endpoint=admin_endpoint)
+    if data.get("admin_endpoint") is not None:
+        raise ConfigError(
+            f"{path}.admin_endpoint",
+            "only used with an emulator connection string (UseDevelopmentEmulator=true)",
+            repr(data.get("admin_endpoint")),
+        )
     if raw_fqns is None:
         raise ConfigError(path, "needs connection_string, or fully_qualified_namespace with an optional credential")
     if not isinstance(raw_fqns, str) or not raw_fqns.strip():

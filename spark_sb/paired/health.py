@@ -1,0 +1,231 @@
+"""Per-process, per-entity send availability state, shared by every sender in the process ("all senders
+learn"; behaviour.md, "The paired sender").
+
+States of one entity::
+
+    healthy --outage--> failing (t0) --now - t0 >= failover_interval--> failed_over
+       ^                   |                                                |
+       +----success--------+                  <----ping succeeded-----------+
+
+* ``failover_interval`` 0 fails over on the first outage-class failure.
+* **fast re-failover**: after a successful ping returns an entity to healthy it is *on probation* until the
+  first successful primary send; an outage-class failure while on probation returns it to failed over at once,
+  without a new interval. (behaviour.md says "a failure right after failing back"; "right after" is defined
+  as "before the first successful primary send after failback".)
+* while failed over a ping is due every ``ping_primary_interval``, counted from the failover or the last ping;
+  :meth:`HealthBoard.claim_ping` hands it to exactly one caller.
+
+The board also keeps the backlog rotation of the process: the backlog queue each entity uses (chosen at random,
+kept until it fails) and the queues cooling down after a failed send.
+
+:func:`shared_board` returns the board for one pairing (primary, secondary, backlog prefix); the first sender
+that asks creates it, with its intervals and its clock. Every method is thread-safe.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from .retry import Clock
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = ["EntityState", "HealthBoard", "all_boards", "shared_board"]
+
+
+class EntityState(enum.Enum):
+    HEALTHY = "healthy"
+    FAILING = "failing"
+    FAILED_OVER = "failed_over"
+
+
+@dataclass
+class _Entity:
+    state: EntityState = EntityState.HEALTHY
+    failing_since: float | None = None
+    next_ping: float | None = None
+    pinging: bool = False
+    probation: bool = False
+    backlog_queue: str | None = None
+
+
+class HealthBoard:
+    """The state of every entity of one pairing in this process."""
+
+    def __init__(
+        self,
+        *,
+        failover_interval: float,
+        ping_interval: float,
+        backlog_cooldown: float,
+        clock: Clock,
+    ) -> None:
+        self.failover_interval = float(failover_interval)
+        self.ping_interval = float(ping_interval)
+        self.backlog_cooldown = float(backlog_cooldown)
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._entities: dict[str, _Entity] = {}
+        self._cooling: dict[str, float] = {}  # backlog queue -> back in the rotation at
+
+    def _entity(self, entity: str) -> _Entity:
+        found = self._entities.get(entity)
+        if found is None:
+            found = self._entities[entity] = _Entity()
+        return found
+
+    def _fail_over(self, entity: str, record: _Entity, now: float) -> None:
+        record.state = EntityState.FAILED_OVER
+        record.failing_since = None
+        record.probation = False
+        record.next_ping = now + self.ping_interval
+        _LOGGER.warning("entity %r failed over to the backlog; next ping in %.3g s", entity, self.ping_interval)
+
+    # --- the failover timer ----------------------------------------------------------------------------
+
+    def state(self, entity: str) -> EntityState:
+        """The current state, after applying the timer (a failing entity whose interval ran out is failed
+        over)."""
+        with self._lock:
+            record = self._entity(entity)
+            now = self.clock()
+            if (record.state is EntityState.FAILING and record.failing_since is not None
+                    and now - record.failing_since >= self.failover_interval):
+                self._fail_over(entity, record, now)
+            return record.state
+
+    def remaining(self, entity: str) -> float:
+        """Seconds until a failing entity fails over (0 when not failing or already due)."""
+        with self._lock:
+            record = self._entity(entity)
+            if record.state is not EntityState.FAILING or record.failing_since is None:
+                return 0.0
+            return max(0.0, record.failing_since + self.failover_interval - self.clock())
+
+    def record_success(self, entity: str) -> None:
+        """A primary send for ``entity`` succeeded: healthy, timer stopped, probation over."""
+        with self._lock:
+            record = self._entity(entity)
+            if record.state is not EntityState.HEALTHY:
+                _LOGGER.info("entity %r is healthy again", entity)
+            record.state = EntityState.HEALTHY
+            record.failing_since = None
+            record.probation = False
+            record.next_ping = None
+
+    def record_failure(self, entity: str) -> EntityState:
+        """An outage-class failure of a primary send for ``entity``; returns the new state."""
+        with self._lock:
+            record = self._entity(entity)
+            now = self.clock()
+            if record.state is EntityState.HEALTHY:
+                if record.probation or self.failover_interval <= 0:
+                    self._fail_over(entity, record, now)
+                else:
+                    record.state = EntityState.FAILING
+                    record.failing_since = now
+                    _LOGGER.warning("entity %r is failing; failover in %.3g s unless a send succeeds",
+                                    entity, self.failover_interval)
+            elif record.state is EntityState.FAILING:
+                if record.failing_since is None or now - record.failing_since >= self.failover_interval:
+                    self._fail_over(entity, record, now)
+            return record.state
+
+    # --- pings -----------------------------------------------------------------------------------------
+
+    def claim_ping(self, entity: str) -> bool:
+        """True for exactly one caller when ``entity`` is failed over and its ping is due; that caller must
+        report with :meth:`ping_result`."""
+        with self._lock:
+            record = self._entities.get(entity)
+            if record is None or record.state is not EntityState.FAILED_OVER or record.pinging:
+                return False
+            if record.next_ping is not None and self.clock() < record.next_ping:
+                return False
+            record.pinging = True
+            return True
+
+    def ping_result(self, entity: str, ok: bool) -> None:
+        with self._lock:
+            record = self._entity(entity)
+            record.pinging = False
+            if record.state is not EntityState.FAILED_OVER:
+                return
+            if ok:
+                record.state = EntityState.HEALTHY
+                record.failing_since = None
+                record.next_ping = None
+                record.probation = True
+                _LOGGER.info("ping to entity %r succeeded; failing back to the primary", entity)
+            else:
+                record.next_ping = self.clock() + self.ping_interval
+
+    def on_probation(self, entity: str) -> bool:
+        with self._lock:
+            return self._entity(entity).probation
+
+    # --- backlog rotation ------------------------------------------------------------------------------
+
+    def backlog_queue(self, entity: str, usable: Sequence[str], rng: random.Random,
+                      exclude: Sequence[str] = ()) -> str | None:
+        """The backlog queue ``entity`` uses: its current one while it stays in the rotation, else one picked
+        at random among the usable queues not cooling down (and not in ``exclude``); ``None`` when none is
+        left."""
+        with self._lock:
+            now = self.clock()
+            for queue, until in list(self._cooling.items()):
+                if until <= now:
+                    del self._cooling[queue]
+            record = self._entity(entity)
+            current = record.backlog_queue
+            if current is not None and current in usable and current not in self._cooling and current not in exclude:
+                return current
+            candidates = [q for q in usable if q not in self._cooling and q not in exclude]
+            if not candidates:
+                record.backlog_queue = None
+                return None
+            record.backlog_queue = rng.choice(candidates)
+            _LOGGER.info("entity %r now uses backlog queue %r", entity, record.backlog_queue)
+            return record.backlog_queue
+
+    def cool_down(self, queue: str) -> None:
+        """``queue`` failed a send: out of the rotation for every sender in the process for the cool-down."""
+        with self._lock:
+            self._cooling[queue] = self.clock() + self.backlog_cooldown
+            for record in self._entities.values():
+                if record.backlog_queue == queue:
+                    record.backlog_queue = None
+        _LOGGER.warning("backlog queue %r leaves the rotation for %.3g s", queue, self.backlog_cooldown)
+
+    def cooling(self) -> list[str]:
+        with self._lock:
+            now = self.clock()
+            return sorted(q for q, until in self._cooling.items() if until > now)
+
+    def snapshot(self) -> dict[str, str]:
+        """``{entity: state}`` for every entity seen by this board."""
+        with self._lock:
+            return {name: record.state.value for name, record in sorted(self._entities.items())}
+
+
+_BOARDS: dict[tuple[str, ...], HealthBoard] = {}
+_BOARDS_LOCK = threading.Lock()
+
+
+def shared_board(key: tuple[str, ...], factory: Callable[[], HealthBoard]) -> HealthBoard:
+    """The process-wide board for ``key``, created by ``factory`` on first use."""
+    with _BOARDS_LOCK:
+        board = _BOARDS.get(key)
+        if board is None:
+            board = _BOARDS[key] = factory()
+        return board
+
+
+def all_boards() -> dict[tuple[str, ...], HealthBoard]:
+    with _BOARDS_LOCK:
+        return dict(_BOARDS)

@@ -1,0 +1,114 @@
+"""Backoff strategies and a small ``Retry`` policy, after redis-py's ``Retry(backoff, retries)``.
+
+Time is injected: every object that waits takes a ``sleep`` callable, and the failover timer takes a
+``clock`` callable (seconds, monotonic), so tests run whole outages in milliseconds with a fake clock.
+The retry loop only repeats a call; deciding *whether* to fail over lives in :mod:`spark_sb.paired.health`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from typing import Protocol, TypeVar
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = [
+    "Backoff",
+    "Clock",
+    "ConstantBackoff",
+    "ExponentialBackoff",
+    "NoBackoff",
+    "Retry",
+    "Sleep",
+    "default_clock",
+    "default_sleep",
+]
+
+T = TypeVar("T")
+
+Clock = Callable[[], float]
+Sleep = Callable[[float], object]
+
+default_clock: Clock = time.monotonic
+default_sleep: Sleep = time.sleep
+
+
+class Backoff(Protocol):
+    def compute(self, failures: int) -> float:
+        """Seconds to wait after the ``failures``-th consecutive failure (1-based)."""
+        ...
+
+
+class NoBackoff:
+    def compute(self, failures: int) -> float:
+        return 0.0
+
+    def __repr__(self) -> str:
+        return "NoBackoff()"
+
+
+class ConstantBackoff:
+    def __init__(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError(f"backoff must be at least 0 s, got {seconds}")
+        self.seconds = float(seconds)
+
+    def compute(self, failures: int) -> float:
+        return self.seconds
+
+    def __repr__(self) -> str:
+        return f"ConstantBackoff({self.seconds:g})"
+
+
+class ExponentialBackoff:
+    """``base * 2**(failures-1)`` capped at ``cap``; with ``jitter`` a random value in [half, full]."""
+
+    def __init__(self, base: float = 0.5, cap: float = 10.0, *, jitter: bool = False,
+                 rng: random.Random | None = None) -> None:
+        if base < 0 or cap < base:
+            raise ValueError(f"need 0 <= base <= cap, got base={base}, cap={cap}")
+        self.base = float(base)
+        self.cap = float(cap)
+        self.jitter = jitter
+        self._rng = rng or random.Random()
+
+    def compute(self, failures: int) -> float:
+        exponent = min(max(failures, 1) - 1, 62)
+        value = min(self.cap, self.base * (2**exponent))
+        if self.jitter:
+            value = self._rng.uniform(value / 2, value)
+        return value
+
+    def __repr__(self) -> str:
+        return f"ExponentialBackoff(base={self.base:g}, cap={self.cap:g}, jitter={self.jitter})"
+
+
+class Retry:
+    """Call a function up to ``retries`` times in all, waiting ``backoff`` between failed attempts, as long
+    as ``retryable(exc)`` says the failure may pass."""
+
+    def __init__(self, backoff: Backoff, retries: int, *, sleep: Sleep = default_sleep) -> None:
+        if retries < 1:
+            raise ValueError(f"retries must be at least 1 (the first attempt), got {retries}")
+        self.backoff = backoff
+        self.retries = retries
+        self._sleep = sleep
+
+    def call(self, func: Callable[[], T], retryable: Callable[[BaseException], bool]) -> T:
+        failures = 0
+        while True:
+            try:
+                return func()
+            except Exception as exc:
+                failures += 1
+                if failures >= self.retries or not retryable(exc):
+                    raise
+                delay = self.backoff.compute(failures)
+                _LOGGER.debug("attempt %d failed (%s); retrying in %.3f s", failures, type(exc).__name__, delay)
+                self._sleep(delay)
+
+    def __repr__(self) -> str:
+        return f"Retry({self.backoff!r}, retries={self.retries})"

@@ -1,0 +1,576 @@
+"""The paired sender: send to the primary; through an outage keep retrying inside the failover interval, then
+send to a backlog queue on the secondary until a ping shows the primary accepts messages again
+(behaviour.md, "The paired sender").
+
+Choices where behaviour.md is silent (also in the report):
+
+* the SDK senders are cached per entity (opening one costs a round trip); one lock per (namespace, entity)
+  serialises their use, because an SDK sender is not thread-safe;
+* messages are sent in ``ServiceBusMessageBatch``es built before anything is sent: a message that does not
+  fit an empty batch (or, rewritten, a backlog batch) is rejected with :class:`BadMessageError` and nothing
+  of that call is sent;
+* pings run on the calling thread, when a send finds one due (no background thread);
+* :meth:`PairedSender.send` pairs first when :meth:`PairedSender.pair` was not called;
+* a ``ServiceBusConnectionError`` (the SDK shut its connection down) on either side closes both sides'
+  clients (in a helper thread, within 5 s) and both are rebuilt on next use;
+* any failure of a backlog send except a bad message takes that queue out of the rotation; the secondary's
+  clients do not retry by themselves either (``retry_total`` 0, ``try_timeout`` = ``primary_try_timeout``):
+  the rotation is the retry, and a failed send surfaces as :class:`BacklogUnavailableError` for the caller;
+* topics are sent to with ``get_queue_sender`` (an AMQP sender only needs the entity path).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from azure.core.exceptions import ResourceExistsError
+from azure.servicebus import ServiceBusMessage
+from azure.servicebus.exceptions import MessageSizeExceededError, ServiceBusConnectionError, ServiceBusError
+
+from .. import messages as msgs
+from ..config import NamespaceConfig, SparkSbConfig, load_config
+from ..errors import (
+    BacklogUnavailableError,
+    BadMessageError,
+    ErrorClass,
+    PairingError,
+    as_spark_sb_error,
+    classify,
+    redact,
+)
+from .health import EntityState, HealthBoard, shared_board
+from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, Sleep
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = ["PRIMARY", "PairedSender", "SendResult"]
+
+#: the destination name of the primary entity in a :class:`SendResult`
+PRIMARY = "primary"
+CLOSE_TIMEOUT = 5.0
+#: a ping is scheduled this far ahead and cancelled at once: nobody can ever receive it
+PING_SCHEDULE_AHEAD = timedelta(days=365)
+#: TimeSpan.MaxValue, "the maximum" for DefaultMessageTimeToLive and AutoDeleteOnIdle
+MAX_TIMESPAN = timedelta(days=10675199, hours=2, minutes=48, seconds=5, microseconds=477580)
+BACKLOG_QUEUE_PROPERTIES: Mapping[str, Any] = {
+    "max_size_in_megabytes": 5120,
+    "max_delivery_count": 2147483647,
+    "default_message_time_to_live": MAX_TIMESPAN,
+    "auto_delete_on_idle": MAX_TIMESPAN,
+    "lock_duration": timedelta(minutes=1),
+    "dead_lettering_on_message_expiration": True,
+    "enable_batched_operations": True,
+}
+
+
+@dataclass(frozen=True)
+class SendResult:
+    """Where one :meth:`PairedSender.send` call's messages went.
+
+    :ivar entity: the entity on the primary.
+    :ivar destinations: ``{"primary" or backlog queue name: count}``.
+    """
+
+    entity: str
+    destinations: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def sent(self) -> int:
+        return sum(self.destinations.values())
+
+    @property
+    def primary(self) -> int:
+        return self.destinations.get(PRIMARY, 0)
+
+    @property
+    def backlog(self) -> int:
+        return self.sent - self.primary
+
+    @property
+    def destination(self) -> str | None:
+        """The only destination, or ``None`` when there were several (or none)."""
+        return next(iter(self.destinations)) if len(self.destinations) == 1 else None
+
+
+class _Partial(Exception):
+    """A send that failed after ``sent`` messages of the call were accepted."""
+
+    def __init__(self, sent: int, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.sent = sent
+        self.error = error
+
+
+class _Side:
+    """One namespace's ``ServiceBusClient`` and its cached SDK senders (built lazily, rebuilt after reset)."""
+
+    def __init__(self, name: str, namespace: NamespaceConfig, client_kwargs: Mapping[str, Any]) -> None:
+        self.name = name
+        self.namespace = namespace
+        self._client_kwargs = dict(client_kwargs)
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._senders: dict[str, Any] = {}
+        self._entity_locks: dict[str, threading.Lock] = {}
+        self.closed = False
+
+    @contextmanager
+    def sender(self, entity: str) -> Iterator[Any]:
+        with self._lock:
+            entity_lock = self._entity_locks.setdefault(entity, threading.Lock())
+        with entity_lock:
+            with self._lock:
+                if self.closed:
+                    raise RuntimeError("this PairedSender is closed")
+                sdk_sender = self._senders.get(entity)
+                if sdk_sender is None:
+                    if self._client is None:
+                        _LOGGER.debug("opening a client for the %s namespace %s", self.name,
+                                      self.namespace.fully_qualified_namespace)
+                        self._client = self.namespace.client(**self._client_kwargs)
+                    sdk_sender = self._senders[entity] = self._client.get_queue_sender(entity)
+            yield sdk_sender
+
+    def detach(self, *, final: bool = False) -> list[Any]:
+        """Forget the client and senders; returns what must be closed (senders first, then the client).
+        ``final``: no client is built any more (a send racing with close() fails instead of reopening)."""
+        with self._lock:
+            self.closed = self.closed or final
+            handles = list(self._senders.values())
+            if self._client is not None:
+                handles.append(self._client)
+            self._senders = {}
+            self._client = None
+            return handles
+
+
+def _close_all(handles: Sequence[Any]) -> None:
+    for handle in handles:
+        try:
+            handle.close()
+        except Exception as exc:  # closing a broken handler: nothing left to do but say so
+            _LOGGER.debug("closing %s failed: %s", type(handle).__name__, redact(str(exc)))
+
+
+def _message_id(message: ServiceBusMessage) -> object:
+    try:
+        return message.message_id
+    except Exception:  # a message without properties
+        return None
+
+
+class PairedSender:
+    """Send to an entity of the primary namespace, failing over to backlog queues on the secondary.
+
+    Build it with :meth:`from_config`; use it as a context manager or call :meth:`close`. Thread-safe: one
+    instance may be shared by every thread of the process, and every instance of the same pairing in the
+    process shares the entity states (see :mod:`spark_sb.paired.health`).
+    """
+
+    def __init__(
+        self,
+        config: SparkSbConfig,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = time.sleep,
+        rng: random.Random | None = None,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.config = config
+        sa = config.send_availability
+        self._sa = sa
+        self._clock = clock
+        self._sleep = sleep
+        self._rng = rng if rng is not None else random.Random()
+        #: the wait between primary attempts inside the failover interval
+        self._backoff = backoff if backoff is not None else ExponentialBackoff(0.5, 10.0)
+        self._busy_backoff = sa.server_busy_backoff.total_seconds()
+        self._primary = _Side("primary", config.primary, sa.primary_client_kwargs())
+        # the rotation, not the SDK, retries a failed backlog send: no SDK retries on the secondary either
+        self._secondary = _Side("secondary", config.secondary,
+                                {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()})
+        key = (config.primary.fully_qualified_namespace.lower(), config.secondary.fully_qualified_namespace.lower(),
+               sa.backlog_prefix)
+        self.board: HealthBoard = shared_board(key, lambda: HealthBoard(
+            failover_interval=sa.failover_interval.total_seconds(),
+            ping_interval=sa.ping_primary_interval.total_seconds(),
+            backlog_cooldown=sa.backlog_cooldown.total_seconds(),
+            clock=clock,
+        ))
+        self._usable: tuple[str, ...] | None = None
+        self._pair_lock = threading.Lock()
+        self._state_lock = threading.Lock()
+        self._session_entities: set[str] = set()
+        self._closers: list[threading.Thread] = []
+        self._closed = False
+        self._saw_connection_error = False
+
+    @classmethod
+    def from_config(
+        cls,
+        source: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConfig,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = time.sleep,
+        rng: random.Random | None = None,
+        backoff: Backoff | None = None,
+    ) -> PairedSender:
+        """From a YAML path, a dict or a :class:`SparkSbConfig`. Nothing connects until :meth:`pair` or the
+        first :meth:`send`; a wrong option raises :class:`~spark_sb.errors.ConfigError` here."""
+        return cls(load_config(source), clock=clock, sleep=sleep, rng=rng, backoff=backoff)
+
+    def __repr__(self) -> str:
+        return (f"PairedSender(primary={self.config.primary.fully_qualified_namespace!r}, "
+                f"secondary={self.config.secondary.fully_qualified_namespace!r}, "
+                f"prefix={self._sa.backlog_prefix!r})")
+
+    def __enter__(self) -> PairedSender:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # --- pairing -------------------------------------------------------------------------------------------
+
+    @property
+    def backlog_queues(self) -> tuple[str, ...]:
+        """The usable backlog queues (empty before pairing)."""
+        return self._usable or ()
+
+    @property
+    def backlog_queue_count(self) -> int:
+        """The usable backlog queue count after pairing (0 before)."""
+        return len(self.backlog_queues)
+
+    def admin_client(self, namespace: NamespaceConfig | None = None) -> Any:
+        """A ``ServiceBusAdministrationClient`` for ``namespace`` (default: the secondary). Close it."""
+        from ..admin import admin_client
+
+        ns = namespace or self.config.secondary
+        if ns.connection_string is not None:
+            return admin_client(ns.connection_string.reveal(), admin_endpoint=ns.admin_endpoint, retry_total=0)
+        return admin_client(fully_qualified_namespace=ns.fully_qualified_namespace, credential=ns.credential(),
+                            retry_total=0)
+
+    def pair(self) -> int:
+        """Provision the backlog queues on the secondary (behaviour.md, "Backlog queue provisioning") and
+        return the usable count. Raises :class:`PairingError` on zero usable queues or a rejected
+        credential."""
+        self._check_open()
+        with self._pair_lock:
+            usable = self._provision()
+            self._usable = tuple(usable)
+            return len(usable)
+
+    def _provision(self) -> list[str]:
+        sa = self._sa
+        secondary = self.config.secondary.fully_qualified_namespace
+        wanted = sa.backlog_queue_names()
+        retry = Retry(ConstantBackoff(sa.provision_retry_spacing.total_seconds()), sa.provision_retries,
+                      sleep=self._sleep)
+
+        def retryable(exc: BaseException) -> bool:
+            return classify(exc) in (ErrorClass.OUTAGE, ErrorClass.THROTTLED)
+
+        def credential_error(exc: BaseException, doing: str) -> PairingError:
+            return PairingError(redact(
+                f"secondary {secondary}: credential rejected while {doing} (the secondary's credential needs "
+                f"Manage rights): {exc}"))
+
+        try:
+            client = self.admin_client()
+        except ValueError as exc:
+            raise PairingError(f"secondary {secondary}: cannot build an administration client: {exc}") from exc
+        try:
+            existing: dict[str, Any] = {}
+            prefix = f"{sa.backlog_prefix}/"
+            try:
+                for props in retry.call(lambda: list(client.list_queues()), retryable):
+                    if props.name in wanted or props.name.startswith(prefix):
+                        existing[props.name] = props
+            except Exception as exc:
+                if classify(exc) is ErrorClass.CONFIGURATION_CREDENTIAL:
+                    raise credential_error(exc, "listing queues") from exc
+                _LOGGER.warning("listing the queues of the secondary failed (%s); creating every backlog queue",
+                                redact(str(exc)))
+            usable: list[str] = []
+            for name in wanted:
+                if name in existing:
+                    status = str(getattr(existing[name], "status", "Active") or "Active")
+                    if status.lower() == "active":
+                        usable.append(name)
+                    else:
+                        _LOGGER.warning("backlog queue %r exists with status %s; left out (never modified)",
+                                        name, status)
+                    continue
+
+                def create(name: str = name) -> bool:
+                    try:
+                        client.create_queue(name, **BACKLOG_QUEUE_PROPERTIES)
+                    except ResourceExistsError:
+                        return True
+                    return True
+
+                try:
+                    retry.call(create, retryable)
+                except Exception as exc:
+                    if classify(exc) is ErrorClass.CONFIGURATION_CREDENTIAL:
+                        raise credential_error(exc, f"creating backlog queue {name!r}") from exc
+                    _LOGGER.warning("backlog queue %r could not be created after %d tries: %s", name,
+                                    sa.provision_retries, redact(str(exc)))
+                    continue
+                _LOGGER.info("created backlog queue %r", name)
+                usable.append(name)
+        finally:
+            client.close()
+        if not usable:
+            raise PairingError(
+                f"secondary {secondary}: no usable backlog queue under {sa.backlog_prefix!r} "
+                f"(wanted send_availability.backlog_queue_count={sa.backlog_queue_count})")
+        if len(usable) < len(wanted):
+            _LOGGER.warning("%d of %d backlog queues usable", len(usable), len(wanted))
+        return usable
+
+    def _ensure_paired(self) -> tuple[str, ...]:
+        if self._usable is None:
+            self.pair()
+        return self._usable or ()
+
+    # --- sending -------------------------------------------------------------------------------------------
+
+    def state(self, entity: str) -> str:
+        """``healthy``, ``failing`` or ``failed_over`` (shared by every sender of this pairing)."""
+        return self.board.state(entity).value
+
+    def send(self, entity: str, message: ServiceBusMessage | Sequence[ServiceBusMessage]) -> SendResult:
+        """Send one message or a list to ``entity`` (primary, or a backlog queue when failed over).
+
+        Returns where they went. Raises :class:`~spark_sb.errors.EntityNotFoundError` /
+        :class:`~spark_sb.errors.CredentialRejectedError` at once (nothing goes to the backlog),
+        :class:`BadMessageError` for a message too large (nothing of the call is sent), and
+        :class:`BacklogUnavailableError` when failed over and no backlog queue accepts.
+        """
+        self._check_open()
+        if not isinstance(entity, str) or not entity:
+            raise ValueError(f"entity must be a non-empty string, got {entity!r}")
+        batch = [message] if isinstance(message, ServiceBusMessage) else list(message)
+        for item in batch:
+            if not isinstance(item, ServiceBusMessage):
+                raise TypeError(f"expected ServiceBusMessage, got {type(item).__name__}")
+        self._ensure_paired()
+        counts: dict[str, int] = {}
+        pending = batch
+        failures = 0
+        while pending:
+            self._maybe_ping(entity)
+            if self.board.state(entity) is EntityState.FAILED_OVER:
+                for queue, n in self._send_backlog(entity, pending).items():
+                    counts[queue] = counts.get(queue, 0) + n
+                break
+            try:
+                self._send_batches(self._primary, entity, pending, entity)
+            except _Partial as partial:
+                if partial.sent:
+                    counts[PRIMARY] = counts.get(PRIMARY, 0) + partial.sent
+                    pending = pending[partial.sent:]
+                    self.board.record_success(entity)
+                error = partial.error
+            else:
+                counts[PRIMARY] = counts.get(PRIMARY, 0) + len(pending)
+                self.board.record_success(entity)
+                break
+            # the decision (retry, wait, fail over, raise) is taken here, outside the attempt
+            error_class = classify(error)
+            if error_class is ErrorClass.OUTAGE:
+                self._after_connection_error(error)
+                new_state = self.board.record_failure(entity)
+                if new_state is EntityState.FAILED_OVER:
+                    continue
+                failures += 1
+                delay = min(self._backoff.compute(failures), self.board.remaining(entity))
+                _LOGGER.info("send to %r failed (%s, attempt %d); retrying the primary in %.3g s",
+                             entity, type(error).__name__, failures, delay)
+                self._sleep(delay)
+            elif error_class is ErrorClass.THROTTLED:
+                _LOGGER.info("primary busy for %r; waiting %.3g s", entity, self._busy_backoff)
+                self._sleep(self._busy_backoff)
+            else:
+                converted = as_spark_sb_error(
+                    error, namespace=f"primary {self.config.primary.fully_qualified_namespace}", entity=entity)
+                if converted is None:
+                    raise error
+                raise converted from error
+        return SendResult(entity, dict(counts))
+
+    def _send_batches(self, side: _Side, path: str, items: Sequence[ServiceBusMessage], entity: str) -> None:
+        """Send ``items`` to ``path`` on ``side`` in as few batches as fit; raises :class:`_Partial` with the
+        count sent before a failure, or :class:`BadMessageError` for a message that fits no batch."""
+        sent = 0
+        try:
+            with side.sender(path) as sdk_sender:
+                batches = []
+                current = sdk_sender.create_message_batch()
+                for item in items:
+                    try:
+                        current.add_message(item)
+                        continue
+                    except MessageSizeExceededError:
+                        if len(current) == 0:
+                            raise self._too_big(item, path, entity, current.max_size_in_bytes) from None
+                    batches.append(current)
+                    current = sdk_sender.create_message_batch()
+                    try:
+                        current.add_message(item)
+                    except MessageSizeExceededError:
+                        raise self._too_big(item, path, entity, current.max_size_in_bytes) from None
+                batches.append(current)
+                for one in batches:
+                    sdk_sender.send_messages(one)
+                    sent += len(one)
+        except BadMessageError:
+            raise
+        except Exception as exc:
+            if classify(exc) is ErrorClass.BAD_MESSAGE:
+                bad = items[sent] if sent < len(items) and len(items) == 1 else None
+                message_id = _message_id(bad) if bad is not None else None
+                raise BadMessageError(message_id, entity, redact(str(exc))) from exc
+            raise _Partial(sent, exc) from exc
+
+    @staticmethod
+    def _too_big(item: ServiceBusMessage, path: str, entity: str, limit: int) -> BadMessageError:
+        where = "" if path == entity else f" rewritten for backlog queue {path!r}"
+        size = msgs.message_size(item)
+        return BadMessageError(_message_id(item), entity,
+                               f"{size} bytes{where} exceeds the limit of {limit} bytes")
+
+    def _send_backlog(self, entity: str, items: Sequence[ServiceBusMessage]) -> dict[str, int]:
+        usable = self._ensure_paired()
+        rewritten = [msgs.to_backlog(item, entity) for item in items]
+        counts: dict[str, int] = {}
+        tried: list[str] = []
+        last_error: BaseException | None = None
+        while rewritten:
+            queue = self.board.backlog_queue(entity, usable, self._rng, exclude=tried)
+            if queue is None:
+                raise BacklogUnavailableError(entity, tried, redact(str(last_error)) if last_error else
+                                              "every backlog queue is cooling down") from last_error
+            try:
+                self._send_batches(self._secondary, queue, rewritten, entity)
+            except _Partial as partial:
+                if partial.sent:
+                    counts[queue] = counts.get(queue, 0) + partial.sent
+                    rewritten = rewritten[partial.sent:]
+                last_error = partial.error
+                tried.append(queue)
+                _LOGGER.warning("backlog queue %r failed (%s)", queue, type(partial.error).__name__)
+                self._after_connection_error(partial.error)
+                self.board.cool_down(queue)
+                continue
+            counts[queue] = counts.get(queue, 0) + len(rewritten)
+            break
+        return counts
+
+    # --- pings ---------------------------------------------------------------------------------------------
+
+    def _maybe_ping(self, entity: str) -> None:
+        if not self.board.claim_ping(entity):
+            return
+        ok = False
+        try:
+            self.ping(entity)
+            ok = True
+        except Exception as exc:
+            _LOGGER.info("ping to %r failed: %s", entity, type(exc).__name__)
+            self._after_connection_error(exc)
+        finally:
+            self.board.ping_result(entity, ok)
+
+    def ping(self, entity: str) -> None:
+        """Prove the primary entity accepts a message without anyone receiving it: schedule a ping message
+        far in the future and cancel it at once (with a random session id when the entity requires
+        sessions). Raises the SDK's error when the primary does not accept it."""
+        with self._state_lock:
+            needs_session = entity in self._session_entities
+        try:
+            self._schedule_and_cancel(entity, needs_session)
+        except ServiceBusError as exc:
+            if needs_session or "sessionid" not in str(exc).lower():
+                raise
+            with self._state_lock:
+                self._session_entities.add(entity)
+            self._schedule_and_cancel(entity, True)
+
+    def _schedule_and_cancel(self, entity: str, with_session: bool) -> None:
+        ping = msgs.ping_message(str(uuid.uuid4()) if with_session else None)
+        when = datetime.datetime.now(datetime.UTC) + PING_SCHEDULE_AHEAD
+        with self._primary.sender(entity) as sdk_sender:
+            sequence_numbers = sdk_sender.schedule_messages(ping, when)
+            try:
+                sdk_sender.cancel_scheduled_messages(sequence_numbers)
+            except Exception as exc:  # accepted: the ping proved the point; it expires unseen (TTL 1 s)
+                _LOGGER.warning("cancelling ping %s on %r failed: %s", sequence_numbers, entity,
+                                type(exc).__name__)
+
+    # --- faults and closing --------------------------------------------------------------------------------
+
+    def _after_connection_error(self, error: BaseException) -> None:
+        """An SDK connection shut down: close both sides' clients (in a helper thread, joined by close())
+        and rebuild both on next use."""
+        if not isinstance(error, ServiceBusConnectionError):
+            return
+        self._saw_connection_error = True
+        handles = self._primary.detach() + self._secondary.detach()
+        if not handles:
+            return
+        _LOGGER.info("connection lost (%s); closing both namespaces' clients", type(error).__name__)
+        closer = threading.Thread(target=_close_all, args=(handles,), name="spark-sb-close", daemon=True)
+        with self._state_lock:
+            self._closers = [t for t in self._closers if t.is_alive()]
+            self._closers.append(closer)
+        closer.start()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this PairedSender is closed")
+
+    def close(self) -> None:
+        """Close both namespaces' clients within 5 s; idempotent."""
+        with self._state_lock:
+            if self._closed:
+                closers: list[threading.Thread] = []
+            else:
+                self._closed = True
+                closers = list(self._closers)
+                self._closers = []
+        deadline = time.monotonic() + CLOSE_TIMEOUT
+        if not closers and not self._has_handles():
+            self._primary.detach(final=True)
+            self._secondary.detach(final=True)
+            return
+        threads = [threading.Thread(target=_close_all, args=(side.detach(final=True),), name=f"spark-sb-close-{side.name}",
+                                    daemon=True) for side in (self._primary, self._secondary)]
+        for thread in threads:
+            thread.start()
+        for thread in threads + closers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                _LOGGER.warning("closing the Service Bus clients took longer than %.0f s", CLOSE_TIMEOUT)
+        if self._saw_connection_error:
+            # the SDK keeps the socket of a connection that failed while opening in a reference cycle (its
+            # exception's traceback); collect it now so that close() leaves no socket behind
+            gc.collect()
+
+    def _has_handles(self) -> bool:
+        return any(side._client is not None for side in (self._primary, self._secondary))

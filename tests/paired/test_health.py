@@ -1,0 +1,129 @@
+"""The failover timer, pings, probation and the backlog rotation, in logical time only."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+from spark_sb.paired import EntityState, HealthBoard
+from spark_sb.paired.retry import ConstantBackoff, ExponentialBackoff, Retry
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def board(clock: Clock, interval: float = 60, ping: float = 60, cooldown: float = 30) -> HealthBoard:
+    return HealthBoard(failover_interval=interval, ping_interval=ping, backlog_cooldown=cooldown, clock=clock)
+
+
+def test_failover_only_when_the_interval_passes_without_success() -> None:
+    clock = Clock()
+    b = board(clock)
+    assert b.record_failure("e") is EntityState.FAILING
+    clock.now = 59.9
+    assert b.record_failure("e") is EntityState.FAILING
+    assert round(b.remaining("e"), 3) == 0.1
+    clock.now = 60
+    assert b.state("e") is EntityState.FAILED_OVER  # the timer alone decides, even without a new failure
+
+
+def test_a_success_inside_the_interval_resets_the_timer() -> None:
+    clock = Clock()
+    b = board(clock)
+    b.record_failure("e")
+    clock.now = 59
+    b.record_success("e")
+    assert b.state("e") is EntityState.HEALTHY
+    clock.now = 100
+    assert b.record_failure("e") is EntityState.FAILING  # a new t0
+    clock.now = 159
+    assert b.state("e") is EntityState.FAILING
+
+
+def test_interval_zero_fails_over_on_the_first_outage() -> None:
+    b = board(Clock(), interval=0)
+    assert b.record_failure("e") is EntityState.FAILED_OVER
+
+
+def test_entities_are_independent() -> None:
+    b = board(Clock(), interval=0)
+    b.record_failure("a")
+    assert b.state("b") is EntityState.HEALTHY
+    assert b.snapshot() == {"a": "failed_over", "b": "healthy"}
+
+
+def test_one_ping_per_interval_and_probation_after_failback() -> None:
+    clock = Clock()
+    b = board(clock, interval=60, ping=10)
+    b.record_failure("e")
+    clock.now = 60
+    b.record_failure("e")
+    assert not b.claim_ping("e")  # first ping one interval after the failover
+    clock.now = 70
+    assert b.claim_ping("e") and not b.claim_ping("e")  # exactly one caller pings
+    b.ping_result("e", ok=False)
+    assert not b.claim_ping("e")
+    clock.now = 80
+    assert b.claim_ping("e")
+    b.ping_result("e", ok=True)
+    assert b.state("e") is EntityState.HEALTHY and b.on_probation("e")
+    # a failure right after failing back: failed over at once, no new interval
+    assert b.record_failure("e") is EntityState.FAILED_OVER
+    clock.now = 90
+    assert b.claim_ping("e")
+    b.ping_result("e", ok=True)
+    b.record_success("e")  # the first primary send after failback ends the probation
+    assert not b.on_probation("e")
+    assert b.record_failure("e") is EntityState.FAILING
+
+
+def test_claim_ping_is_exclusive_across_threads() -> None:
+    clock = Clock()
+    b = board(clock, interval=0, ping=1)
+    b.record_failure("e")
+    clock.now = 5
+    wins = []
+    threads = [threading.Thread(target=lambda: wins.append(b.claim_ping("e"))) for _ in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wins.count(True) == 1
+
+
+def test_backlog_choice_is_sticky_and_cooldown_is_shared() -> None:
+    clock = Clock()
+    b = board(clock, cooldown=30)
+    rng = random.Random(7)
+    queues = ["q0", "q1", "q2"]
+    first = b.backlog_queue("a", queues, rng)
+    assert all(b.backlog_queue("a", queues, rng) == first for _ in range(10))
+    b.cool_down(first)
+    assert b.cooling() == [first]
+    for entity in ("a", "b", "c", "d"):
+        assert b.backlog_queue(entity, queues, rng) != first
+    assert b.backlog_queue("x", queues, rng, exclude=[q for q in queues if q != first]) is None
+    clock.now = 30
+    assert b.cooling() == []
+
+
+def test_backoffs_and_retry() -> None:
+    assert [ExponentialBackoff(0.5, 4).compute(n) for n in range(1, 6)] == [0.5, 1, 2, 4, 4]
+    jittered = ExponentialBackoff(1, 8, jitter=True, rng=random.Random(1))
+    assert all(2 <= jittered.compute(3) <= 4 for _ in range(20))
+    slept: list[float] = []
+    calls = []
+
+    def flaky() -> str:
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionError("flaky")
+        return "ok"
+
+    assert Retry(ConstantBackoff(2), 3, sleep=slept.append).call(flaky, lambda e: True) == "ok"
+    assert slept == [2, 2]

@@ -1,0 +1,68 @@
+"""Backlog queue provisioning on the secondary (behaviour.md, "Backlog queue provisioning")."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from azure.servicebus import ServiceBusMessage
+
+from spark_sb.errors import PairingError
+
+MAX_DAYS = 10675199  # TimeSpan.MaxValue
+
+
+def test_creates_the_missing_queues_with_the_backlog_properties_and_touches_nothing_else(
+    make_sender, secondary_admin
+) -> None:
+    sender = make_sender(backlog_queue_count=3)
+    prefix = sender.config.send_availability.backlog_prefix
+    names = sender.config.send_availability.backlog_queue_names()
+    secondary_admin.create_queue(names[1], max_delivery_count=5, lock_duration=timedelta(seconds=30))
+    secondary_admin.create_queue(names[2], status="Disabled")
+    extra = f"{prefix}/x-servicebus-transfer/7"
+    other = f"{prefix}/other"
+    secondary_admin.create_queue(extra, max_delivery_count=3)
+    secondary_admin.create_queue(other)
+
+    assert sender.pair() == 2
+    assert sender.backlog_queues == (names[0], names[1])  # the disabled one is left out, not modified
+
+    created = secondary_admin.get_queue(names[0])
+    assert created.max_size_in_megabytes == 5120
+    assert created.max_delivery_count == 2147483647
+    assert created.default_message_time_to_live.days == MAX_DAYS
+    assert created.auto_delete_on_idle.days == MAX_DAYS
+    assert created.lock_duration == timedelta(minutes=1)
+    assert created.dead_lettering_on_message_expiration is True
+    assert created.enable_batched_operations is True
+    assert created.requires_session is False
+    assert created.requires_duplicate_detection is False
+
+    kept = secondary_admin.get_queue(names[1])
+    assert (kept.max_delivery_count, kept.lock_duration) == (5, timedelta(seconds=30))
+    assert secondary_admin.get_queue(names[2]).status == "Disabled"
+    assert secondary_admin.get_queue(extra).max_delivery_count == 3
+    assert secondary_admin.get_queue(other).max_delivery_count == 10
+
+    assert sender.pair() == 2  # again: everything exists, nothing changes
+
+
+def test_zero_usable_queues_is_a_pairing_error_at_pair_time(emulator, make_sender, fake_time) -> None:
+    sender = make_sender(backlog_queue_count=2, provision_retries=3, provision_retry_spacing="2s")
+    emulator.fault("secondary", "busy")
+    with pytest.raises(PairingError, match="no usable backlog queue"):
+        sender.pair()
+    # listing and each creation tried 3 times, 2 s apart
+    assert fake_time.sleeps == [2.0] * 6
+    with pytest.raises(PairingError):  # send pairs first: never a later failure at send time
+        sender.send("anything", ServiceBusMessage("x"))
+
+
+def test_an_authorisation_failure_aborts_at_once(emulator, make_sender, fake_time) -> None:
+    sender = make_sender()
+    emulator.fault("secondary", "unauthorized")
+    with pytest.raises(PairingError, match="credential rejected") as info:
+        sender.pair()
+    assert "SAS_KEY_VALUE" not in str(info.value)
+    assert fake_time.sleeps == []
