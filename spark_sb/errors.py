@@ -239,6 +239,9 @@ class BacklogUnavailableError(SparkSbError):
 
 _REJECTING_CONDITIONS = frozenset({"amqp:unauthorized-access", "com.microsoft:auth-failed"})
 _REJECTING_STATUS = frozenset({401, 403})
+# the service refused the message itself (e.g. no session id for a session entity): retrying or failing over
+# cannot help, the message must be fixed
+_MESSAGE_REJECTING_CONDITIONS = frozenset({"amqp:invalid-field", "amqp:decode-error"})
 _NOT_FOUND_STATUS = 404
 
 
@@ -317,6 +320,8 @@ def classify(exc: BaseException) -> ErrorClass:
     * ``ServiceBusAuthenticationError`` / ``ServiceBusAuthorizationError``: ``CONFIGURATION_CREDENTIAL`` when
       the credential was rejected (see the module docstring for the rule), ``CONFIGURATION_NOT_FOUND`` for
       a CBS 404, else ``OUTAGE``
+    * a ``ServiceBusError`` whose condition says the message itself is invalid (``amqp:invalid-field``, e.g. no
+      session id for a session entity; ``amqp:decode-error``) -> ``BAD_MESSAGE``
     * any other ``ServiceBusError`` (connection, communication, timeout, entity disabled, quota exceeded, ...)
       -> ``OUTAGE``, except one whose cause is a rejected credential (the SDK wraps an azure-identity
       ``ClientAuthenticationError`` as a plain ``ServiceBusError``) -> ``CONFIGURATION_CREDENTIAL``; a status
@@ -348,6 +353,8 @@ def classify(exc: BaseException) -> ErrorClass:
         # status codes are not evidence here: a management request over quota also answers 403
         if _credential_rejected(exc, by_status=False):
             return ErrorClass.CONFIGURATION_CREDENTIAL
+        if any(_condition(e) in _MESSAGE_REJECTING_CONDITIONS for e in _causes(exc)):
+            return ErrorClass.BAD_MESSAGE
         return ErrorClass.OUTAGE
     if isinstance(exc, ClientAuthenticationError):
         return ErrorClass.CONFIGURATION_CREDENTIAL
