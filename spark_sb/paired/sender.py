@@ -29,7 +29,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -60,6 +60,13 @@ __all__ = ["PRIMARY", "PairedSender", "SendResult"]
 #: the destination name of the primary entity in a :class:`SendResult`
 PRIMARY = "primary"
 CLOSE_TIMEOUT = 5.0
+# The SDK's keep-alive thread makes a failed sender's close() wait up to 1 s (it sleeps in 1 s steps), which
+# delays every outage signal by about half a second. Senders here run without it; a connection the service
+# dropped while idle is caught by the stale-connection rule below instead.
+SENDER_KWARGS = {"keep_alive": 0}
+# A connection error on the first attempt after this long without a successful operation on that side is
+# taken for a stale connection: retried at once on a new one, not counted toward failover.
+STALE_AFTER = 30.0
 #: a ping is scheduled this far ahead and cancelled at once: nobody can ever receive it
 PING_SCHEDULE_AHEAD = timedelta(days=365)
 #: TimeSpan.MaxValue, "the maximum" for DefaultMessageTimeToLive and AutoDeleteOnIdle
@@ -116,10 +123,13 @@ class _Partial(Exception):
 class _Side:
     """One namespace's ``ServiceBusClient`` and its cached SDK senders (built lazily, rebuilt after reset)."""
 
-    def __init__(self, name: str, namespace: NamespaceConfig, client_kwargs: Mapping[str, Any]) -> None:
+    def __init__(self, name: str, namespace: NamespaceConfig, client_kwargs: Mapping[str, Any],
+                 clock: Callable[[], float]) -> None:
         self.name = name
         self.namespace = namespace
         self._client_kwargs = dict(client_kwargs)
+        self._clock = clock
+        self.last_ok: float | None = None  # when an operation on this side last succeeded
         self._lock = threading.Lock()
         self._client: Any = None
         self._senders: dict[str, Any] = {}
@@ -140,8 +150,14 @@ class _Side:
                         _LOGGER.debug("opening a client for the %s namespace %s", self.name,
                                       self.namespace.fully_qualified_namespace)
                         self._client = self.namespace.client(**self._client_kwargs)
-                    sdk_sender = self._senders[entity] = self._client.get_queue_sender(entity)
+                    sdk_sender = self._senders[entity] = self._client.get_queue_sender(entity, **SENDER_KWARGS)
             yield sdk_sender
+            self.last_ok = self._clock()
+
+    def stale(self) -> bool:
+        """True when the connection has been idle long enough that the service may have dropped it."""
+        last = self.last_ok
+        return last is not None and self._clock() - last >= STALE_AFTER
 
     def detach(self, *, final: bool = False) -> list[Any]:
         """Forget the client and senders; returns what must be closed (senders first, then the client).
@@ -197,10 +213,10 @@ class PairedSender:
         #: the wait between primary attempts inside the failover interval
         self._backoff = backoff if backoff is not None else ExponentialBackoff(0.5, 10.0)
         self._busy_backoff = sa.server_busy_backoff.total_seconds()
-        self._primary = _Side("primary", config.primary, sa.primary_client_kwargs())
+        self._primary = _Side("primary", config.primary, sa.primary_client_kwargs(), clock)
         # the rotation, not the SDK, retries a failed backlog send: no SDK retries on the secondary either
         self._secondary = _Side("secondary", config.secondary,
-                                {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()})
+                                {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()}, clock)
         key = (config.primary.fully_qualified_namespace.lower(), config.secondary.fully_qualified_namespace.lower(),
                sa.backlog_prefix)
         self.board: HealthBoard = shared_board(key, lambda: HealthBoard(
@@ -379,6 +395,7 @@ class PairedSender:
                 for queue, n in self._send_backlog(entity, pending).items():
                     counts[queue] = counts.get(queue, 0) + n
                 break
+            stale = failures == 0 and self._primary.stale()
             try:
                 self._send_batches(self._primary, entity, pending, entity)
             except _Partial as partial:
@@ -395,14 +412,22 @@ class PairedSender:
             error_class = classify(error)
             if error_class is ErrorClass.OUTAGE:
                 self._after_connection_error(error)
+                if stale and isinstance(error, ServiceBusConnectionError):
+                    _LOGGER.info("the idle connection to the primary was gone; retrying %r on a new one", entity)
+                    failures = -1  # one immediate retry, not counted; the next error counts
+                    continue
                 new_state = self.board.record_failure(entity)
                 if new_state is EntityState.FAILED_OVER:
                     continue
-                failures += 1
-                delay = min(self._backoff.compute(failures), self.board.remaining(entity))
+                failures = max(failures, 0) + 1
+                remaining = self.board.remaining(entity)
+                delay = min(self._backoff.compute(failures), remaining)
                 _LOGGER.info("send to %r failed (%s, attempt %d); retrying the primary in %.3g s",
                              entity, type(error).__name__, failures, delay)
-                self._sleep(delay)
+                started = self._clock()
+                if delay >= remaining:
+                    self._prepare_backlog(entity)  # the last wait before failing over: open the way there now
+                self._sleep(max(0.0, delay - (self._clock() - started)))
             elif error_class is ErrorClass.THROTTLED:
                 _LOGGER.info("primary busy for %r; waiting %.3g s", entity, self._busy_backoff)
                 self._sleep(self._busy_backoff)
@@ -481,6 +506,20 @@ class PairedSender:
             counts[queue] = counts.get(queue, 0) + len(rewritten)
             break
         return counts
+
+    def _prepare_backlog(self, entity: str) -> None:
+        """Open the sender of the backlog queue this entity will use, so that the first backlog send after
+        failover does not pay for a new connection. Best effort: a failure here is met again at send time."""
+        try:
+            usable = self._ensure_paired()
+            queue = self.board.backlog_queue(entity, usable, self._rng)
+            if queue is None:
+                return
+            with self._secondary.sender(queue) as sdk_sender:
+                sdk_sender.__enter__()  # the SDK opens the connection and the link on entering its context
+        except Exception as exc:  # noqa: BLE001 - only a head start; the backlog send decides
+            _LOGGER.debug("could not open the backlog sender for %r ahead of failover: %s", entity,
+                          type(exc).__name__)
 
     # --- pings ---------------------------------------------------------------------------------------------
 

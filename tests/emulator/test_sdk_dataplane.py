@@ -296,6 +296,25 @@ def test_message_over_256_kib_is_refused_and_one_under_is_accepted(client: Servi
     assert len(b"".join(got[0].body)) == 250 * 1024
 
 
+def test_a_batch_filled_to_the_sdks_limit_is_accepted(client: ServiceBusClient, make_queue) -> None:
+    q = make_queue()
+    with client.get_queue_sender(q) as s:
+        batch = s.create_message_batch()
+        n = 0
+        while True:
+            try:
+                batch.add_message(ServiceBusMessage(b"x" * 1024, message_id=f"full-{n}"))
+            except ValueError:
+                break
+            n += 1
+        s.send_messages(batch)
+    with client.get_queue_receiver(q, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as r:
+        got = []
+        while page := r.receive_messages(max_message_count=n, max_wait_time=2):
+            got.extend(page)
+    assert n > 200 and len(got) == n
+
+
 def test_unknown_entity_raises_not_found_for_sender_and_receiver(client: ServiceBusClient) -> None:
     with pytest.raises(MessagingEntityNotFoundError):
         with client.get_queue_sender("no-such-queue") as s:

@@ -293,3 +293,19 @@ def test_a_message_without_session_id_for_a_session_entity_is_a_bad_message_not_
     assert q in str(info.value)
     assert sender.state(q) == "healthy"  # no failover timer started
     assert fake_time.sleeps == []  # and no retry loop
+
+
+def test_a_connection_dropped_while_idle_is_reopened_not_failed_over(
+    emulator, make_sender, make_queue, fake_time, primary, drain
+) -> None:
+    q = make_queue()
+    sender = make_sender(failover_interval="0s")  # any counted outage would fail over at once
+    assert sender.send(q, ServiceBusMessage("before")).destination == PRIMARY
+    emulator.fault("primary", "down")  # the namespace drops every connection ...
+    emulator.heal("primary")  # ... and is fine again before the next send
+    fake_time.advance(60)  # the sender's connection has been idle for a minute
+    result = sender.send(q, ServiceBusMessage("after"))
+    assert result.destination == PRIMARY
+    assert sender.state(q) == "healthy"
+    assert fake_time.sleeps == []
+    assert sorted(str(m) for m in drain(primary.connection_string, q, 2)) == ["after", "before"]
