@@ -1,96 +1,141 @@
 """The README's main command (`make demo`): the embedded default, end to end, on the local emulator pair.
 
 Starts the emulator pair (primary and secondary namespaces, durable store in a temporary folder) in a
-child process, then drives it with the unmodified azure-servicebus SDK: sends to the primary, takes the
-primary down with an injected fault, shows what a plain SDK producer sees, heals it, and accounts for
-every message at the end. No cloud account, no manual step.
+child process, provisions the backlog queues, and streams batches of rows through the paired sender
+(`conf/local.yaml`, with the emulator's actual ports). Part-way the primary namespace goes down; later it
+heals. Each batch prints where its rows went; the end accounts for every row by message id: in the
+primary, parked in a backlog queue (waiting for the syphon), lost, or duplicated. No cloud account, no
+manual step.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import yaml
 from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
-from azure.servicebus.exceptions import ServiceBusError
 
-from spark_sb.emulator import DEFAULT_NAMESPACES, EmulatorProcess, NamespaceOptions
+from spark_sb import messages
+from spark_sb.emulator import DEFAULT_NAMESPACES, EmulatorProcess, NamespaceOptions, fault, heal
+from spark_sb.paired import PRIMARY, PairedSender
 
-ENTITIES = """
+ROOT = Path(__file__).resolve().parent.parent
+ENTITY = "orders"
+ENTITIES = f"""
 queues:
-  - name: orders
+  - name: {ENTITY}
     requires_duplicate_detection: true
     duplicate_detection_history_time_window: 10m
 """
 
 
-def _say(text: str) -> None:
+def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def run(data_dir: Path, batches: int, rows: int, free_ports: bool) -> int:
-    entities = data_dir / "entities.yaml"
-    entities.write_text(ENTITIES)
+def _config(conf: Path, emu: EmulatorProcess) -> dict:
+    """conf/local.yaml with the endpoints of the emulator pair this run started."""
+    config = yaml.safe_load(conf.read_text())
+    for side in ("primary", "secondary"):
+        info = emu[side]
+        config[side] = {"connection_string": info.connection_string, "admin_endpoint": info.admin_url}
+    return config
+
+
+def _primary_ids(conn_str: str) -> list[str]:
+    with ServiceBusClient.from_connection_string(conn_str) as client:
+        with client.get_queue_receiver(ENTITY, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as r:
+            ids: list[str] = []
+            while page := r.receive_messages(max_message_count=250, max_wait_time=2):
+                ids.extend(str(m.message_id) for m in page)
+            return ids
+
+
+def _backlog_ids(conn_str: str, queues: tuple[str, ...]) -> dict[str, list[str]]:
+    """Message ids parked in each backlog queue (peeked: they stay for the syphon), checked to be bound for
+    the demo's entity."""
+    out: dict[str, list[str]] = {}
+    with ServiceBusClient.from_connection_string(conn_str) as client:
+        for queue in queues:
+            with client.get_queue_receiver(queue) as r:
+                ids, seq = [], 1
+                while page := r.peek_messages(max_message_count=250, sequence_number=seq):
+                    for m in page:
+                        restored = messages.from_backlog(m, time.time())
+                        if restored.entity == ENTITY:
+                            ids.append(str(m.message_id))
+                    seq = page[-1].sequence_number + 1
+            out[queue] = ids
+    return out
+
+
+def run(work: Path, conf: Path, batches: int, rows: int, pause: float, free_ports: bool) -> int:
+    (work / "entities.yaml").write_text(ENTITIES)
     namespaces = [NamespaceOptions(n.name) for n in DEFAULT_NAMESPACES] if free_ports else list(DEFAULT_NAMESPACES)
-    _say(f"starting the local Service Bus emulator pair (data in {data_dir / 'emulator'})")
-    with EmulatorProcess.start(data_dir=data_dir / "emulator", namespaces=namespaces, entities=entities,
-                               log_file=data_dir / "emulator.log") as emu:
-        primary = emu["primary"]
+    _say(f"starting the local Service Bus emulator pair (data in {work / 'emulator'})")
+    with EmulatorProcess.start(data_dir=work / "emulator", namespaces=namespaces, entities=work / "entities.yaml",
+                               log_file=work / "emulator.log") as emu:
         for info in emu.info.values():
             _say(f"  {info.name:9s} amqp://localhost:{info.amqp_port}  admin {info.admin_url}")
-        produced, accepted, refused = 0, [], []
-        with ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) as client:
-            with client.get_queue_sender("orders") as sender:
-                for batch in range(batches):
-                    if batch == batches // 3:
-                        _say("  >>> injecting fault: primary namespace DOWN")
-                        from spark_sb.emulator import fault
-
-                        fault(primary.admin_url, "down")
-                    if batch == 2 * batches // 3:
-                        from spark_sb.emulator import heal
-
-                        heal(primary.admin_url)
-                        _say("  >>> primary healed")
-                    ids = [f"row-{batch}-{i}" for i in range(rows)]
-                    produced += len(ids)
-                    try:
-                        sender.send_messages([ServiceBusMessage(f"payload {m}", message_id=m) for m in ids])
-                        accepted.extend(ids)
-                        _say(f"batch {batch}: {len(ids)} rows -> primary")
-                    except ServiceBusError as err:
-                        refused.extend(ids)
-                        _say(f"batch {batch}: {len(ids)} rows REFUSED by a plain SDK sender "
-                             f"({type(err).__name__})")
-                        time.sleep(0.2)
-            with client.get_queue_receiver("orders", receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as r:
-                received: list[str] = []
-                while True:
-                    page = r.receive_messages(max_message_count=200, max_wait_time=2)
-                    if not page:
-                        break
-                    received.extend(str(m.message_id) for m in page)
-        lost = set(accepted) - set(received)
-        _say("")
-        _say(f"rows produced: {produced}")
-        _say(f"in the primary: {len(received)} (accepted by it: {len(accepted)}, lost after acceptance: {len(lost)})")
-        _say(f"refused during the outage: {len(refused)}: a plain SDK producer must keep and resend these itself;")
-        _say("  the paired sender of spark-sb sends them to backlog queues on the secondary instead.")
-        return 0 if not lost and len(received) == len(accepted) else 1
+        config = _config(conf, emu)
+        sa = config["send_availability"]
+        down_at, heal_at = batches // 4, (2 * batches) // 3
+        produced: list[str] = []
+        routes: collections.Counter[str] = collections.Counter()
+        with PairedSender.from_config(config) as sender:
+            usable = sender.pair()
+            _say(f"provisioned {usable} backlog queues on the secondary "
+                 f"(failover interval {sa['failover_interval']}, ping interval {sa['ping_primary_interval']})")
+            _say("")
+            for batch in range(batches):
+                if batch == down_at:
+                    fault(emu["primary"].admin_url, "down")
+                    _say(">>> the primary namespace is DOWN")
+                if batch == heal_at:
+                    heal(emu["primary"].admin_url)
+                    _say(">>> the primary namespace is healed")
+                ids = [f"row-{batch:03d}-{i:03d}" for i in range(rows)]
+                started = time.monotonic()
+                result = sender.send(ENTITY, [ServiceBusMessage(f"order {m}", message_id=m) for m in ids])
+                produced.extend(ids)
+                where = ", ".join(f"{n} -> {'primary' if d == PRIMARY else d}" for d, n in result.destinations.items())
+                routes.update(result.destinations)
+                _say(f"batch {batch:2d}: {where}   [{sender.state(ENTITY)}, {time.monotonic() - started:.1f} s]")
+                time.sleep(pause)
+            backlog_queues = sender.backlog_queues
+        in_primary = _primary_ids(emu["primary"].connection_string)
+        in_backlog = _backlog_ids(emu["secondary"].connection_string, backlog_queues)
+    everywhere = collections.Counter(in_primary + [m for ids in in_backlog.values() for m in ids])
+    lost = sorted(set(produced) - set(everywhere))
+    duplicated = sorted(m for m, n in everywhere.items() if n > 1)
+    parked = sum(len(ids) for ids in in_backlog.values())
+    _say("")
+    _say(f"rows produced:             {len(produced)}")
+    _say(f"in the primary '{ENTITY}':    {len(in_primary)}")
+    _say(f"parked in backlog queues:  {parked}  " + ", ".join(
+        f"{q.rsplit('/', 1)[-1]}: {len(ids)}" for q, ids in in_backlog.items() if ids))
+    _say("  (the syphon, a later part of spark-sb, moves these home; until then they wait, durable, on the secondary)")
+    _say(f"lost:                      {len(lost)}")
+    _say(f"duplicated:                {len(duplicated)}")
+    return 0 if not lost and not duplicated and len(everywhere) == len(produced) else 1
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batches", type=int, default=9)
-    parser.add_argument("--rows", type=int, default=20)
+    parser.add_argument("--conf", type=Path, default=ROOT / "conf" / "local.yaml")
+    parser.add_argument("--batches", type=int, default=16)
+    parser.add_argument("--rows", type=int, default=50)
+    parser.add_argument("--pause", type=float, default=0.5, help="seconds between batches")
     parser.add_argument("--default-ports", action="store_true",
-                        help="use 5672/5300 and 5673/5301 instead of free ports")
+                        help="use 5672/5300 and 5673/5301 (as conf/local.yaml) instead of free ports")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="spark-sb-demo-") as tmp:
-        return run(Path(tmp), args.batches, args.rows, not args.default_ports)
+        return run(Path(tmp), args.conf, args.batches, args.rows, args.pause, not args.default_ports)
 
 
 if __name__ == "__main__":
