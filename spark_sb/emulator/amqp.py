@@ -663,8 +663,8 @@ class NamespaceServer(Handler):
                 cond = remote.condition
                 info = (cond.info if cond is not None else None) or {}
                 info = {str(k): v for k, v in dict(info).items()}
-                self.broker.dead_letter(path, token, _opt_str(info.get("DeadLetterReason")),
-                                        _opt_str(info.get("DeadLetterErrorDescription")))
+                self.broker.dead_letter(path, token, codec.text(info.get("DeadLetterReason")),
+                                        codec.text(info.get("DeadLetterErrorDescription")))
             elif state == Delivery.MODIFIED:
                 if remote.undeliverable:
                     self.broker.defer(path, token)
@@ -754,7 +754,7 @@ class NamespaceServer(Handler):
         assert b is not None
         _, path = b.resolve(node)
         op = op.removeprefix("com.microsoft:")
-        session_id = _opt_str(body.get("session-id"))
+        session_id = codec.text(body.get("session-id"))
         if op == "renew-lock":
             tokens = [_uuid(t) for t in body.get("lock-tokens", [])]
             expirations = b.renew_lock(path, tokens)
@@ -770,8 +770,8 @@ class NamespaceServer(Handler):
                 elif status == "defered":
                     b.defer(path, token)
                 elif status == "suspended":
-                    b.dead_letter(path, token, _opt_str(body.get("deadletter-reason")),
-                                  _opt_str(body.get("deadletter-description")))
+                    b.dead_letter(path, token, codec.text(body.get("deadletter-reason")),
+                                  codec.text(body.get("deadletter-description")))
                 else:
                     raise BrokerError(Cond.INVALID, f"disposition-status {status!r} is not known")
             return {}
@@ -872,14 +872,6 @@ def _has_attr(obj: Any, name: str) -> bool:
 
 def _str_keys(mapping: Any) -> dict[str, Any]:
     return {str(k): v for k, v in dict(mapping or {}).items()}
-
-
-def _opt_str(v: Any) -> str | None:
-    if v is None:
-        return None
-    if isinstance(v, bytes):
-        return v.decode("utf-8", "replace")
-    return str(v)
 
 
 def _uuid(v: Any) -> uuid.UUID:

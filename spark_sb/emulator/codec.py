@@ -146,7 +146,8 @@ def _to_epoch(value: Any) -> float | None:
     return float(value) / 1000.0
 
 
-def _str(value: Any) -> str | None:
+def text(value: Any) -> str | None:
+    """An AMQP string-ish value (str, symbol, bytes, uuid, ...) as text; None stays None."""
     if value is None:
         return None
     if isinstance(value, bytes):
@@ -166,20 +167,20 @@ def incoming(raw: bytes) -> Incoming:
     ttl = m.ttl if m.ttl else None
     return Incoming(
         raw=bytes(raw),
-        message_id=_str(m.id),
-        session_id=_str(m.group_id),
+        message_id=text(m.id),
+        session_id=text(m.group_id),
         ttl=float(ttl) if ttl else None,
         scheduled_enqueue_time=_to_epoch(ann.get(X_OPT_SCHEDULED)),
-        partition_key=_str(ann.get(X_OPT_PARTITION_KEY)),
+        partition_key=text(ann.get(X_OPT_PARTITION_KEY)),
         filter_fields={
-            "message_id": _str(m.id),
-            "correlation_id": _str(m.correlation_id),
-            "to": _str(m.address),
-            "reply_to": _str(m.reply_to),
-            "subject": _str(m.subject),
-            "session_id": _str(m.group_id),
-            "reply_to_session_id": _str(m.reply_to_group_id),
-            "content_type": _str(m.content_type),
+            "message_id": text(m.id),
+            "correlation_id": text(m.correlation_id),
+            "to": text(m.address),
+            "reply_to": text(m.reply_to),
+            "subject": text(m.subject),
+            "session_id": text(m.group_id),
+            "reply_to_session_id": text(m.reply_to_group_id),
+            "content_type": text(m.content_type),
             "properties": {str(k): v for k, v in props.items()},
         },
     )
