@@ -19,7 +19,17 @@ case-insensitive string options. Shape (defaults shown)::
       primary_retry_backoff_max: 5s
       primary_try_timeout: 5s
     syphon: {retry_interval: 1s, receive_batch: 100}
-    sink: {}                          # reserved for the Spark sink; kept as a read-only mapping
+    sink:                             # the Spark sink (spark_sb.sink) and its writer job (jobs/paired_writer.py)
+      entity: null                    # default entity when the rows carry none
+      columns: {}                     # message field -> column name; default: the field names
+      key_column: null                # message ids from this column; default: derived (batch id + row content)
+      chunk_size: 500                 # messages per send
+      reject_table: null              # Delta path: rejected rows go there instead of failing the batch
+      metrics_table: null             # Delta path: one row per batch summary
+      checkpoint_location: null       # writer job only
+      source: {format: rate, rows_per_second: 10}   # or {table: name} or {path: ..., format: ...}
+      trigger: null                   # processing-time trigger, e.g. 2s; null: as fast as possible
+      max_batches: null               # writer job: stop after this many batches
 
 Strings may use ``${ENV_VAR}`` or ``${ENV_VAR:-default}`` (``$${`` is a literal ``${``); an unset variable
 without a default is an error naming the variable and the option.
@@ -67,6 +77,8 @@ __all__ = [
     "FrozenMap",
     "NamespaceConfig",
     "SendAvailabilityConfig",
+    "SinkConfig",
+    "SinkSourceConfig",
     "SparkSbConfig",
     "SyphonConfig",
     "default_backlog_prefix",
@@ -625,6 +637,219 @@ def _redacted_tree(value: Any) -> Any:
     return value
 
 
+# --- the Spark sink --------------------------------------------------------------------------------------
+
+#: the message fields a row can fill, in the order of spark.md ("Input columns"); each one's default column
+#: has the field's name
+SINK_FIELDS = (
+    "body",
+    "message_id",
+    "entity",
+    "session_id",
+    "partition_key",
+    "subject",
+    "content_type",
+    "correlation_id",
+    "to",
+    "reply_to",
+    "time_to_live",
+    "scheduled_enqueue_time",
+    "application_properties",
+)
+SOURCE_FORMATS_NEED_PATH = ("parquet", "json", "csv", "orc", "text", "delta")
+_SOURCE_KEYS = ["format", "rows_per_second", "num_partitions", "table", "path", "options"]
+_MAX_CHUNK = 100_000
+
+
+@dataclass(frozen=True)
+class SinkSourceConfig:
+    """Where the writer job (``jobs/paired_writer.py``) reads its rows: the ``rate`` source (the default, for
+    the demo), a table (``table``), or files or a Delta table at ``path`` in ``format``. ``options`` go to the
+    reader as given."""
+
+    format: str = "rate"
+    rows_per_second: int = 10
+    num_partitions: int | None = None
+    table: str | None = None
+    path: str | None = None
+    options: FrozenMap = field(default_factory=FrozenMap)
+
+    def __post_init__(self) -> None:
+        option = "sink.source"
+        if not isinstance(self.options, FrozenMap):
+            object.__setattr__(self, "options", FrozenMap(self.options))
+        _check_int(f"{option}.rows_per_second", self.rows_per_second, 1)
+        if self.num_partitions is not None:
+            _check_int(f"{option}.num_partitions", self.num_partitions, 1)
+        if self.table is not None and self.path is not None:
+            raise ConfigError(option, "give either table or path, not both", repr({"table": self.table, "path": self.path}))
+        if self.table is None and self.format == "rate" and self.path is not None:
+            raise ConfigError(f"{option}.format", "a path needs a file format such as delta or parquet", "'rate'")
+        if self.table is None and self.path is None and self.format != "rate":
+            raise ConfigError(option, f"format {self.format} needs a path (or give a table)",
+                              repr({"format": self.format}))
+
+    @property
+    def kind(self) -> str:
+        """``rate``, ``table`` or ``path``."""
+        return "table" if self.table is not None else "path" if self.path is not None else "rate"
+
+    def to_dict(self) -> dict[str, Any]:
+        if self.table is not None:
+            out: dict[str, Any] = {"table": self.table}
+        elif self.path is not None:
+            out = {"format": self.format, "path": self.path}
+        else:
+            out = {"format": "rate", "rows_per_second": self.rows_per_second}
+            if self.num_partitions is not None:
+                out["num_partitions"] = self.num_partitions
+        if self.options:
+            out["options"] = self.options.to_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class SinkConfig:
+    """The Spark sink's options (``sink:`` section); see :mod:`spark_sb.sink`.
+
+    ``columns`` holds only the fields mapped to a column of another name; :attr:`column_map` is the full
+    mapping (a field's default column is its own name).
+    """
+
+    entity: str | None = None
+    columns: FrozenMap = field(default_factory=FrozenMap)
+    key_column: str | None = None
+    chunk_size: int = 500
+    reject_table: str | None = None
+    metrics_table: str | None = None
+    checkpoint_location: str | None = None
+    source: SinkSourceConfig = field(default_factory=SinkSourceConfig)
+    trigger: timedelta | None = None
+    max_batches: int | None = None
+
+    SECTION = "sink"
+
+    def __post_init__(self) -> None:
+        s = self.SECTION
+        if not isinstance(self.columns, FrozenMap):
+            object.__setattr__(self, "columns", FrozenMap(self.columns))
+        for name, column in self.columns.items():
+            if name not in SINK_FIELDS:
+                raise ConfigError(f"{s}.columns.{name}", "unknown message field" + _did_you_mean(name, SINK_FIELDS)
+                                  + f" (fields: {', '.join(SINK_FIELDS)})")
+            if not isinstance(column, str) or not column.strip():
+                raise ConfigError(f"{s}.columns.{name}", "must be a column name", repr(column))
+        for name in ("entity", "key_column", "reject_table", "metrics_table", "checkpoint_location"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{s}.{name}", "must be a non-empty string", repr(value))
+        if self.entity is not None and len(self.entity) > _MAX_ENTITY_PATH:
+            raise ConfigError(f"{s}.entity", f"longer than {_MAX_ENTITY_PATH} characters", repr(self.entity))
+        if self.key_column is not None and "message_id" in self.columns:
+            raise ConfigError(f"{s}.key_column", "give either key_column or columns.message_id, not both",
+                              repr(self.key_column))
+        _check_int(f"{s}.chunk_size", self.chunk_size, 1, _MAX_CHUNK)
+        if self.trigger is not None:
+            _check_duration(f"{s}.trigger", self.trigger, timedelta(milliseconds=1), timedelta(days=1))
+        if self.max_batches is not None:
+            _check_int(f"{s}.max_batches", self.max_batches, 1)
+        if self.reject_table is not None and self.reject_table == self.metrics_table:
+            raise ConfigError(f"{s}.metrics_table", "must differ from reject_table", repr(self.metrics_table))
+
+    @property
+    def column_map(self) -> dict[str, str]:
+        """``{message field: column name}`` for every field (the message id's column is ``key_column``
+        when given)."""
+        mapping = {name: str(self.columns.get(name, name)) for name in SINK_FIELDS}
+        if self.key_column is not None:
+            mapping["message_id"] = self.key_column
+        return mapping
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "columns":
+                out[f.name] = value.to_dict()
+            elif f.name == "source":
+                out[f.name] = value.to_dict()
+            elif isinstance(value, timedelta):
+                out[f.name] = _duration_text(value)
+            else:
+                out[f.name] = value
+        return out
+
+
+def _did_you_mean(name: str, allowed: tuple[str, ...] | list[str]) -> str:
+    suggestion = _suggest(name, list(allowed))
+    return f" (did you mean {suggestion}?)" if suggestion else ""
+
+
+def _parse_sink(data: Mapping[str, Any], path: str) -> SinkConfig:
+    names = [f.name for f in dataclasses.fields(SinkConfig)]
+    _check_keys(data, names, path)
+    kwargs: dict[str, Any] = {}
+    for name in ("entity", "key_column", "reject_table", "metrics_table", "checkpoint_location"):
+        if data.get(name) is not None:
+            kwargs[name] = _optional_str(data[name], f"{path}.{name}")
+    for name in ("chunk_size", "max_batches"):
+        if data.get(name) is not None:
+            kwargs[name] = _parse_int(data[name], f"{path}.{name}")
+    if data.get("trigger") is not None:
+        kwargs["trigger"] = parse_duration(data["trigger"], f"{path}.trigger")
+    raw_columns = data.get("columns")
+    if raw_columns is not None:
+        if not isinstance(raw_columns, Mapping):
+            raise ConfigError(f"{path}.columns", "must be a mapping of message field to column name",
+                              type(raw_columns).__name__)
+        columns: dict[str, Any] = {}
+        for key, column in raw_columns.items():
+            canonical = _canonical(str(key), list(SINK_FIELDS))
+            if canonical not in SINK_FIELDS:
+                raise ConfigError(f"{path}.columns.{key}", "unknown message field"
+                                  + _did_you_mean(str(key), SINK_FIELDS) + f" (fields: {', '.join(SINK_FIELDS)})")
+            columns[canonical] = column
+        kwargs["columns"] = FrozenMap(columns)
+    raw_source = data.get("source")
+    if raw_source is not None:
+        kwargs["source"] = _parse_sink_source(raw_source, f"{path}.source")
+    return _build(SinkConfig, path, **kwargs)
+
+
+def _parse_sink_source(raw: Any, path: str) -> SinkSourceConfig:
+    if isinstance(raw, SinkSourceConfig):
+        return raw
+    if not isinstance(raw, Mapping):
+        raise ConfigError(path, "must be a mapping: {format: rate, rows_per_second: N}, {table: name} or "
+                          "{path: ..., format: ...}", type(raw).__name__)
+    _check_keys(raw, _SOURCE_KEYS, path)
+    kwargs: dict[str, Any] = {}
+    for name in ("table", "path"):
+        if raw.get(name) is not None:
+            kwargs[name] = _optional_str(raw[name], f"{path}.{name}")
+    if raw.get("format") is not None:
+        fmt = _optional_str(raw["format"], f"{path}.format")
+        if not fmt or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.\-]*", fmt):
+            raise ConfigError(f"{path}.format", "must be a source format name such as rate, delta or parquet",
+                              repr(raw["format"]))
+        kwargs["format"] = fmt.lower()
+    elif raw.get("path") is not None:
+        kwargs["format"] = "delta"
+    for name in ("rows_per_second", "num_partitions"):
+        if raw.get(name) is not None:
+            kwargs[name] = _parse_int(raw[name], f"{path}.{name}")
+    if raw.get("options") is not None:
+        if not isinstance(raw["options"], Mapping):
+            raise ConfigError(f"{path}.options", "must be a mapping of reader options", type(raw["options"]).__name__)
+        kwargs["options"] = FrozenMap({str(k): str(v) for k, v in raw["options"].items()})
+    try:
+        return SinkSourceConfig(**kwargs)
+    except ConfigError as err:
+        if err.option.startswith("sink.source") and path != "sink.source":
+            raise err.with_option(path + err.option[len("sink.source"):]) from None
+        raise
+
+
 # --- the whole configuration -----------------------------------------------------------------------------
 
 
@@ -636,7 +861,7 @@ class SparkSbConfig:
     secondary: NamespaceConfig
     send_availability: SendAvailabilityConfig
     syphon: SyphonConfig = field(default_factory=SyphonConfig)
-    sink: FrozenMap = field(default_factory=FrozenMap)
+    sink: SinkConfig = field(default_factory=lambda: SinkConfig())
 
     def __post_init__(self) -> None:
         if _address_key(self.primary) == _address_key(self.secondary):
@@ -652,8 +877,10 @@ class SparkSbConfig:
                 "connection string",
                 self.secondary.connection_string.redacted(),
             )
-        if not isinstance(self.sink, FrozenMap):
-            object.__setattr__(self, "sink", FrozenMap(self.sink))
+        if isinstance(self.sink, Mapping):
+            object.__setattr__(self, "sink", _parse_sink(self.sink, "sink"))
+        elif not isinstance(self.sink, SinkConfig):
+            raise ConfigError("sink", "must be a mapping of options", type(self.sink).__name__)
 
     def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
         """The configuration in the YAML shape; secrets as ``***`` unless ``secrets=True``, in which case
@@ -664,7 +891,7 @@ class SparkSbConfig:
                 "secondary": _namespace_dict(self.secondary, secrets),
                 "send_availability": _section_dict(self.send_availability),
                 "syphon": _section_dict(self.syphon),
-                "sink": self.sink.to_dict() if secrets else _redacted_tree(self.sink),
+                "sink": self.sink.to_dict() if secrets else _redacted_tree(self.sink.to_dict()),
             }
         )
 
@@ -928,7 +1155,7 @@ def _from_mapping(data: Mapping[Any, Any]) -> SparkSbConfig:
         sa_fields["backlog_prefix"] = default_backlog_prefix(primary)
     send_availability = SendAvailabilityConfig(**sa_fields)
     syphon = SyphonConfig(**_parse_fields(SyphonConfig, _section(data, "syphon"), "syphon"))
-    sink = FrozenMap(_section(data, "sink"))
+    sink = _parse_sink(_section(data, "sink"), "sink")
     config = SparkSbConfig(
         primary=primary, secondary=secondary, send_availability=send_availability, syphon=syphon, sink=sink
     )
@@ -968,7 +1195,7 @@ _OPTION_SECTIONS: dict[str, list[str] | None] = {
     "secondary": _NAMESPACE_KEYS,
     "send_availability": [f.name for f in dataclasses.fields(SendAvailabilityConfig)],
     "syphon": [f.name for f in dataclasses.fields(SyphonConfig)],
-    "sink": None,
+    "sink": [f.name for f in dataclasses.fields(SinkConfig)],
 }
 
 
@@ -984,7 +1211,8 @@ def from_options(options: Mapping[str, str]) -> SparkSbConfig:
 
     Keys are case-insensitive, dotted, camelCase or snake_case: ``primary.connectionString``,
     ``secondary.fullyQualifiedNamespace``, ``primary.credential.clientSecret``,
-    ``sendAvailability.failoverInterval``, ``syphon.receiveBatch``; ``sink.<anything>`` is kept as given.
+    ``sendAvailability.failoverInterval``, ``syphon.receiveBatch``, ``sink.keyColumn``, ``sink.columns.sessionId``,
+    ``sink.source.rowsPerSecond``.
     Keys outside these sections are ignored (they belong to the caller); empty values count as unset.
     Errors name the option as it was written.
     """
@@ -999,12 +1227,12 @@ def from_options(options: Mapping[str, str]) -> SparkSbConfig:
             continue
         allowed = _OPTION_SECTIONS[section]
         target = nested.setdefault(section, {})
-        if allowed is None:  # sink: keep the rest of the key as given
-            target[".".join(parts[1:])] = value
-            continue
-        names = [_canonical(parts[1], allowed)]
+        names = [_canonical(parts[1], allowed or [])]
         if names[0] == "credential" and len(parts) > 2:
             names.append(_canonical(parts[2], _CREDENTIAL_KEYS))
+            names.extend(parts[3:])
+        elif section == "sink" and names[0] in ("columns", "source") and len(parts) > 2:
+            names.append(_canonical(parts[2], list(SINK_FIELDS) if names[0] == "columns" else _SOURCE_KEYS))
             names.extend(parts[3:])
         else:
             names.extend(parts[2:])

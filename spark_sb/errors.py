@@ -66,6 +66,7 @@ _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
     "BacklogUnavailableError",
+    "BadInputError",
     "BadMessageError",
     "ConfigError",
     "CredentialRejectedError",
@@ -214,6 +215,29 @@ class BadMessageError(SparkSbError, ValueError):
         self.entity = entity
         self.reason = reason
         super().__init__(redact(f"message {message_id!r} for entity {entity!r} rejected: {reason}"))
+
+
+class BadInputError(SparkSbError, ValueError):
+    """A Spark batch holds input the sink cannot send: a column of the wrong type (found on the driver before
+    anything is sent), or a row that can never be sent (null body, too large, unknown entity...). The message
+    names the batch and, for a row, its entity and message id; for a column, the column and its type."""
+
+    error_class = ErrorClass.BAD_MESSAGE
+
+    def __init__(self, batch_id: int, reason: str, *, entity: str | None = None, message_id: object = None,
+                 column: str | None = None) -> None:
+        self.batch_id = batch_id
+        self.entity = entity
+        self.message_id = message_id
+        self.column = column
+        self.reason = reason
+        where = [f"batch {batch_id}"]
+        if column is not None:
+            where.append(f"column {column!r}")
+        if entity is not None or message_id is not None:
+            where.append(f"entity {entity!r}")
+            where.append(f"message {message_id!r}")
+        super().__init__(redact(f"{', '.join(where)}: {reason}"))
 
 
 class BacklogUnavailableError(SparkSbError):

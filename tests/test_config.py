@@ -11,6 +11,7 @@ import pytest
 from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 
 from spark_sb.config import (
+    SinkConfig,
     SparkSbConfig,
     format_duration,
     from_options,
@@ -50,7 +51,8 @@ def test_defaults_follow_the_behaviour_table() -> None:
     assert sa.backlog_prefix == "contoso"
     assert sa.backlog_queue_names()[0] == "contoso/x-servicebus-transfer/0"
     assert sa.backlog_queue_names()[-1] == "contoso/x-servicebus-transfer/9"
-    assert dict(config.sink) == {}
+    assert config.sink == SinkConfig()
+    assert config.sink.column_map["body"] == "body" and config.sink.chunk_size == 500
 
 
 def test_yaml_file_with_environment_interpolation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -68,7 +70,7 @@ send_availability:
   ping_primary_interval: PT2M
   backlog_prefix: shop-eu
 syphon: {retry_interval: 90, receive_batch: 50}
-sink: {key_column: id, options: {a: [1, 2]}}
+sink: {key_column: id, columns: {subject: topic}, source: {path: /data/in, options: {a: 1}}}
 """,
         encoding="utf-8",
     )
@@ -80,16 +82,17 @@ sink: {key_column: id, options: {a: [1, 2]}}
     assert config.send_availability.ping_primary_interval == timedelta(minutes=2)
     assert config.send_availability.backlog_prefix == "shop-eu"
     assert config.syphon.retry_interval == timedelta(seconds=90)
-    assert config.sink["key_column"] == "id"
-    assert config.sink.to_dict() == {"key_column": "id", "options": {"a": [1, 2]}}
+    assert config.sink.key_column == "id"
+    assert config.sink.column_map["subject"] == "topic" and config.sink.column_map["message_id"] == "id"
+    assert config.sink.source.to_dict() == {"format": "delta", "path": "/data/in", "options": {"a": "1"}}
     assert load_config(str(path)) == config
 
 
 def test_escaped_reference_is_kept_literally(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SINK_TABLE", "metrics")
-    config = load_config(minimal(sink={"table": "${SINK_TABLE}", "template": "$${NOT_A_VARIABLE}"}))
-    assert config.sink["table"] == "metrics"
-    assert config.sink["template"] == "${NOT_A_VARIABLE}"
+    config = load_config(minimal(sink={"metrics_table": "${SINK_TABLE}", "reject_table": "$${NOT_A_VARIABLE}"}))
+    assert config.sink.metrics_table == "metrics"
+    assert config.sink.reject_table == "${NOT_A_VARIABLE}"
 
 
 def test_unset_variable_names_the_variable_and_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -233,7 +236,7 @@ def test_repr_and_str_never_show_a_secret() -> None:
                 "fully_qualified_namespace": "contoso-dr.servicebus.windows.net",
                 "credential": {"type": "client_secret", "tenant_id": "t", "client_id": "c", "client_secret": CLIENT_SECRET},
             },
-            sink={"password": "hunter2", "key_column": "id"},
+            sink={"key_column": "id", "source": {"path": "/in", "options": {"password": "hunter2"}}},
         )
     )
     for text in (repr(config), str(config), repr(config.primary), str(config.primary.connection_string),
@@ -244,7 +247,7 @@ def test_repr_and_str_never_show_a_secret() -> None:
     assert str(config.primary.connection_string) == (
         "Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=***"
     )
-    assert "'key_column': 'id'" in repr(config.sink)
+    assert "key_column='id'" in repr(config.sink)
 
 
 def test_redacting_a_malformed_connection_string_hides_unknown_segments() -> None:
@@ -349,19 +352,21 @@ def test_primary_clients_get_small_sdk_retry_settings() -> None:
 
 
 def test_frozen_picklable_and_fingerprinted() -> None:
-    config = load_config(minimal(sink={"table": "metrics"}))
+    config = load_config(minimal(sink={"metrics_table": "metrics"}))
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.send_availability.failover_interval = timedelta(0)  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.sink.metrics_table = "other"  # type: ignore[misc]
     with pytest.raises(TypeError):
-        config.sink["table"] = "other"  # type: ignore[index]
+        config.sink.columns["body"] = "other"  # type: ignore[index]
     copied = pickle.loads(pickle.dumps(config))
     assert copied == config and hash(copied) == hash(config)
-    assert copied.fingerprint() == config.fingerprint() == load_config(minimal(sink={"table": "metrics"})).fingerprint()
+    assert copied.fingerprint() == config.fingerprint() == load_config(minimal(sink={"metrics_table": "metrics"})).fingerprint()
     assert len(config.fingerprint()) == 32
     assert KEY not in config.fingerprint()
-    other_key = load_config(minimal(primary={"connection_string": PRIMARY.replace(KEY, "b3RoZXI=")}, sink={"table": "metrics"}))
+    other_key = load_config(minimal(primary={"connection_string": PRIMARY.replace(KEY, "b3RoZXI=")}, sink={"metrics_table": "metrics"}))
     assert other_key.fingerprint() != config.fingerprint()
-    other_interval = load_config(minimal(send_availability={"failover_interval": "61s"}, sink={"table": "metrics"}))
+    other_interval = load_config(minimal(send_availability={"failover_interval": "61s"}, sink={"metrics_table": "metrics"}))
     assert other_interval.fingerprint() != config.fingerprint()
 
 
@@ -373,10 +378,11 @@ def test_to_dict_with_secrets_round_trips() -> None:
                 "credential": {"type": "client_secret", "tenant_id": "t", "client_id": "c", "client_secret": CLIENT_SECRET},
             },
             send_availability={"failover_interval": "1500ms", "backlog_queue_count": 3},
-            sink={"key_column": "id", "template": "$${NOT_A_VARIABLE}"},
+            sink={"key_column": "id", "reject_table": "$${NOT_A_VARIABLE}", "trigger": "1500ms",
+                  "columns": {"body": "payload"}, "source": {"table": "events"}, "max_batches": 3},
         )
     )
-    assert config.sink["template"] == "${NOT_A_VARIABLE}"
+    assert config.sink.reject_table == "${NOT_A_VARIABLE}"
     assert load_config(config.to_dict(secrets=True)) == config
     assert isinstance(load_config(config), SparkSbConfig)
 
@@ -386,7 +392,7 @@ def test_spark_options_build_the_same_object() -> None:
         minimal(
             send_availability={"failover_interval": "30s", "backlog_queue_count": 4, "backlog_prefix": "shop"},
             syphon={"receive_batch": 10},
-            sink={"keyColumn": "id"},
+            sink={"key_column": "id"},
         )
     )
     options = {
@@ -419,3 +425,32 @@ def test_spark_option_errors_name_the_option_as_written() -> None:
     with pytest.raises(ConfigError) as caught:
         from_options({**options, "secondary.credential.clientSecret": CLIENT_SECRET})
     assert CLIENT_SECRET not in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("sink", "expected"),
+    [
+        ({"chunk_size": 0}, "sink.chunk_size: must be between 1 and 100000, got 0"),
+        ({"columns": {"bdy": "x"}}, "sink.columns.bdy: unknown message field (did you mean body?)"),
+        ({"columns": {"body": ""}}, "sink.columns.body: must be a column name, got ''"),
+        ({"trigger": "soon"}, "sink.trigger: not a duration"),
+        ({"source": {"format": "parquet"}}, "sink.source: format parquet needs a path (or give a table)"),
+        ({"source": {"rows_per_second": 0}}, "sink.source.rows_per_second: must be at least 1, got 0"),
+        ({"key_column": "a", "columns": {"message_id": "b"}}, "sink.key_column: give either key_column or"),
+        ({"max_batches": "x"}, "sink.max_batches: must be a whole number, got 'x'"),
+        ({"reject": "/tmp/r"}, "sink.reject: unknown option (did you mean reject_table?)"),
+    ],
+)
+def test_sink_errors_name_the_option_and_the_value(sink: dict, expected: str) -> None:
+    assert error_of(minimal(sink=sink)).startswith(expected)
+
+
+def test_sink_options_from_spark_options() -> None:
+    config = from_options({
+        "primary.connectionString": PRIMARY, "secondary.connectionString": SECONDARY, "sink.keyColumn": "id",
+        "sink.columns.sessionId": "sid", "sink.source.rowsPerSecond": "7", "sink.chunkSize": "20",
+        "sink.trigger": "2s",
+    })
+    assert config.sink.column_map["session_id"] == "sid" and config.sink.column_map["message_id"] == "id"
+    assert config.sink.source.rows_per_second == 7 and config.sink.chunk_size == 20
+    assert config.sink.trigger == timedelta(seconds=2)

@@ -72,6 +72,7 @@ class HealthBoard:
         self._lock = threading.Lock()
         self._entities: dict[str, _Entity] = {}
         self._cooling: dict[str, float] = {}  # backlog queue -> back in the rotation at
+        self._counters: dict[str, int] = {"failovers": 0, "failbacks": 0, "assumed_failovers": 0}
 
     def _entity(self, entity: str) -> _Entity:
         found = self._entities.get(entity)
@@ -84,6 +85,7 @@ class HealthBoard:
         record.failing_since = None
         record.probation = False
         record.next_ping = now + self.ping_interval
+        self._counters["failovers"] += 1
         _LOGGER.warning("entity %r failed over to the backlog; next ping in %.3g s", entity, self.ping_interval)
 
     # --- the failover timer ----------------------------------------------------------------------------
@@ -161,6 +163,7 @@ class HealthBoard:
                 record.failing_since = None
                 record.next_ping = None
                 record.probation = True
+                self._counters["failbacks"] += 1
                 _LOGGER.info("ping to entity %r succeeded; failing back to the primary", entity)
             else:
                 record.next_ping = self.clock() + self.ping_interval
@@ -206,6 +209,32 @@ class HealthBoard:
         with self._lock:
             now = self.clock()
             return sorted(q for q, until in self._cooling.items() if until > now)
+
+    def assume_failed_over(self, entity: str) -> bool:
+        """Start ``entity`` failed over without waiting out the failover interval, because another process
+        of the same pairing saw it fail over (the Spark sink passes the merged health of the previous batch
+        to its new workers). The first send pings the primary at once, so an entity that is back is failed
+        back on the first send. Returns False (and changes nothing) when this board already knows the entity
+        as failed over, or knows it healthy from a primary send, a ping or a failback."""
+        with self._lock:
+            record = self._entities.get(entity)
+            if record is not None and (record.state is EntityState.FAILED_OVER or record.probation
+                                       or record.state is EntityState.HEALTHY):
+                return False
+            record = self._entity(entity)
+            record.state = EntityState.FAILED_OVER
+            record.failing_since = None
+            record.probation = False
+            record.next_ping = self.clock()
+            self._counters["assumed_failovers"] += 1
+        _LOGGER.info("entity %r starts failed over (another worker of this pairing failed it over)", entity)
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Counters since the board was created: ``failovers`` (interval ran out, or a failure on
+        probation), ``failbacks`` (a ping succeeded) and ``assumed_failovers`` (:meth:`assume_failed_over`)."""
+        with self._lock:
+            return dict(self._counters)
 
     def snapshot(self) -> dict[str, str]:
         """``{entity: state}`` for every entity seen by this board."""

@@ -232,6 +232,7 @@ class PairedSender:
         self._closers: list[threading.Thread] = []
         self._closed = False
         self._saw_connection_error = False
+        self._counters: dict[str, int] = {"sent_primary": 0, "sent_backlog": 0, "busy_waits": 0}
 
     @classmethod
     def from_config(
@@ -429,6 +430,8 @@ class PairedSender:
                     self._prepare_backlog(entity)  # the last wait before failing over: open the way there now
                 self._sleep(max(0.0, delay - (self._clock() - started)))
             elif error_class is ErrorClass.THROTTLED:
+                with self._state_lock:
+                    self._counters["busy_waits"] += 1
                 _LOGGER.info("primary busy for %r; waiting %.3g s", entity, self._busy_backoff)
                 self._sleep(self._busy_backoff)
             else:
@@ -437,7 +440,20 @@ class PairedSender:
                 if converted is None:
                     raise error
                 raise converted from error
-        return SendResult(entity, dict(counts))
+        result = SendResult(entity, dict(counts))
+        with self._state_lock:
+            self._counters["sent_primary"] += result.primary
+            self._counters["sent_backlog"] += result.backlog
+        return result
+
+    def stats(self) -> dict[str, int]:
+        """Counters for monitoring: ``sent_primary``, ``sent_backlog`` and ``busy_waits`` (server-busy waits)
+        of this sender, plus the ``failovers``, ``failbacks`` and ``assumed_failovers`` of its shared
+        :class:`~spark_sb.paired.health.HealthBoard` (every sender of the pairing in this process)."""
+        with self._state_lock:
+            counters = dict(self._counters)
+        counters.update(self.board.stats())
+        return counters
 
     def _send_batches(self, side: _Side, path: str, items: Sequence[ServiceBusMessage], entity: str) -> None:
         """Send ``items`` to ``path`` on ``side`` in as few batches as fit; raises :class:`_Partial` with the

@@ -127,3 +127,29 @@ def test_backoffs_and_retry() -> None:
 
     assert Retry(ConstantBackoff(2), 3, sleep=slept.append).call(flaky, lambda e: True) == "ok"
     assert slept == [2, 2]
+
+
+def test_assume_failed_over_starts_in_backlog_mode_with_a_ping_due_at_once() -> None:
+    clock = Clock()
+    b = board(clock, interval=60, ping=10)
+    assert b.assume_failed_over("e") is True
+    assert b.state("e") is EntityState.FAILED_OVER  # no failover interval to wait out
+    assert b.claim_ping("e") is True  # the first send checks whether the primary is back
+    b.ping_result("e", ok=False)
+    assert b.state("e") is EntityState.FAILED_OVER
+    assert b.assume_failed_over("e") is False  # already failed over: nothing changes
+    b.record_success("ok")
+    assert b.assume_failed_over("ok") is False  # known healthy in this process: this process decides
+    assert b.state("ok") is EntityState.HEALTHY
+    assert b.stats() == {"failovers": 0, "failbacks": 0, "assumed_failovers": 1}
+
+
+def test_stats_count_failovers_and_failbacks() -> None:
+    clock = Clock()
+    b = board(clock, interval=0, ping=1)
+    b.record_failure("e")
+    clock.now = 1
+    assert b.claim_ping("e")
+    b.ping_result("e", ok=True)
+    b.record_failure("e")  # on probation: back to failed over at once
+    assert b.stats() == {"failovers": 2, "failbacks": 1, "assumed_failovers": 0}

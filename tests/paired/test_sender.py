@@ -46,6 +46,8 @@ def test_busy_waits_the_server_busy_backoff_and_retries_the_primary(
     assert result.destinations == {PRIMARY: 1}
     assert sender.state(q) == "healthy"  # 30 s of busy: no failover although the interval is 10 s
     assert backlog_total(secondary_admin, sender) == 0
+    stats = sender.stats()
+    assert (stats["busy_waits"], stats["sent_primary"], stats["sent_backlog"], stats["failovers"]) == (3, 1, 0, 0)
     assert [m.message_id for m in drain(primary.connection_string, q, 1)] == ["busy-1"]
 
 
