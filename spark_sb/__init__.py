@@ -2,6 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __version__ = "0.1.0"
 
-__all__ = ["__version__"]
+__all__ = ["PairedSink", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    # the sink imports pyspark: loaded on first use only, so that the paired core runs without Spark
+    if name == "PairedSink":
+        from .sink import PairedSink
+
+        return PairedSink
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

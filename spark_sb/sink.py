@@ -1,0 +1,589 @@
+"""The Spark sink: ``df.writeStream.foreachBatch(PairedSink.from_config("conf/local.yaml"))``.
+
+Every batch is sent from the executors, never collected to the driver: the driver checks the batch's schema,
+then runs one ``mapInArrow`` over the mapped columns. Each partition sends its rows through the paired sender of
+its Python worker process (one per configuration, kept in a process-level registry, paired once and reused by
+every task and batch that process runs) and returns one small summary row; the driver collects the summaries
+only, logs one line per batch, keeps :attr:`PairedSink.latest` and :attr:`PairedSink.totals`, and optionally
+appends the summary to a Delta metrics table. ``mapInArrow`` exists under Spark Connect; the RDD API is never
+used.
+
+Columns (names configurable with ``sink.columns``; spark.md "Input columns"):
+
+========================== =================================================================================
+field                      column type
+========================== =================================================================================
+body (required)            string or binary
+message_id / key_column    string or integer; else derived (below)
+entity                     string; null or absent: ``sink.entity``
+session_id, partition_key, string
+subject, content_type,
+correlation_id, to,
+reply_to
+time_to_live               day-time interval, or a number of seconds (integer or floating point)
+scheduled_enqueue_time     timestamp (or timestamp_ntz, read as UTC)
+application_properties     map<string, string|integer|floating point|boolean|binary|timestamp>
+========================== =================================================================================
+
+A column of another type fails the batch on the driver before anything is sent (:class:`BadInputError` naming
+the batch, the column and its type), with or without a reject table.
+
+**Message ids** are the key column's value, else ``<batch id>-<partition>-<hash>-<n>``: a hash of the row's
+mapped values, and ``n`` the row's occurrence number among identical rows of its partition. A replayed batch
+produces the same ids **provided it has the same partitioning**, which holds for the sources whose batches are
+replayed from recorded offsets (rate, Kafka, files, Delta): Spark replays a batch with the same offsets and the
+same partitions. (A repartition by a non-deterministic expression in the query breaks it; use a key column
+then.) With duplicate detection on the primary entity a replayed row is then dropped there.
+
+**Bad rows** (null body, null key, no entity, a value the SDK cannot encode, a message over the entity's size
+limit, an entity that does not exist): without ``sink.reject_table`` the partition raises
+:class:`BadInputError` naming the batch, the entity and the message id, and the batch fails; with it, each bad
+row goes to that Delta table (batch id, message id, entity, reason, body) and the rest is sent. Rows of a
+message over the size limit are found by sending: the paired sender sends nothing of a call that holds one,
+so the call is repeated without it. The batch fails whenever a row was neither sent nor rejected, so the
+checkpoint never moves past such a row; rows sent before a failure are sent again on replay, with the same
+message ids.
+
+**Health**: every summary carries the state of the entities its partition sent to; an entity that some
+partition left failed over, and none left healthy, is passed to the next batch's partitions, whose workers then
+start it failed over (:meth:`~spark_sb.paired.health.HealthBoard.assume_failed_over`, with a ping due at once)
+instead of each waiting out the failover interval.
+
+Under Spark Connect the callable runs in one server-side Python process for the query's life: ``latest`` and
+``totals`` live there, not on the client's object; read the log or the metrics table.
+
+The registry closes its senders at interpreter exit (``atexit``). PySpark's forked Python workers end with
+``os._exit``, which skips ``atexit``: their sockets are closed by the operating system when the worker ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import hashlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+from azure.servicebus import ServiceBusMessage
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from .config import SparkSbConfig, load_config
+from .errors import BadInputError, BadMessageError, EntityNotFoundError
+from .paired import PRIMARY, PairedSender
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = ["METRICS_SCHEMA", "PARTITION_OUTPUT", "BatchSummary", "PairedSink", "close_senders", "sender_for"]
+
+# --- the per-process registry of paired senders -----------------------------------------------------------
+
+_SENDERS: dict[str, PairedSender] = {}
+_SENDERS_LOCK = threading.Lock()
+_ATEXIT_REGISTERED = False
+
+
+def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedSender:
+    """The paired sender of this process for ``config`` (keyed by its fingerprint): created and paired on
+    first use, then reused by every task and batch this process runs; closed at interpreter exit."""
+    global _ATEXIT_REGISTERED
+    key = fingerprint or config.fingerprint()
+    with _SENDERS_LOCK:
+        sender = _SENDERS.get(key)
+        if sender is None:
+            sender = PairedSender(config)
+            usable = sender.pair()
+            _LOGGER.info("process %d: paired sender ready (%d backlog queues)", os.getpid(), usable)
+            _SENDERS[key] = sender
+            if not _ATEXIT_REGISTERED:
+                atexit.register(close_senders)
+                _ATEXIT_REGISTERED = True
+        return sender
+
+
+def close_senders() -> None:
+    """Close every sender of the registry (idempotent)."""
+    with _SENDERS_LOCK:
+        senders = list(_SENDERS.values())
+        _SENDERS.clear()
+    for sender in senders:
+        sender.close()
+
+
+# --- summaries ---------------------------------------------------------------------------------------------
+
+_COUNTERS = ("rows", "primary", "rejected", "failovers", "failbacks", "busy_waits", "assumed_failovers")
+
+#: what each partition returns: one ``summary`` row, and a ``reject`` row per rejected row
+PARTITION_OUTPUT = T.StructType(
+    [T.StructField("kind", T.StringType()), T.StructField("partition", T.IntegerType())]
+    + [T.StructField(name, T.LongType()) for name in _COUNTERS]
+    + [
+        T.StructField("backlog", T.MapType(T.StringType(), T.LongType())),
+        T.StructField("health", T.MapType(T.StringType(), T.StringType())),
+        T.StructField("seconds", T.DoubleType()),
+        T.StructField("message_id", T.StringType()),
+        T.StructField("entity", T.StringType()),
+        T.StructField("reason", T.StringType()),
+        T.StructField("body", T.BinaryType()),
+    ]
+)
+_ARROW_OUTPUT = pa.schema(
+    [pa.field("kind", pa.string()), pa.field("partition", pa.int32())]
+    + [pa.field(name, pa.int64()) for name in _COUNTERS]
+    + [
+        pa.field("backlog", pa.map_(pa.string(), pa.int64())),
+        pa.field("health", pa.map_(pa.string(), pa.string())),
+        pa.field("seconds", pa.float64()),
+        pa.field("message_id", pa.string()),
+        pa.field("entity", pa.string()),
+        pa.field("reason", pa.string()),
+        pa.field("body", pa.binary()),
+    ]
+)
+METRICS_SCHEMA = T.StructType(
+    [T.StructField("batch_id", T.LongType()), T.StructField("finished_at", T.TimestampType())]
+    + [T.StructField(name, T.LongType()) for name in _COUNTERS]
+    + [
+        T.StructField("backlog", T.MapType(T.StringType(), T.LongType())),
+        T.StructField("failed_over", T.ArrayType(T.StringType())),
+        T.StructField("partitions", T.IntegerType()),
+        T.StructField("seconds", T.DoubleType()),
+    ]
+)
+
+
+@dataclass
+class BatchSummary:
+    """Where a batch's rows went (or, for :attr:`PairedSink.totals`, every batch's so far).
+
+    :ivar backlog: ``{backlog queue: rows}``.
+    :ivar failed_over: entities left failed over after the batch (passed to the next batch).
+    :ivar batches: how many batches are summed (1 for one batch).
+    """
+
+    batch_id: int | None = None
+    rows: int = 0
+    primary: int = 0
+    backlog: dict[str, int] = field(default_factory=dict)
+    rejected: int = 0
+    failovers: int = 0
+    failbacks: int = 0
+    busy_waits: int = 0
+    assumed_failovers: int = 0
+    failed_over: tuple[str, ...] = ()
+    partitions: int = 0
+    seconds: float = 0.0
+    batches: int = 0
+
+    @property
+    def backlog_total(self) -> int:
+        return sum(self.backlog.values())
+
+    @property
+    def sent(self) -> int:
+        return self.primary + self.backlog_total
+
+    def add(self, other: BatchSummary) -> None:
+        """Add ``other``'s counts to these (for running totals)."""
+        for name in (*_COUNTERS, "partitions", "batches"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        for queue, n in other.backlog.items():
+            self.backlog[queue] = self.backlog.get(queue, 0) + n
+        self.seconds += other.seconds
+        self.batch_id = other.batch_id
+        self.failed_over = other.failed_over
+
+    def describe(self) -> str:
+        """One line: ``120 rows: 80 -> primary, 40 -> backlog (x-servicebus-transfer/1: 40), 0 rejected...``."""
+        parts = [f"{self.rows} rows: {self.primary} -> primary"]
+        if self.backlog:
+            queues = ", ".join(f"{q}: {n}" for q, n in sorted(self.backlog.items()))
+            parts.append(f"{self.backlog_total} -> backlog ({queues})")
+        parts.append(f"{self.rejected} rejected")
+        parts.append(f"failovers {self.failovers}, failbacks {self.failbacks}, busy waits {self.busy_waits}")
+        if self.failed_over:
+            parts.append(f"failed over: {', '.join(self.failed_over)}")
+        return ", ".join(parts) + f" [{self.seconds:.1f} s]"
+
+
+# --- the driver side ---------------------------------------------------------------------------------------
+
+_STRING_FIELDS = ("entity", "session_id", "partition_key", "subject", "content_type", "correlation_id", "to",
+                  "reply_to")
+_INTEGRAL = (T.ByteType, T.ShortType, T.IntegerType, T.LongType)
+_PROPERTY_VALUES = (T.StringType, T.BooleanType, T.FloatType, T.DoubleType, T.BinaryType, T.TimestampType,
+                    T.TimestampNTZType, *_INTEGRAL)
+
+
+def _type_ok(name: str, data_type: T.DataType) -> tuple[bool, str]:
+    """Whether ``data_type`` fits message field ``name``, and what is expected."""
+    if name == "body":
+        return isinstance(data_type, T.StringType | T.BinaryType), "string or binary"
+    if name == "message_id":
+        return isinstance(data_type, (T.StringType, *_INTEGRAL)), "string or an integer type"
+    if name in _STRING_FIELDS:
+        return isinstance(data_type, T.StringType), "string"
+    if name == "time_to_live":
+        ok = isinstance(data_type, (T.DayTimeIntervalType, T.FloatType, T.DoubleType, *_INTEGRAL))
+        return ok, "a day-time interval or a number of seconds"
+    if name == "scheduled_enqueue_time":
+        return isinstance(data_type, T.TimestampType | T.TimestampNTZType), "timestamp"
+    ok = (isinstance(data_type, T.MapType) and isinstance(data_type.keyType, T.StringType)
+          and isinstance(data_type.valueType, _PROPERTY_VALUES))
+    return ok, "map<string, string|integer|floating point|boolean|binary|timestamp>"
+
+
+class PairedSink:
+    """The ``foreachBatch`` callable: ``query = df.writeStream.foreachBatch(PairedSink.from_config(conf))``.
+
+    Picklable (it holds the configuration, the latest summary, the running totals and the entity health).
+
+    :ivar latest: the :class:`BatchSummary` of the last batch (``None`` before the first).
+    :ivar totals: every batch's counts summed (``batches`` counts them).
+    :ivar health: ``{entity: state}`` merged from the last batch's partitions.
+    """
+
+    def __init__(self, config: SparkSbConfig) -> None:
+        self.config = config
+        self.fingerprint = config.fingerprint()
+        self.latest: BatchSummary | None = None
+        self.totals = BatchSummary()
+        self.health: dict[str, str] = {}
+
+    @classmethod
+    def from_config(cls, source: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConfig) -> PairedSink:
+        """From a YAML path, a dict or a :class:`SparkSbConfig` (the ``sink:`` section configures it)."""
+        return cls(load_config(source))
+
+    def __repr__(self) -> str:
+        return (f"PairedSink(primary={self.config.primary.fully_qualified_namespace!r}, "
+                f"entity={self.config.sink.entity!r}, batches={self.totals.batches})")
+
+    @property
+    def failed_over(self) -> tuple[str, ...]:
+        return tuple(sorted(e for e, state in self.health.items() if state == "failed_over"))
+
+    def columns(self, batch_df: DataFrame, batch_id: int) -> dict[str, str]:
+        """``{message field: column}`` for the fields this batch carries, after checking their types; raises
+        :class:`BadInputError` naming the batch, the column and its type."""
+        sink = self.config.sink
+        by_name = {f.name: f for f in batch_df.schema.fields}
+        by_lower = {name.lower(): f for name, f in by_name.items()}
+        explicit = set(sink.columns) | ({"message_id"} if sink.key_column else set())
+        present: dict[str, str] = {}
+        for name, column in sink.column_map.items():
+            found = by_name.get(column) or by_lower.get(column.lower())
+            if found is None:
+                if name in explicit or name == "body":
+                    option = "sink.key_column" if name == "message_id" and sink.key_column else f"sink.columns.{name}"
+                    raise BadInputError(batch_id, f"column not found for message field {name} ({option}); "
+                                        f"the batch has {', '.join(by_name) or 'no columns'}", column=column)
+                continue
+            ok, expected = _type_ok(name, found.dataType)
+            if not ok:
+                raise BadInputError(batch_id, f"has type {found.dataType.simpleString()}, message field {name} "
+                                    f"needs {expected}; nothing was sent", column=found.name)
+            present[name] = found.name
+        if "entity" not in present and sink.entity is None:
+            raise BadInputError(batch_id, "no entity: the batch has no entity column "
+                                f"({sink.column_map['entity']!r}) and sink.entity is not set")
+        return present
+
+    def __call__(self, batch_df: DataFrame, batch_id: int) -> BatchSummary:
+        started = time.monotonic()
+        sink = self.config.sink
+        present = self.columns(batch_df, batch_id)
+        selected = batch_df.select(*[F.col(_quote(column)).alias(name) for name, column in present.items()])
+        send = _partition_sender(self.config, self.fingerprint, int(batch_id), self.failed_over,
+                                 reject=sink.reject_table is not None)
+        output = selected.mapInArrow(send, PARTITION_OUTPUT)
+        try:
+            if sink.reject_table is None:
+                rows = output.collect()
+                rejected_rows = 0
+            else:
+                # computed (and so sent) exactly once, then read twice: the summaries and the rejected rows
+                done = output.localCheckpoint(eager=True)
+                rows = done.filter(F.col("kind") == "summary").collect()
+                rejected_rows = self._write_rejects(done, batch_id)
+        except Exception:
+            _LOGGER.error("batch %s failed; it is replayed from the checkpoint when the query restarts", batch_id)
+            raise
+        summary = self._merge(batch_id, rows, time.monotonic() - started)
+        if summary.rejected != rejected_rows and sink.reject_table is not None:
+            raise RuntimeError(f"batch {batch_id}: {summary.rejected} rows rejected but {rejected_rows} written "
+                               f"to {sink.reject_table}")
+        unaccounted = summary.rows - summary.sent - summary.rejected
+        if unaccounted:
+            raise RuntimeError(f"batch {batch_id}: {unaccounted} rows neither sent nor rejected; the batch fails "
+                               "and is replayed from the checkpoint")
+        self.latest = summary
+        self.totals.add(summary)
+        _LOGGER.info("batch %s: %s", batch_id, summary.describe())
+        if sink.metrics_table is not None:
+            self._write_metrics(batch_df, summary)
+        return summary
+
+    def _merge(self, batch_id: int, rows: Iterable[Any], seconds: float) -> BatchSummary:
+        summary = BatchSummary(batch_id=int(batch_id), seconds=seconds, batches=1)
+        states: dict[str, set[str]] = {}
+        for row in rows:
+            if row["kind"] != "summary":
+                continue
+            summary.partitions += 1
+            for name in _COUNTERS:
+                setattr(summary, name, getattr(summary, name) + int(row[name] or 0))
+            for queue, n in (row["backlog"] or {}).items():
+                summary.backlog[queue] = summary.backlog.get(queue, 0) + int(n)
+            for entity, state in (row["health"] or {}).items():
+                states.setdefault(entity, set()).add(state)
+        health = dict(self.health)
+        for entity, seen in states.items():
+            # failed over when some partition left it failed over and none saw it healthy
+            if "failed_over" in seen and "healthy" not in seen:
+                health[entity] = "failed_over"
+            elif "healthy" in seen:
+                health[entity] = "healthy"
+            else:
+                health[entity] = sorted(seen)[0]
+        self.health = health
+        summary.failed_over = self.failed_over
+        return summary
+
+    def _write_rejects(self, done: DataFrame, batch_id: int) -> int:
+        rejects = done.filter(F.col("kind") == "reject").select(
+            F.lit(int(batch_id)).cast("long").alias("batch_id"), "partition", "message_id", "entity", "reason",
+            "body", F.current_timestamp().alias("rejected_at"))
+        count = rejects.count()
+        if count:
+            path = str(self.config.sink.reject_table)
+            rejects.write.format("delta").mode("append").save(path)
+            _LOGGER.warning("batch %s: %d rejected rows written to %s", batch_id, count, path)
+        return count
+
+    def _write_metrics(self, batch_df: DataFrame, summary: BatchSummary) -> None:
+        values = asdict(summary)
+        row = [int(summary.batch_id or 0), datetime.datetime.now(datetime.UTC)]
+        row += [values[name] for name in _COUNTERS]
+        row += [dict(summary.backlog), list(summary.failed_over), summary.partitions, summary.seconds]
+        spark = batch_df.sparkSession
+        spark.createDataFrame([tuple(row)], METRICS_SCHEMA).write.format("delta").mode("append").save(
+            str(self.config.sink.metrics_table))
+
+
+def _quote(column: str) -> str:
+    return "`" + column.replace("`", "``") + "`"
+
+
+# --- the executor side -------------------------------------------------------------------------------------
+
+_REJECT_FLUSH = 1000
+
+
+class _Rejected(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _partition_sender(config: SparkSbConfig, fingerprint: str, batch_id: int, failed_over: tuple[str, ...],
+                      reject: bool) -> Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]:
+    """The function ``mapInArrow`` runs on each partition (pickled with these arguments only)."""
+
+    def send_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
+        yield from _PartitionRun(config, fingerprint, batch_id, partition, failed_over, reject).run(batches)
+
+    return send_partition
+
+
+class _PartitionRun:
+    """Sends one partition's rows; yields the reject rows (when rejecting) and then one summary row."""
+
+    def __init__(self, config: SparkSbConfig, fingerprint: str, batch_id: int, partition: int,
+                 failed_over: tuple[str, ...], reject: bool) -> None:
+        self.sink = config.sink
+        self.batch_id = batch_id
+        self.partition = partition
+        self.reject = reject
+        self.sender = sender_for(config, fingerprint)
+        self.before = self.sender.stats()
+        for entity in failed_over:
+            self.sender.board.assume_failed_over(entity)
+        self.started = time.monotonic()
+        self.rows = 0
+        self.primary = 0
+        self.backlog: dict[str, int] = {}
+        self.entities: set[str] = set()
+        self.pending: dict[str, list[tuple[ServiceBusMessage, Any]]] = {}
+        self.rejects: list[tuple[str | None, str | None, str, bytes | None]] = []
+        self.rejected = 0
+        self.occurrences: dict[bytes, int] = {}
+
+    def run(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for batch in batches:
+            columns = {name: batch.column(name).to_pylist() for name in batch.schema.names}
+            keys = list(columns)
+            for values in zip(*columns.values(), strict=True):
+                self.rows += 1
+                self._row(dict(zip(keys, values, strict=True)))
+                if len(self.rejects) >= _REJECT_FLUSH:
+                    yield self._reject_batch()
+            if len(self.rejects) >= _REJECT_FLUSH:
+                yield self._reject_batch()
+        for entity in list(self.pending):
+            self._flush(entity)
+        if self.rejects:
+            yield self._reject_batch()
+        yield self._summary()
+
+    # rows -> messages
+
+    def _message_id(self, row: dict[str, Any]) -> str:
+        if "message_id" in row:
+            value = row["message_id"]
+            if value is None:
+                raise _Rejected(f"the message id column ({self.sink.column_map['message_id']!r}) is null")
+            return str(value)
+        content = repr((self.batch_id, self.partition, sorted(row.items()))).encode("utf-8", "backslashreplace")
+        digest = hashlib.blake2b(content, digest_size=16).digest()
+        occurrence = self.occurrences.get(digest, 0)
+        self.occurrences[digest] = occurrence + 1
+        return f"{self.batch_id}-{self.partition}-{digest.hex()}-{occurrence}"
+
+    def _row(self, row: dict[str, Any]) -> None:
+        entity = row.get("entity") or self.sink.entity
+        body = row.get("body")
+        try:
+            message_id = self._message_id(row)
+        except _Rejected as rejected:
+            self._reject(None, entity, rejected.reason, body)
+            return
+        if entity is None:
+            self._reject(message_id, None, "no entity: the entity column is null and sink.entity is not set", body)
+            return
+        if body is None:
+            self._reject(message_id, entity, "body is null", body)
+            return
+        try:
+            message = _to_message(row, message_id)
+        except (TypeError, ValueError) as err:
+            self._reject(message_id, entity, f"cannot build the message: {err}", body)
+            return
+        pending = self.pending.setdefault(entity, [])
+        pending.append((message, body))
+        if len(pending) >= self.sink.chunk_size:
+            self._flush(entity)
+
+    def _reject(self, message_id: str | None, entity: str | None, reason: str, body: Any) -> None:
+        if not self.reject:
+            raise BadInputError(self.batch_id, reason, entity=entity, message_id=message_id)
+        self.rejected += 1
+        raw = body.encode("utf-8") if isinstance(body, str) else body
+        self.rejects.append((message_id, entity, reason, raw))
+
+    # sending
+
+    def _flush(self, entity: str) -> None:
+        items = self.pending.pop(entity, [])
+        if items:
+            self._send(entity, items)
+
+    def _send(self, entity: str, items: list[tuple[ServiceBusMessage, Any]]) -> None:
+        self.entities.add(entity)
+        try:
+            result = self.sender.send(entity, [message for message, _ in items])
+        except BadMessageError as err:
+            bad = [i for i, (message, _) in enumerate(items) if message.message_id == err.message_id]
+            if err.message_id is None or not bad:
+                if len(items) == 1:
+                    message, body = items[0]
+                    self._reject(message.message_id, entity, err.reason, body)
+                    return
+                for item in items:  # find it: one by one (nothing of the call was sent)
+                    self._send(entity, [item])
+                return
+            message, body = items[bad[0]]
+            self._reject(message.message_id, entity, err.reason, body)
+            rest = items[: bad[0]] + items[bad[0] + 1:]
+            if rest:
+                self._send(entity, rest)
+            return
+        except EntityNotFoundError as err:
+            for message, body in items:
+                self._reject(message.message_id, entity, f"entity not found on the primary ({err})", body)
+            return
+        for destination, n in result.destinations.items():
+            if destination == PRIMARY:
+                self.primary += n
+            else:
+                self.backlog[destination] = self.backlog.get(destination, 0) + n
+
+    # output
+
+    def _reject_batch(self) -> pa.RecordBatch:
+        rows = self.rejects
+        self.rejects = []
+        n = len(rows)
+        data: dict[str, Any] = {"kind": ["reject"] * n, "partition": [self.partition] * n}
+        for name in _COUNTERS:
+            data[name] = [None] * n
+        data.update(backlog=[None] * n, health=[None] * n, seconds=[None] * n,
+                    message_id=[r[0] for r in rows], entity=[r[1] for r in rows], reason=[r[2] for r in rows],
+                    body=[r[3] for r in rows])
+        return pa.RecordBatch.from_pydict(data, schema=_ARROW_OUTPUT)
+
+    def _summary(self) -> pa.RecordBatch:
+        after = self.sender.stats()
+        delta = {name: after.get(name, 0) - self.before.get(name, 0) for name in after}
+        counts = {"rows": self.rows, "primary": self.primary, "rejected": self.rejected,
+                  "failovers": delta.get("failovers", 0), "failbacks": delta.get("failbacks", 0),
+                  "busy_waits": delta.get("busy_waits", 0), "assumed_failovers": delta.get("assumed_failovers", 0)}
+        data: dict[str, Any] = {"kind": ["summary"], "partition": [self.partition]}
+        for name in _COUNTERS:
+            data[name] = [counts[name]]
+        health = {entity: self.sender.state(entity) for entity in sorted(self.entities)}
+        data.update(backlog=[list(self.backlog.items())], health=[list(health.items())],
+                    seconds=[time.monotonic() - self.started], message_id=[None], entity=[None], reason=[None],
+                    body=[None])
+        return pa.RecordBatch.from_pydict(data, schema=_ARROW_OUTPUT)
+
+
+def _utc(value: datetime.datetime) -> datetime.datetime:
+    return value.replace(tzinfo=datetime.UTC) if value.tzinfo is None else value
+
+
+def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
+    """The message for one row (values as pyarrow hands them over)."""
+    kwargs: dict[str, Any] = {"message_id": message_id}
+    for name in ("session_id", "partition_key", "subject", "content_type", "correlation_id", "to", "reply_to"):
+        value = row.get(name)
+        if value is not None:
+            kwargs[name] = value
+    ttl = row.get("time_to_live")
+    if ttl is not None:
+        kwargs["time_to_live"] = ttl if isinstance(ttl, datetime.timedelta) else datetime.timedelta(seconds=ttl)
+    scheduled = row.get("scheduled_enqueue_time")
+    if scheduled is not None:
+        kwargs["scheduled_enqueue_time_utc"] = _utc(scheduled)
+    properties = row.get("application_properties")
+    if properties is not None:
+        pairs = properties.items() if isinstance(properties, Mapping) else properties
+        kwargs["application_properties"] = {
+            str(k): (_utc(v) if isinstance(v, datetime.datetime) else v) for k, v in pairs if v is not None
+        }
+    return ServiceBusMessage(row["body"], **kwargs)
+

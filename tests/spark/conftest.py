@@ -1,0 +1,90 @@
+"""Spark fixtures: one local SparkSession for the whole test session (local[2], Delta configured once, no UI,
+two shuffle partitions), configurations over the emulator pair, and helpers that count what arrived."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
+
+from spark_sb import messages
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    from delta import configure_spark_with_delta_pip
+    from pyspark.sql import SparkSession
+
+    builder = (
+        SparkSession.builder.master("local[2]")
+        .appName("spark-sb-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.default.parallelism", "2")
+        .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+        .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
+        .config("spark.driver.memory", "1g")
+    )
+    session = configure_spark_with_delta_pip(builder).getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+def sink_config(primary: Any, secondary: Any, **sink: Any) -> dict:
+    """A configuration over the emulator pair with a unique backlog prefix and short intervals."""
+    sa = sink.pop("send_availability", {})
+    return {
+        "primary": {"connection_string": primary.connection_string, "admin_endpoint": primary.admin_url},
+        "secondary": {"connection_string": secondary.connection_string, "admin_endpoint": secondary.admin_url},
+        "send_availability": {
+            "backlog_prefix": f"sk{next(_prefixes)}-{uuid.uuid4().hex[:8]}",
+            "backlog_queue_count": 2,
+            "failover_interval": "1s",
+            "ping_primary_interval": "1s",
+            "primary_try_timeout": "500ms",
+            **sa,
+        },
+        "sink": sink,
+    }
+
+
+def receive_all(connection_string: str, queue: str, *, expected: int | None = None, wait: float = 2.0) -> list:
+    """Receive and delete every message of ``queue`` (pings dropped), stopping after ``wait`` seconds without
+    a message or once ``expected`` arrived."""
+    received: list = []
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+            while expected is None or len(received) < expected:
+                page = receiver.receive_messages(max_message_count=250, max_wait_time=wait)
+                if not page:
+                    break
+                received.extend(m for m in page if not messages.is_ping(m))
+    return received
+
+
+def backlog_ids(connection_string: str, queues: tuple[str, ...]) -> list[str]:
+    """Message ids in the backlog queues (received and deleted)."""
+    ids: list[str] = []
+    for queue in queues:
+        ids.extend(str(m.message_id) for m in receive_all(connection_string, queue, wait=0.5))
+    return ids
+
+
+def wait_until(condition: Any, timeout: float = 30.0, step: float = 0.2) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(step)
