@@ -1,8 +1,9 @@
 """The README's main command (`make demo`): the embedded default, end to end, on the local emulator pair.
 
 Starts the emulator pair (primary and secondary namespaces, durable store in a temporary folder) in a
-child process, provisions the backlog queues, and streams batches of rows through the paired sender
-(`conf/local.yaml`, with the emulator's actual ports). Part-way the primary namespace goes down; later it
+child process, provisions the backlog queues, and runs the paired writer stream (`jobs/paired_writer.py`:
+Spark's rate source, `foreachBatch(PairedSink)`, `conf/local.yaml` with the emulator's actual ports) on a
+local Spark session. Part-way the primary namespace goes down; later it
 heals. Each batch prints where its rows went; the end accounts for every row by message id: in the
 primary, parked in a backlog queue (waiting for the syphon), lost, or duplicated. No cloud account, no
 manual step.
@@ -12,19 +13,22 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
-from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
+from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
 
 from spark_sb import messages
 from spark_sb.emulator import DEFAULT_NAMESPACES, EmulatorProcess, NamespaceOptions, fault, heal
-from spark_sb.paired import PRIMARY, PairedSender
+from spark_sb.paired import PairedSender
 
 ROOT = Path(__file__).resolve().parent.parent
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # Spark's Python workers: this interpreter
 ENTITY = "orders"
 ENTITIES = f"""
 queues:
@@ -74,7 +78,14 @@ def _backlog_ids(conn_str: str, queues: tuple[str, ...]) -> dict[str, list[str]]
     return out
 
 
-def run(work: Path, conf: Path, batches: int, rows: int, pause: float, free_ports: bool) -> int:
+def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_ports: bool) -> int:
+    from paired_writer import (  # jobs/ is on sys.path as the script's folder
+        await_batches,
+        build_session,
+        start,
+    )
+    from pyspark.sql import functions as F
+
     (work / "entities.yaml").write_text(ENTITIES)
     namespaces = [NamespaceOptions(n.name) for n in DEFAULT_NAMESPACES] if free_ports else list(DEFAULT_NAMESPACES)
     _say(f"starting the local Service Bus emulator pair (data in {work / 'emulator'})")
@@ -84,30 +95,59 @@ def run(work: Path, conf: Path, batches: int, rows: int, pause: float, free_port
             _say(f"  {info.name:9s} amqp://localhost:{info.amqp_port}  admin {info.admin_url}")
         config = _config(conf, emu)
         sa = config["send_availability"]
-        down_at, heal_at = batches // 4, (2 * batches) // 3
-        produced: list[str] = []
-        routes: collections.Counter[str] = collections.Counter()
+        config["sink"] = {
+            "entity": ENTITY,
+            "key_column": "key",
+            "source": {"format": "rate", "rows_per_second": max(1, int(rows / trigger)), "num_partitions": 2},
+            "trigger": f"{trigger}s",
+            "checkpoint_location": str(work / "checkpoint"),
+        }
         with PairedSender.from_config(config) as sender:
             usable = sender.pair()
-            _say(f"provisioned {usable} backlog queues on the secondary "
-                 f"(failover interval {sa['failover_interval']}, ping interval {sa['ping_primary_interval']})")
-            _say("")
-            for batch in range(batches):
-                if batch == down_at:
-                    fault(emu["primary"].admin_url, "down")
-                    _say(">>> the primary namespace is DOWN")
-                if batch == heal_at:
-                    heal(emu["primary"].admin_url)
-                    _say(">>> the primary namespace is healed")
-                ids = [f"row-{batch:03d}-{i:03d}" for i in range(rows)]
-                started = time.monotonic()
-                result = sender.send(ENTITY, [ServiceBusMessage(f"order {m}", message_id=m) for m in ids])
-                produced.extend(ids)
-                where = ", ".join(f"{n} -> {'primary' if d == PRIMARY else d}" for d, n in result.destinations.items())
-                routes.update(result.destinations)
-                _say(f"batch {batch:2d}: {where}   [{sender.state(ENTITY)}, {time.monotonic() - started:.1f} s]")
-                time.sleep(pause)
             backlog_queues = sender.backlog_queues
+        _say(f"provisioned {usable} backlog queues on the secondary "
+             f"(failover interval {sa['failover_interval']}, ping interval {sa['ping_primary_interval']})")
+        _say("starting Spark (local[2]; the first run downloads the Delta jars from Maven Central)")
+        spark = build_session("spark-sb-demo")
+        spark.sparkContext.setLogLevel("ERROR")
+        down_at, heal_at = batches // 4, (2 * batches) // 3
+        produced: list[str] = []
+        holder: dict[str, Any] = {}
+        _say(f"streaming rate rows through the paired sink, {rows} rows a batch every {trigger:g} s")
+        _say("")
+
+        def each_batch(df: Any, batch_id: int) -> None:
+            if batch_id == down_at:
+                fault(emu["primary"].admin_url, "down")
+                _say(">>> the primary namespace is DOWN")
+            if batch_id == heal_at:
+                heal(emu["primary"].admin_url)
+                _say(">>> the primary namespace is healed")
+            # the produced keys, for the final count: a small aggregate, the rows stay on the executors
+            low, high, count = df.agg(F.min(F.col("key").cast("long")), F.max(F.col("key").cast("long")),
+                                      F.count("*")).first()
+            summary = holder["sink"](df, batch_id)
+            if count:
+                keys = [str(k) for k in range(int(low), int(high) + 1)]
+                assert len(keys) == count, "rate keys are contiguous"
+                produced.extend(keys)
+            where = ", ".join([f"{summary.primary} -> primary"] + [
+                f"{n} -> backlog queue {q.rsplit('/', 1)[-1]}" for q, n in sorted(summary.backlog.items())])
+            flags = f"failovers {summary.failovers}" if summary.failovers else ""
+            flags += f" failbacks {summary.failbacks}" if summary.failbacks else ""
+            state = "failed over" if summary.failed_over else "healthy"
+            _say(f"batch {batch_id:2d}: {summary.rows:3d} rows: {where}   [{state}, {summary.seconds:.1f} s] {flags}")
+
+        query, holder["sink"] = start(spark, config, foreach_batch=each_batch)
+        try:
+            await_batches(query, batches)
+        finally:
+            if query.isActive:
+                query.stop()
+        totals = holder["sink"].totals
+        _say("")
+        _say(f"sink totals: {totals.describe()}")
+        spark.stop()
         in_primary = _primary_ids(emu["primary"].connection_string)
         in_backlog = _backlog_ids(emu["secondary"].connection_string, backlog_queues)
     everywhere = collections.Counter(in_primary + [m for ids in in_backlog.values() for m in ids])
@@ -122,20 +162,20 @@ def run(work: Path, conf: Path, batches: int, rows: int, pause: float, free_port
     _say("  (the syphon, a later part of spark-sb, moves these home; until then they wait, durable, on the secondary)")
     _say(f"lost:                      {len(lost)}")
     _say(f"duplicated:                {len(duplicated)}")
-    return 0 if not lost and not duplicated and len(everywhere) == len(produced) else 1
+    return 0 if produced and not lost and not duplicated and len(everywhere) == len(produced) else 1
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conf", type=Path, default=ROOT / "conf" / "local.yaml")
     parser.add_argument("--batches", type=int, default=16)
-    parser.add_argument("--rows", type=int, default=50)
-    parser.add_argument("--pause", type=float, default=0.5, help="seconds between batches")
+    parser.add_argument("--rows", type=int, default=50, help="rows per batch (the rate source's rows per trigger)")
+    parser.add_argument("--trigger", type=float, default=1.0, help="seconds between batches")
     parser.add_argument("--default-ports", action="store_true",
                         help="use 5672/5300 and 5673/5301 (as conf/local.yaml) instead of free ports")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="spark-sb-demo-") as tmp:
-        return run(Path(tmp), args.conf, args.batches, args.rows, args.pause, not args.default_ports)
+        return run(Path(tmp), args.conf, args.batches, args.rows, args.trigger, not args.default_ports)
 
 
 if __name__ == "__main__":
