@@ -11,7 +11,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from proton import Data, Described, Message, int32, symbol, timestamp, ulong
+from proton import Data, Described, int32, symbol, timestamp, ulong
 
 from .broker import DLQ_SUFFIX, Incoming, Stored
 
@@ -120,7 +120,8 @@ def _looks_like_message(payload: bytes) -> bool:
         secs = split_sections(payload)
     except (MalformedMessage, IndexError):
         return False
-    return all(HEADER <= c <= FOOTER for c, _ in secs) and any(c in _BODY for c, _ in secs)
+    # a body section is not required: the SDK encodes a message with a None value body without one
+    return all(HEADER <= c <= FOOTER for c, _ in secs)
 
 
 def unpack(raw: bytes) -> list[bytes]:
@@ -128,15 +129,19 @@ def unpack(raw: bytes) -> list[bytes]:
     0x80013700, one data section per encoded message) or the transfer itself.
 
     Proton does not expose the transfer's message format, so a batch is recognised by its shape: every
-    body section is a data section that is itself a complete AMQP message. A single message whose body
-    bytes happen to be encoded AMQP messages would be taken for a batch (documented limitation)."""
+    data section of the envelope is itself a complete AMQP message. When only some are, the transfer is
+    refused as malformed rather than guessed at, so that no message is ever stored wrongly or dropped. A single
+    message whose body bytes all happen to be encoded AMQP messages would be taken for a batch (documented)."""
     sections = split_sections(raw)
     datas = [s for c, s in sections if c == DATA]
     if not datas or any(c in (SEQUENCE, VALUE) for c, _ in sections):
         return [raw]
     payloads = [_data_payload(s) for s in datas]
-    if all(_looks_like_message(p) for p in payloads):
+    shaped = [_looks_like_message(p) for p in payloads]
+    if all(shaped):
         return payloads
+    if any(shaped):
+        raise MalformedMessage("a batch envelope whose data sections are not all encoded AMQP messages")
     return [raw]
 
 
@@ -155,33 +160,58 @@ def text(value: Any) -> str | None:
     return str(value)
 
 
+_PROPERTY_FIELDS = ("message_id", "user_id", "to", "subject", "reply_to", "correlation_id", "content_type",
+                    "content_encoding", "absolute_expiry_time", "creation_time", "group_id", "group_sequence",
+                    "reply_to_group_id")
+
+
+def _fields(section: bytes | None, names: tuple[str, ...]) -> dict[str, Any]:
+    if section is None:
+        return {}
+    values = list(_decode(section).value or [])
+    return dict(zip(names, values, strict=False))
+
+
+def _map(section: bytes | None) -> dict[str, Any]:
+    if section is None:
+        return {}
+    value = _decode(section).value
+    return {str(k): v for k, v in value.items()} if isinstance(value, dict) else {}
+
+
 def incoming(raw: bytes) -> Incoming:
-    """Decode what the broker needs from one encoded message."""
-    m = Message()
+    """Decode what the broker needs from one encoded message: header, properties, annotations and application
+    properties. The body is never decoded (any AMQP value is kept as the client sent it)."""
     try:
-        m.decode(raw)
+        by_code: dict[int, bytes] = {}
+        for code, sec in split_sections(raw):
+            by_code.setdefault(code, sec)
+        header = _fields(by_code.get(HEADER), ("durable", "priority", "ttl", "first_acquirer", "delivery_count"))
+        props = _fields(by_code.get(PROPERTIES), _PROPERTY_FIELDS)
+        ann = _map(by_code.get(MESSAGE_ANNOTATIONS))
+        app = _map(by_code.get(APPLICATION_PROPERTIES))
+    except MalformedMessage:
+        raise
     except Exception as err:  # noqa: BLE001 - proton raises its own error types
         raise MalformedMessage(f"cannot decode AMQP message: {err}") from err
-    ann: dict[Any, Any] = dict(m.annotations or {})
-    props: dict[Any, Any] = dict(m.properties or {})
-    ttl = m.ttl if m.ttl else None
+    ttl = header.get("ttl")
     return Incoming(
         raw=bytes(raw),
-        message_id=text(m.id),
-        session_id=text(m.group_id),
-        ttl=float(ttl) if ttl else None,
+        message_id=text(props.get("message_id")),
+        session_id=text(props.get("group_id")),
+        ttl=float(ttl) / 1000.0 if ttl else None,  # the header carries milliseconds
         scheduled_enqueue_time=_to_epoch(ann.get(X_OPT_SCHEDULED)),
         partition_key=text(ann.get(X_OPT_PARTITION_KEY)),
         filter_fields={
-            "message_id": text(m.id),
-            "correlation_id": text(m.correlation_id),
-            "to": text(m.address),
-            "reply_to": text(m.reply_to),
-            "subject": text(m.subject),
-            "session_id": text(m.group_id),
-            "reply_to_session_id": text(m.reply_to_group_id),
-            "content_type": text(m.content_type),
-            "properties": {str(k): v for k, v in props.items()},
+            "message_id": text(props.get("message_id")),
+            "correlation_id": text(props.get("correlation_id")),
+            "to": text(props.get("to")),
+            "reply_to": text(props.get("reply_to")),
+            "subject": text(props.get("subject")),
+            "session_id": text(props.get("group_id")),
+            "reply_to_session_id": text(props.get("reply_to_group_id")),
+            "content_type": text(props.get("content_type")),
+            "properties": app,
         },
     )
 

@@ -58,3 +58,25 @@ def test_rendered_delivery_keeps_the_clients_bytes_and_adds_broker_annotations()
 def test_malformed_bytes_are_refused_with_a_clear_error(junk: bytes) -> None:
     with pytest.raises(codec.MalformedMessage):
         list(codec.iter_incoming(junk))
+
+
+@pytest.mark.parametrize("value_body", [None, "text", 42, [1, "a"], {b"binary-key": [1, {"n": None}]}])
+def test_every_message_of_a_batch_with_value_bodies_is_unpacked(value_body) -> None:
+    from azure.servicebus.amqp import AmqpAnnotatedMessage
+
+    batch = ServiceBusMessageBatch(max_size_in_bytes=1024 * 1024)
+    batch.add_message(ServiceBusMessage("a", message_id="1"))
+    batch.add_message(AmqpAnnotatedMessage(value_body=value_body, properties={"message_id": "2"}))
+    batch.add_message(ServiceBusMessage("c", message_id="3"))
+    raw = bytes(encode_payload(bytearray(), BatchMessage(*batch._message)))
+    assert [m.message_id for m in codec.iter_incoming(raw)] == ["1", "2", "3"]
+
+
+def test_an_envelope_only_partly_made_of_messages_is_refused_not_guessed() -> None:
+    good = _encoded(ServiceBusMessage("ok", message_id="1"))
+    envelope = _encoded_batch([ServiceBusMessage("x", message_id="0")])
+    # append a data section that is not an encoded message
+    junk = b"\x00\x53\x75\xa0\x03abc"
+    with pytest.raises(codec.MalformedMessage):
+        codec.unpack(envelope + junk)
+    assert [m.message_id for m in codec.iter_incoming(good)] == ["1"]
