@@ -4,8 +4,9 @@ Starts the emulator pair (primary and secondary namespaces, durable store in a t
 child process, provisions the backlog queues, and runs the paired writer stream (`jobs/paired_writer.py`:
 Spark's rate source, `foreachBatch(PairedSink)`, `conf/local.yaml` with the emulator's actual ports) on a
 local Spark session. Part-way the primary namespace goes down; later it
-heals. Each batch prints where its rows went; the end accounts for every row by message id: in the
-primary, parked in a backlog queue (waiting for the syphon), lost, or duplicated. No cloud account, no
+heals. Each batch prints where its rows went. After the stream stops, the syphon moves the parked messages
+home; the end accounts for every row by message id: in the primary, left in a backlog queue, dead-lettered
+(with reasons), lost, or duplicated. Exits 0 when nothing is lost or duplicated. No cloud account, no
 manual step.
 """
 
@@ -13,19 +14,20 @@ from __future__ import annotations
 
 import argparse
 import collections
+import datetime
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import yaml
-from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
+from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode, ServiceBusSubQueue
 
 from spark_sb import messages
 from spark_sb.emulator import DEFAULT_NAMESPACES, EmulatorProcess, NamespaceOptions, fault, heal
 from spark_sb.paired import PairedSender
+from spark_sb.syphon import Syphon
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # Spark's Python workers: this interpreter
@@ -70,12 +72,25 @@ def _backlog_ids(conn_str: str, queues: tuple[str, ...]) -> dict[str, list[str]]
                 ids, seq = [], 1
                 while page := r.peek_messages(max_message_count=250, sequence_number=seq):
                     for m in page:
-                        restored = messages.from_backlog(m, time.time())
+                        restored = messages.from_backlog(m, datetime.datetime.now(datetime.UTC))
                         if restored.entity == ENTITY:
                             ids.append(str(m.message_id))
                     seq = page[-1].sequence_number + 1
             out[queue] = ids
     return out
+
+
+def _dead_lettered(conn_str: str, queues: tuple[str, ...]) -> dict[str, int]:
+    """Dead-lettered backlog messages by reason (peeked)."""
+    reasons: collections.Counter[str] = collections.Counter()
+    with ServiceBusClient.from_connection_string(conn_str) as client:
+        for queue in queues:
+            with client.get_queue_receiver(queue, sub_queue=ServiceBusSubQueue.DEAD_LETTER) as r:
+                seq = 0
+                while page := r.peek_messages(max_message_count=250, sequence_number=seq):
+                    reasons.update(str(m.dead_letter_reason) for m in page)
+                    seq = page[-1].sequence_number + 1
+    return dict(reasons)
 
 
 def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_ports: bool) -> int:
@@ -148,6 +163,13 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         _say("")
         _say(f"sink totals: {totals.describe()}")
         spark.stop()
+        _say("")
+        _say("running the syphon: backlog queues -> primary (ping first, restore, send, then complete)")
+        with Syphon.from_config(config) as syphon:
+            moved = syphon.drain(max_wait_time=0.5)
+        _say(f"syphon: moved {moved.total_moved} ({dict(moved.moved)}), "
+             f"dead-lettered {moved.total_dead_lettered}, left {moved.total_left}")
+        dead = _dead_lettered(emu["secondary"].connection_string, backlog_queues)
         in_primary = _primary_ids(emu["primary"].connection_string)
         in_backlog = _backlog_ids(emu["secondary"].connection_string, backlog_queues)
     everywhere = collections.Counter(in_primary + [m for ids in in_backlog.values() for m in ids])
@@ -157,9 +179,9 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
     _say("")
     _say(f"rows produced:             {len(produced)}")
     _say(f"in the primary '{ENTITY}':    {len(in_primary)}")
-    _say(f"parked in backlog queues:  {parked}  " + ", ".join(
+    _say(f"left in the backlog:       {parked}  " + ", ".join(
         f"{q.rsplit('/', 1)[-1]}: {len(ids)}" for q, ids in in_backlog.items() if ids))
-    _say("  (the syphon, a later part of spark-sb, moves these home; until then they wait, durable, on the secondary)")
+    _say(f"dead-lettered:             {sum(dead.values())}  " + ", ".join(f"{r}: {n}" for r, n in dead.items()))
     _say(f"lost:                      {len(lost)}")
     _say(f"duplicated:                {len(duplicated)}")
     return 0 if produced and not lost and not duplicated and len(everywhere) == len(produced) else 1

@@ -6,7 +6,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = ["PairedSink", "__version__"]
+__all__ = ["PairedSink", "__version__", "register"]
 
 
 def __getattr__(name: str) -> Any:
@@ -15,4 +15,8 @@ def __getattr__(name: str) -> Any:
         from .sink import PairedSink
 
         return PairedSink
+    if name == "register":  # registers the servicebus-backlog streaming source with a SparkSession
+        from .source import register
+
+        return register
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

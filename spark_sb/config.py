@@ -558,6 +558,10 @@ class SendAvailabilityConfig:
 class SyphonConfig:
     retry_interval: timedelta = timedelta(seconds=1)
     receive_batch: int = 100
+    #: the syphon job's Spark checkpoint (required by jobs/syphon.py)
+    checkpoint_location: str | None = None
+    #: the syphon job's Delta ledger: a path (contains ``/`` or ``:``) or a table name (required by the job)
+    ledger: str | None = None
 
     SECTION = "syphon"
 
@@ -566,6 +570,33 @@ class SyphonConfig:
             f"{self.SECTION}.retry_interval", self.retry_interval, timedelta(seconds=1), timedelta(minutes=2)
         )
         _check_int(f"{self.SECTION}.receive_batch", self.receive_batch, 1)
+        for name in ("checkpoint_location", "ledger"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise ConfigError(f"{self.SECTION}.{name}", "must be a non-empty string", repr(value))
+        if self.ledger is not None and not _is_ledger_location(self.ledger):
+            raise ConfigError(
+                f"{self.SECTION}.ledger",
+                "must be a path (with '/' or a scheme) or a table name ([catalog.][schema.]table)",
+                repr(self.ledger),
+            )
+
+    @property
+    def ledger_is_path(self) -> bool:
+        return self.ledger is not None and ("/" in self.ledger or ":" in self.ledger)
+
+    def require_job_locations(self) -> None:
+        """The syphon job needs both a checkpoint and a ledger; a clear error naming the missing one."""
+        for name in ("checkpoint_location", "ledger"):
+            if getattr(self, name) is None:
+                raise ConfigError(f"{self.SECTION}.{name}", "is required by the syphon job (not set)")
+
+
+_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,2}$|^`[^`]+`$")
+
+
+def _is_ledger_location(value: str) -> bool:
+    return "/" in value or ":" in value or bool(_TABLE_NAME.match(value))
 
 
 # --- the sink's reserved section -------------------------------------------------------------------------

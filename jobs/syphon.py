@@ -1,0 +1,108 @@
+"""The syphon job: move the messages parked in the backlog queues back to the primary.
+
+    spark-submit jobs/syphon.py --conf conf/local.yaml [--max-batches N] [--until-empty]
+    python jobs/syphon.py --conf conf/local.yaml          # a local session (local[2])
+
+Runs ``spark.readStream.format("servicebus-backlog") -> foreachBatch(Republisher)`` with
+``syphon.checkpoint_location`` and the Delta ledger ``syphon.ledger`` (a path or a table name): one row per
+moved, dead-lettered or re-parked message. Both are required: a configuration without them is refused before
+the query starts. The trigger is ``syphon.retry_interval``: a destination found down is tried again after it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+_LOGGER = logging.getLogger("spark_sb.jobs.syphon")
+
+
+def start(spark: Any, conf: Any, *, max_per_trigger: int | None = None, receive_timeout: float = 1.0) -> tuple[Any, Any]:
+    """Start the syphon query; returns ``(query, republisher)``. Raises ``ConfigError`` when the checkpoint or
+    the ledger location is missing, before anything starts."""
+    from spark_sb.config import load_config
+    from spark_sb.source import register
+    from spark_sb.syphon import Republisher
+
+    config = load_config(conf)
+    republisher = Republisher(config)  # refuses a configuration without checkpoint or ledger
+    register(spark)
+    stream = (spark.readStream.format("servicebus-backlog")
+              .options(**_flat_options(config))
+              .option("maxMessagesPerTrigger", str(max_per_trigger or config.syphon.receive_batch))
+              .option("receiveTimeout", str(receive_timeout))
+              .load())
+    query = (stream.writeStream.foreachBatch(republisher)
+             .option("checkpointLocation", config.syphon.checkpoint_location)
+             .trigger(processingTime=f"{config.syphon.retry_interval.total_seconds()} seconds")
+             .queryName("spark-sb-syphon")
+             .start())
+    return query, republisher
+
+
+def _flat_options(config: Any) -> dict[str, str]:
+    """The configuration as flat source options (``primary.connection_string`` ...)."""
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for key, child in value.items():
+                walk(f"{prefix}.{key}" if prefix else str(key), child)
+        elif value is not None and not prefix.startswith("sink"):
+            out[prefix] = str(value)
+
+    walk("", config.to_dict(secrets=True))
+    return out
+
+
+def await_until_empty(query: Any, idle_batches: int = 2, timeout: float = 300.0, poll: float = 0.5) -> None:
+    """Stop the query once ``idle_batches`` consecutive triggers found nothing (or after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    idle, last = 0, None
+    while query.isActive and time.monotonic() < deadline:
+        progress = query.lastProgress
+        if progress is not None and progress.get("timestamp") != last:
+            last = progress.get("timestamp")
+            idle = idle + 1 if progress.get("numInputRows", 0) == 0 else 0
+            if idle >= idle_batches:
+                break
+        query.awaitTermination(poll)
+    query.stop()
+    query.awaitTermination()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conf", type=Path, required=True, help="spark-sb YAML configuration")
+    parser.add_argument("--until-empty", action="store_true", help="stop when the backlog is empty")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from paired_writer import build_session
+
+    from spark_sb.config import load_config
+    from spark_sb.errors import ConfigError
+
+    try:
+        config = load_config(args.conf)
+        config.syphon.require_job_locations()
+    except ConfigError as err:
+        print(f"spark-sb syphon: {err}", file=sys.stderr)
+        return 2
+    spark = build_session("spark-sb-syphon")
+    query, republisher = start(spark, config)
+    if args.until_empty:
+        await_until_empty(query)
+    else:
+        query.awaitTermination()
+    _LOGGER.info("syphon stopped: %s", republisher.totals)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,366 @@
+"""``servicebus-backlog``: a Python streaming data source over every backlog queue of a primary (spark.md,
+"The syphon").
+
+A queue is not replayable by itself, so the source keeps Service Bus as the only store by **deferring**:
+
+* :meth:`BacklogStreamReader.latestOffset` receives up to ``maxMessagesPerTrigger`` messages in peek-lock
+  from the backlog queues and defers them (a deferred message stays in its queue, is never delivered again,
+  and is fetched by sequence number). Pings are completed at once (every reader drops them). The offset is a
+  JSON dict: ``{"batch": n, "queues": {queue: [sequence numbers]}}`` holding the batch's messages;
+* :meth:`~BacklogStreamReader.partitions` gives one partition per queue with its sequence numbers;
+  :meth:`~BacklogStreamReader.read` (on an executor) fetches them with receive-deferred in peek-lock, turns
+  each into a row and abandons it again: it stays deferred, so a replayed batch reads the same rows;
+* :meth:`~BacklogStreamReader.commit` completes the batch's messages (receive-deferred, then complete;
+  those already gone, e.g. dead-lettered by the republish step, are ignored). Spark calls it after the batch's
+  sink finished, so no backlog message is completed before its restored copy was accepted by the primary.
+  Spark calls it only when it plans the next batch; ``latestOffset(start)`` therefore also completes the
+  batch ending at ``start`` (it is only called once that batch finished), so an idle stream leaves nothing
+  deferred behind;
+* on a fresh checkpoint :meth:`~BacklogStreamReader.initialOffset` peeks the queues for messages left deferred
+  by an abandoned run and takes them back into the first batch.
+
+Options (case-insensitive): ``conf`` (a YAML path) or the flat options of :func:`spark_sb.config.from_options`
+(``primary.connectionString``, ``secondary.connectionString``, ``sendAvailability.backlogPrefix``, ...);
+``maxMessagesPerTrigger`` (default ``syphon.receive_batch``); ``receiveTimeout`` (seconds a receive waits for
+the first message, default 1); ``reportBacklogDepth`` (default true).
+
+Backlog depth: PySpark 4.2's Python sources have no custom metrics, so the depth (active messages over the
+backlog queues, from the administration API) is reported through :meth:`reportLatestOffset`, which Spark shows
+as the source's ``latestOffset`` in the query progress (``{"backlogDepth": n, ...}``), and logged.
+
+Readers keep no clients between calls: each call opens and closes its own (style.md).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+from pyspark.sql.types import (
+    BinaryType,
+    LongType,
+    MapType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from . import messages as msgs
+from .config import SparkSbConfig, from_options, load_config
+from .errors import ConfigError, redact
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = ["SCHEMA", "BacklogDataSource", "BacklogPartition", "BacklogStreamReader", "backlog_row", "register"]
+
+FORMAT = "servicebus-backlog"
+SCHEMA = StructType([
+    StructField("destination", StringType()),
+    StructField("message_id", StringType()),
+    StructField("body", BinaryType()),
+    StructField("session_id", StringType()),
+    StructField("partition_key", StringType()),
+    StructField("correlation_id", StringType()),
+    StructField("subject", StringType()),
+    StructField("content_type", StringType()),
+    StructField("to", StringType()),
+    StructField("reply_to", StringType()),
+    StructField("reply_to_session_id", StringType()),
+    StructField("time_to_live_ms", LongType()),
+    StructField("scheduled_enqueue_time", TimestampType()),
+    StructField("application_properties", MapType(StringType(), StringType())),
+    StructField("backlog_queue", StringType(), False),
+    StructField("sequence_number", LongType(), False),
+    StructField("enqueued_time", TimestampType()),
+    StructField("status", StringType(), False),
+    StructField("reason", StringType()),
+])
+_PAGE = 250
+
+
+def register(spark: Any) -> None:
+    """Register the ``servicebus-backlog`` format with ``spark``."""
+    spark.dataSource.register(BacklogDataSource)
+
+
+def _options_config(options: Mapping[str, str]) -> SparkSbConfig:
+    lowered = {str(k).lower(): v for k, v in options.items()}
+    if lowered.get("conf"):
+        return load_config(lowered["conf"])
+    return from_options(options)
+
+
+def _option(options: Mapping[str, str], name: str) -> str | None:
+    for key, value in options.items():
+        if str(key).lower() == name.lower() and value not in (None, ""):
+            return str(value)
+    return None
+
+
+def _positive(options: Mapping[str, str], name: str, default: float, kind: type = int) -> Any:
+    text = _option(options, name)
+    if text is None:
+        return default
+    try:
+        value = kind(text)
+    except ValueError:
+        raise ConfigError(name, f"must be a positive {'integer' if kind is int else 'number'}", text) from None
+    if value <= 0:
+        raise ConfigError(name, "must be positive", text)
+    return value
+
+
+class BacklogDataSource(DataSource):
+    """``spark.readStream.format("servicebus-backlog")``: see the module docstring."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> StructType:
+        return SCHEMA
+
+    def streamReader(self, schema: StructType) -> BacklogStreamReader:
+        return BacklogStreamReader(self.options)
+
+
+@dataclass(frozen=True)
+class BacklogPartition(InputPartition):
+    """One backlog queue's deferred messages of a batch."""
+
+    queue: str
+    sequence_numbers: tuple[int, ...]
+
+
+def _text(value: Any) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
+
+
+def _body(message: Any) -> bytes:
+    from azure.servicebus.amqp import AmqpMessageBodyType
+
+    raw = message.raw_amqp_message
+    if raw.body_type == AmqpMessageBodyType.DATA:
+        return b"".join(bytes(section) for section in raw.body)
+    return json.dumps(raw.body, default=_text).encode("utf-8")
+
+
+def _utc(value: Any) -> datetime.datetime | None:
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.UTC)
+    return value.astimezone(datetime.UTC)
+
+
+def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
+    """The row of one received backlog message (see :data:`SCHEMA`)."""
+    enqueued = _utc(received.enqueued_time_utc)
+    try:
+        restored = msgs.from_backlog(received, now)
+    except Exception as exc:  # a shape from_backlog did not foresee: an invalid row, never a crash
+        restored = msgs.Restored(msgs.RestoreStatus.INVALID, reason="unreadable message",
+                                 description=f"{type(exc).__name__}: {exc}")
+    coordinates = (queue, int(received.sequence_number), enqueued)
+    if not restored.ok or restored.message is None:
+        return (restored.entity, _text(received.message_id), _body(received), None, None, None, None, None, None,
+                None, None, None, None, None, *coordinates, restored.status.value, restored.reason)
+    m = restored.message
+    ttl = m.time_to_live
+    properties = {_text(k): _text(v) for k, v in (m.application_properties or {}).items()}
+    return (restored.entity, _text(m.message_id), _body(m), _text(m.session_id), _text(m.partition_key),
+            _text(m.correlation_id), _text(m.subject), _text(m.content_type), _text(m.to), _text(m.reply_to),
+            _text(m.reply_to_session_id), None if ttl is None else int(ttl.total_seconds() * 1000),
+            _utc(m.scheduled_enqueue_time_utc), properties or None, *coordinates, restored.status.value, None)
+
+
+def receive_deferred(receiver: Any, sequence_numbers: Sequence[int]) -> list[Any]:
+    """The deferred messages with these sequence numbers (peek-lock) that are still there."""
+    from azure.servicebus.exceptions import MessageNotFoundError
+
+    if not sequence_numbers:
+        return []
+    try:
+        return list(receiver.receive_deferred_messages(list(sequence_numbers)))
+    except MessageNotFoundError as exc:  # some are gone: fetch them one by one
+        _LOGGER.debug("receiving %d deferred messages at once failed (%s); one by one", len(sequence_numbers),
+                      type(exc).__name__)
+    found: list[Any] = []
+    for number in sequence_numbers:
+        try:
+            found.extend(receiver.receive_deferred_messages([number]))
+        except MessageNotFoundError as exc:
+            _LOGGER.debug("deferred message %d is gone: %s", number, type(exc).__name__)
+    return found
+
+
+class BacklogStreamReader(DataSourceStreamReader):
+    """The driver-side reader; see the module docstring."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.options = dict(options)
+        self.config = _options_config(self.options)
+        self.max_per_trigger = int(_positive(self.options, "maxMessagesPerTrigger",
+                                             self.config.syphon.receive_batch))
+        self.receive_timeout = float(_positive(self.options, "receiveTimeout", 1.0, float))
+        depth = (_option(self.options, "reportBacklogDepth") or "true").lower()
+        self.report_depth = depth in ("true", "1", "yes")
+        self.queues = self.config.send_availability.backlog_queue_names()
+        self._taken_back: dict[str, list[int]] = {}
+        self._initial: dict | None = None
+        self._completed_batch = -1
+        self._uncompleted: list[dict] = []  # batches whose completion failed: retried on the next call
+        self._depth: int | None = None
+
+    # --- offsets -------------------------------------------------------------------------------------------
+
+    def initialOffset(self) -> dict:
+        """A fresh checkpoint: take back the messages an abandoned run left deferred (Spark may call this more
+        than once: only the first call looks)."""
+        from azure.servicebus import ServiceBusMessageState
+
+        if self._initial is not None:
+            return self._initial
+        taken: dict[str, list[int]] = {}
+        with self.config.secondary.client() as client:
+            for queue in self.queues:
+                with client.get_queue_receiver(queue) as receiver:
+                    numbers: list[int] = []
+                    start = 0
+                    while page := receiver.peek_messages(max_message_count=_PAGE, sequence_number=start):
+                        numbers.extend(int(m.sequence_number or 0) for m in page
+                                       if m.state == ServiceBusMessageState.DEFERRED)
+                        start = int(page[-1].sequence_number or 0) + 1
+                    if numbers:
+                        taken[queue] = numbers
+        if taken:
+            _LOGGER.info("taking back %d messages left deferred by an earlier run",
+                         sum(len(v) for v in taken.values()))
+        self._taken_back = taken
+        self._initial = {"batch": 0, "queues": {}}
+        return self._initial
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadMaxRows(self.max_per_trigger)
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        self._initial = self._initial or {"batch": 0, "queues": {}}  # a restart: initialOffset is not called
+        for pending in [*self._uncompleted, start]:
+            try:
+                self._complete(pending)
+            except Exception as exc:  # retried on the next call; they stay deferred meanwhile
+                _LOGGER.warning("completing backlog batch %s failed (%s); retrying later", pending.get("batch"),
+                                type(exc).__name__)
+                if pending not in self._uncompleted:
+                    self._uncompleted.append(pending)
+            else:
+                if pending in self._uncompleted:
+                    self._uncompleted.remove(pending)
+        cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
+        batch: dict[str, list[int]] = {q: list(v) for q, v in self._taken_back.items()}
+        self._taken_back = {}
+        count = sum(len(v) for v in batch.values())
+        with self.config.secondary.client() as client:
+            for queue in self.queues:
+                if cap is not None and count >= cap:
+                    break
+                numbers = batch.setdefault(queue, [])
+                with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
+                    wait = self.receive_timeout
+                    while cap is None or count < cap:
+                        want = _PAGE if cap is None else min(_PAGE, cap - count)
+                        page = receiver.receive_messages(max_message_count=want, max_wait_time=wait)
+                        if not page:
+                            break
+                        wait = min(wait, 0.2)
+                        for message in page:
+                            if msgs.is_ping(message):
+                                receiver.complete_message(message)
+                                continue
+                            receiver.defer_message(message)
+                            numbers.append(int(message.sequence_number or 0))
+                            count += 1
+            if self.report_depth:
+                self._depth = self._backlog_depth()
+        batch = {q: sorted(v) for q, v in batch.items() if v}
+        if not batch:
+            return start
+        offset = {"batch": int(start.get("batch", 0)) + 1, "queues": batch}
+        _LOGGER.info("backlog batch %d: %d messages deferred (backlog depth %s)", offset["batch"], count,
+                     self._depth)
+        return offset
+
+    def reportLatestOffset(self) -> dict | None:
+        if self._depth is None:
+            return None
+        return {"backlogDepth": self._depth}
+
+    def _backlog_depth(self) -> int | None:
+        try:
+            from .admin import admin_client
+
+            ns = self.config.secondary
+            if ns.connection_string is not None:
+                admin = admin_client(ns.connection_string.reveal(), admin_endpoint=ns.admin_endpoint, retry_total=0)
+            else:
+                admin = admin_client(fully_qualified_namespace=ns.fully_qualified_namespace,
+                                     credential=ns.credential(), retry_total=0)
+            with admin:
+                return sum(int(admin.get_queue_runtime_properties(q).active_message_count or 0) for q in self.queues)
+        except Exception as exc:  # monitoring only: the batch does not depend on it
+            _LOGGER.warning("backlog depth unavailable: %s", redact(str(exc))[:200])
+            return None
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        if end == start:
+            return []
+        return [BacklogPartition(queue, tuple(numbers)) for queue, numbers in sorted(end.get("queues", {}).items())
+                if numbers]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple]:
+        assert isinstance(partition, BacklogPartition)
+        now = datetime.datetime.now(datetime.UTC)
+        with self.config.secondary.client(retry_total=0) as client:
+            with client.get_queue_receiver(partition.queue, prefetch_count=0) as receiver:
+                found = receive_deferred(receiver, partition.sequence_numbers)
+                rows = [backlog_row(m, partition.queue, now) for m in found]
+                for message in found:  # release the locks: they stay deferred
+                    try:
+                        receiver.abandon_message(message)
+                    except Exception as exc:  # the lock expires by itself
+                        _LOGGER.debug("abandoning %s failed: %s", message.sequence_number, type(exc).__name__)
+        yield from rows
+
+    def commit(self, end: dict) -> None:
+        self._complete(end)
+
+    def _complete(self, offset: dict) -> None:
+        """Complete the deferred messages of the batch ending at ``offset`` (once)."""
+        number = int(offset.get("batch", 0))
+        queues = offset.get("queues") or {}
+        if number <= self._completed_batch or not queues:
+            return
+        done = 0
+        with self.config.secondary.client(retry_total=0) as client:
+            for queue, numbers in queues.items():
+                with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
+                    for message in receive_deferred(receiver, numbers):
+                        receiver.complete_message(message)
+                        done += 1
+        self._completed_batch = max(self._completed_batch, number)
+        _LOGGER.info("backlog batch %d committed: %d messages completed", number, done)
+
+    def stop(self) -> None:
+        _LOGGER.debug("backlog source stopped at %s", time.time())

@@ -1,0 +1,546 @@
+"""The syphon: move messages parked in the backlog queues on the secondary back to their destinations on the
+primary (behaviour.md, "The syphon").
+
+:class:`Syphon` receives from one backlog queue in peek-lock, restores each message with
+:func:`spark_sb.messages.from_backlog` and then, per message:
+
+* a ping (content type ``application/vnd.ms-servicebus-ping``) is completed: pings never reach a consumer;
+* an invalid message (no string ``x-ms-path``, an ``x-ms-*`` property of the wrong type) or one whose TTL ran
+  out in the backlog is dead-lettered in the backlog queue, the reason naming the property or
+  ``TTLExpiredInBacklog``;
+* the others are grouped by destination. Each destination is pinged first (:meth:`PairedSender.ping`); only a
+  healthy destination gets its messages. A destination in an outage is skipped for ``syphon.retry_interval``
+  and its messages are abandoned, so that they come back; a destination that does not exist gets its messages
+  dead-lettered with reason ``DestinationNotFound``; a rejected credential stops the syphon with
+  :class:`~spark_sb.errors.CredentialRejectedError` (the messages it held are abandoned first).
+
+A backlog message is completed only after the primary accepted its restored copy (or after it was
+dead-lettered on purpose). A crash in between leaves it in the backlog: it is sent again with the same
+message id, and duplicate detection on the primary suppresses the second copy.
+
+Choices where behaviour.md is silent:
+
+* the restored copies go straight to the primary with no failover: the syphon never sends a message back to
+  a backlog queue; a send failure is handled like a failed ping (skip the destination, abandon);
+* a restored message the primary refuses as invalid (e.g. no session id for a session entity) is
+  dead-lettered with reason ``RejectedByDestination`` and the service's description;
+* a message whose lock was lost before it could be settled is left to the broker (it comes back).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from azure.servicebus import ServiceBusMessage, ServiceBusReceiveMode
+from azure.servicebus.exceptions import MessageAlreadySettled, MessageLockLostError, MessageSizeExceededError
+
+from . import messages as msgs
+from .config import SparkSbConfig, load_config
+from .errors import CredentialRejectedError, ErrorClass, SparkSbError, classify, redact
+from .paired import PairedSender
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = ["REJECTED_BY_DESTINATION", "MoveSummary", "Outcome", "Syphon"]
+
+#: dead-letter reason for a restored message that the destination refused as invalid
+REJECTED_BY_DESTINATION = "RejectedByDestination"
+_MAX_DESCRIPTION = 1024
+
+
+@dataclass
+class MoveSummary:
+    """What one :meth:`Syphon.move` call did with the messages it received.
+
+    :ivar moved: ``{destination: count}`` accepted by the primary (and completed in the backlog).
+    :ivar dead_lettered: ``{reason: count}`` dead-lettered in the backlog queue.
+    :ivar left: ``{destination: count}`` left in the backlog (abandoned: destination down or skipped).
+    :ivar pings: pings dropped (completed).
+    :ivar down: destinations found down (or still inside their retry interval).
+    """
+
+    backlog_queue: str
+    received: int = 0
+    moved: dict[str, int] = field(default_factory=dict)
+    dead_lettered: dict[str, int] = field(default_factory=dict)
+    left: dict[str, int] = field(default_factory=dict)
+    pings: int = 0
+    down: list[str] = field(default_factory=list)
+    #: one :class:`Outcome` per message settled (not pings), for the ledger
+    outcomes: list[Outcome] = field(default_factory=list)
+
+    @property
+    def total_moved(self) -> int:
+        return sum(self.moved.values())
+
+    @property
+    def total_dead_lettered(self) -> int:
+        return sum(self.dead_lettered.values())
+
+    @property
+    def total_left(self) -> int:
+        return sum(self.left.values())
+
+    def merge(self, other: MoveSummary) -> None:
+        self.received += other.received
+        self.pings += other.pings
+        for mine, theirs in ((self.moved, other.moved), (self.dead_lettered, other.dead_lettered),
+                             (self.left, other.left)):
+            for key, n in theirs.items():
+                mine[key] = mine.get(key, 0) + n
+        self.down.extend(d for d in other.down if d not in self.down)
+        self.outcomes.extend(other.outcomes)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What happened to one backlog message: ``delivered``, ``dead_lettered``, ``left`` (abandoned, it comes
+    back) or ``reparked`` (a copy with the remaining TTL went back to the backlog queue, the original was
+    completed)."""
+
+    backlog_queue: str
+    sequence_number: int | None
+    message_id: str | None
+    destination: str | None
+    outcome: str
+    reason: str | None
+    backlog_enqueued_time: datetime.datetime | None
+
+
+def _outcome(queue: str, message: Any, destination: str | None, outcome: str, reason: str | None = None
+             ) -> Outcome:
+    enqueued = getattr(message, "enqueued_time_utc", None)
+    if enqueued is not None and enqueued.tzinfo is None:
+        enqueued = enqueued.replace(tzinfo=datetime.UTC)
+    number = getattr(message, "sequence_number", None)
+    message_id = getattr(message, "message_id", None)
+    return Outcome(queue, None if number is None else int(number), None if message_id is None else str(message_id),
+                   destination, outcome, reason, enqueued)
+
+
+def _add(counts: dict[str, int], key: str, n: int = 1) -> None:
+    counts[key] = counts.get(key, 0) + n
+
+
+class _DestinationDown(Exception):
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(type(error).__name__)
+        self.error = error
+
+
+class Syphon:
+    """Move backlog messages home. Build it with :meth:`from_config`; close it (or use ``with``).
+
+    ``clock`` (epoch seconds) decides TTL expiry and the retry interval; ``sender`` is the
+    :class:`PairedSender` whose :meth:`~PairedSender.ping` proves a destination healthy (built from the
+    configuration when omitted, and then closed with the syphon).
+    """
+
+    def __init__(self, config: SparkSbConfig, *, sender: PairedSender | None = None,
+                 clock: Callable[[], float] = time.time, repark: bool = False) -> None:
+        self.config = config
+        #: leave messages for a destination that is down by sending a copy back to the backlog queue and
+        #: completing the original (the Spark source's deferred messages cannot be abandoned back to the queue)
+        self.repark = repark
+        self._clock = clock
+        self._own_sender = sender is None
+        self._sender = sender if sender is not None else PairedSender(config)
+        self._retry_interval = config.syphon.retry_interval.total_seconds()
+        self._skip_until: dict[str, float] = {}
+        self._healthy_at: dict[str, float] = {}  # when each destination last accepted a ping or a send
+        self._receivers: dict[str, Any] = {}
+        self._primary: Any = None
+        self._secondary: Any = None
+        self._primary_senders: dict[str, Any] = {}
+
+    @classmethod
+    def from_config(cls, source: Any, *, sender: PairedSender | None = None,
+                    clock: Callable[[], float] = time.time, repark: bool = False) -> Syphon:
+        """From a YAML path, a dict or a :class:`SparkSbConfig`."""
+        return cls(load_config(source), sender=sender, clock=clock, repark=repark)
+
+    def __enter__(self) -> Syphon:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Syphon(primary={self.config.primary.fully_qualified_namespace!r}, "
+                f"prefix={self.config.send_availability.backlog_prefix!r})")
+
+    @property
+    def backlog_queues(self) -> list[str]:
+        return self.config.send_availability.backlog_queue_names()
+
+    # --- clients -------------------------------------------------------------------------------------------
+
+    def _secondary_client(self) -> Any:
+        if self._secondary is None:
+            self._secondary = self.config.secondary.client(retry_total=0)
+        return self._secondary
+
+    def _primary_sender(self, entity: str) -> Any:
+        sdk_sender = self._primary_senders.get(entity)
+        if sdk_sender is None:
+            if self._primary is None:
+                self._primary = self.config.primary.client(
+                    **self.config.send_availability.primary_client_kwargs())
+            sdk_sender = self._primary_senders[entity] = self._primary.get_queue_sender(entity)
+        return sdk_sender
+
+    def _reset_primary(self, entity: str) -> None:
+        sdk_sender = self._primary_senders.pop(entity, None)
+        if sdk_sender is not None:
+            try:
+                sdk_sender.close()
+            except Exception as exc:  # a broken handler: nothing left to do but say so
+                _LOGGER.debug("closing the sender of %r failed: %s", entity, type(exc).__name__)
+
+    def close(self) -> None:
+        """Close every client (idempotent)."""
+        for receiver in self._receivers.values():
+            try:
+                receiver.close()
+            except Exception as exc:  # closing a broken receiver
+                _LOGGER.debug("closing a receiver failed: %s", type(exc).__name__)
+        self._receivers = {}
+        for entity in list(self._primary_senders):
+            self._reset_primary(entity)
+        for client in (self._primary, self._secondary):
+            if client is not None:
+                try:
+                    client.close()
+                except Exception as exc:  # closing a broken client
+                    _LOGGER.debug("closing a client failed: %s", type(exc).__name__)
+        self._primary = self._secondary = None
+        if self._own_sender:
+            self._sender.close()
+
+    # --- moving --------------------------------------------------------------------------------------------
+
+    def run_once(self, max_messages: int | None = None, max_wait_time: float = 1.0) -> MoveSummary:
+        """One :meth:`move` over every backlog queue; the merged summary (``backlog_queue`` ``"*"``)."""
+        total = MoveSummary("*")
+        for queue in self.backlog_queues:
+            total.merge(self.move(queue, max_messages, max_wait_time=max_wait_time))
+        return total
+
+    def drain(self, max_wait_time: float = 1.0, max_rounds: int = 100) -> MoveSummary:
+        """:meth:`run_once` until a round moves and dead-letters nothing."""
+        total = MoveSummary("*")
+        for _ in range(max_rounds):
+            summary = self.run_once(max_wait_time=max_wait_time)
+            total.merge(summary)
+            if not summary.total_moved and not summary.total_dead_lettered and not summary.pings:
+                break
+        return total
+
+    def move(self, backlog_queue: str, max_messages: int | None = None, *,
+             max_wait_time: float = 1.0) -> MoveSummary:
+        """Receive up to ``max_messages`` (default ``syphon.receive_batch``) from ``backlog_queue`` in
+        peek-lock and move them home (see the module docstring). Returns what happened to them."""
+        limit = max_messages or self.config.syphon.receive_batch
+        summary = MoveSummary(backlog_queue)
+        receiver = self._receivers.get(backlog_queue)
+        if receiver is None:
+            receiver = self._receivers[backlog_queue] = self._secondary_client().get_queue_receiver(
+                backlog_queue, receive_mode=ServiceBusReceiveMode.PEEK_LOCK, prefetch_count=0)
+        try:
+            received = list(receiver.receive_messages(max_message_count=limit, max_wait_time=max_wait_time))
+            summary.received = len(received)
+            self.settle(receiver, received, summary)
+        except Exception:
+            self._receivers.pop(backlog_queue, None)  # rebuilt on next use
+            try:
+                receiver.close()
+            except Exception as exc:  # a broken receiver
+                _LOGGER.debug("closing a receiver failed: %s", type(exc).__name__)
+            raise
+        if summary.received:
+            _LOGGER.info("syphon %s: received %d, moved %s, dead-lettered %s, left %s", backlog_queue,
+                         summary.received, summary.moved, summary.dead_lettered, summary.left)
+        return summary
+
+    def settle(self, receiver: Any, received: Sequence[Any], summary: MoveSummary) -> None:
+        """Restore, republish and settle messages ``received`` (locked, or deferred and fetched again) by
+        ``receiver``. Every message ends completed, dead-lettered or abandoned."""
+        now = datetime.datetime.fromtimestamp(self._clock(), datetime.UTC)
+        groups: dict[str, list[tuple[Any, ServiceBusMessage]]] = {}
+        for message in received:
+            if msgs.is_ping(message):
+                _settle(receiver.complete_message, message)
+                summary.pings += 1
+                continue
+            try:
+                restored = msgs.from_backlog(message, now)
+            except Exception as exc:  # a shape from_backlog did not foresee: dead-letter, never crash
+                restored = msgs.Restored(msgs.RestoreStatus.INVALID, reason="unreadable message",
+                                         description=f"{type(exc).__name__}: {exc}")
+            if not restored.ok or restored.entity is None or restored.message is None:
+                self._dead_letter(receiver, message, str(restored.reason), restored.description, summary,
+                                  restored.entity)
+                continue
+            groups.setdefault(restored.entity, []).append((message, restored.message))
+        pending = list(groups.items())
+        try:
+            while pending:
+                entity, items = pending.pop(0)
+                self._deliver(receiver, entity, items, summary)
+        except BaseException:
+            for entity, items in pending:
+                for message, _ in items:
+                    _settle(receiver.abandon_message, message)
+                    summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left"))
+                _add(summary.left, entity, len(items))
+            raise
+
+    def _deliver(self, receiver: Any, entity: str, items: list[tuple[Any, ServiceBusMessage]],
+                 summary: MoveSummary, *, one_by_one: bool = False) -> None:
+        if self._skip_until.get(entity, 0.0) > self._clock():
+            self._leave(receiver, entity, items, summary)
+            return
+        done = 0
+        try:
+            # ping first, unless the destination accepted a ping or a send within the retry interval
+            if not one_by_one and self._clock() - self._healthy_at.get(entity, float("-inf")) > self._retry_interval:
+                self._sender.ping(entity)
+                self._healthy_at[entity] = self._clock()
+            for batch in self._batches(entity, items, one_by_one):
+                self._primary_sender(entity).send_messages([restored for _, restored in batch])
+                for message, _ in batch:
+                    _settle(receiver.complete_message, message)
+                    summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "delivered"))
+                done += len(batch)
+                _add(summary.moved, entity, len(batch))
+                self._healthy_at[entity] = self._clock()
+        except _BadMessage as bad:  # the messages before it were sent; dead-letter it, go on with the rest
+            self._dead_letter(receiver, bad.message, REJECTED_BY_DESTINATION, bad.description, summary, entity)
+            rest = [item for item in items[done:] if item[0] is not bad.message]
+            if rest:
+                self._deliver(receiver, entity, rest, summary, one_by_one=one_by_one)
+        except Exception as exc:
+            rest = items[done:]
+            error_class = classify(exc)
+            if error_class is ErrorClass.BAD_MESSAGE:
+                if one_by_one or len(rest) == 1:
+                    self._dead_letter(receiver, rest[0][0], REJECTED_BY_DESTINATION, redact(str(exc)), summary,
+                                      entity)
+                    rest = rest[1:]
+                if rest:  # find the one the destination refuses
+                    self._deliver(receiver, entity, rest, summary, one_by_one=True)
+                return
+            if error_class is ErrorClass.CONFIGURATION_NOT_FOUND:
+                _LOGGER.warning("destination %r not found on the primary: dead-lettering %d messages", entity,
+                                len(rest))
+                for message, _ in rest:
+                    self._dead_letter(receiver, message, msgs.DESTINATION_NOT_FOUND,
+                                      f"{entity!r} does not exist on the primary", summary, entity)
+                return
+            self._leave(receiver, entity, rest, summary)
+            self._reset_primary(entity)
+            if error_class is ErrorClass.CONFIGURATION_CREDENTIAL:
+                raise CredentialRejectedError(
+                    f"primary {self.config.primary.fully_qualified_namespace}", redact(str(exc)), entity=entity,
+                ) from exc
+            self._skip_until[entity] = self._clock() + self._retry_interval
+            self._healthy_at.pop(entity, None)
+            _LOGGER.info("destination %r unavailable (%s): %d messages stay in the backlog for %.3g s", entity,
+                         type(exc).__name__, len(rest), self._retry_interval)
+
+    def _batches(self, entity: str, items: list[tuple[Any, ServiceBusMessage]], one_by_one: bool
+                 ) -> Iterator[list[tuple[Any, ServiceBusMessage]]]:
+        """Groups that fit one ``ServiceBusMessageBatch`` (or single messages); a message that fits no batch
+        or cannot be encoded is raised as :class:`_BadMessage`."""
+        sdk_sender = self._primary_sender(entity)
+        batch: list[tuple[Any, ServiceBusMessage]] = []
+        current = sdk_sender.create_message_batch()
+        for item in items:
+            if batch and (one_by_one or not _fits(current, item, entity)):
+                yield batch
+                batch, current = [], sdk_sender.create_message_batch()
+            if not batch and not _fits(current, item, entity):
+                raise _BadMessage(item[0], f"too large for {entity!r} ({msgs.message_size(item[1])} bytes, the "
+                                           f"limit is {current.max_size_in_bytes})")
+            batch.append(item)
+        if batch:
+            yield batch
+
+    def _leave(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
+        if self.repark and items:
+            copies = [msgs.to_backlog(restored, entity) for _, restored in items]
+            with self._secondary_client().get_queue_sender(summary.backlog_queue) as sdk_sender:
+                sdk_sender.send_messages(copies)  # raises: nothing completed, the batch fails and is replayed
+        for message, _ in items:
+            if self.repark:
+                _settle(receiver.complete_message, message)
+            else:
+                _settle(receiver.abandon_message, message)
+            summary.outcomes.append(_outcome(summary.backlog_queue, message, entity,
+                                             "reparked" if self.repark else "left"))
+        if items:
+            _add(summary.left, entity, len(items))
+        if entity not in summary.down:
+            summary.down.append(entity)
+
+    @staticmethod
+    def _dead_letter(receiver: Any, message: Any, reason: str, description: str | None,
+                     summary: MoveSummary, entity: str | None = None) -> None:
+        _settle(receiver.dead_letter_message, message, reason=reason,
+                error_description=(description or reason)[:_MAX_DESCRIPTION])
+        _add(summary.dead_lettered, reason)
+        summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "dead_lettered", reason))
+        _LOGGER.info("dead-lettered backlog message %s: %s", getattr(message, "message_id", None), reason)
+
+
+class _BadMessage(SparkSbError):
+    def __init__(self, message: Any, description: str) -> None:
+        super().__init__(description)
+        self.message = message
+        self.description = description
+
+
+def _fits(batch: Any, item: tuple[Any, ServiceBusMessage], entity: str) -> bool:
+    """Add the message to the batch; False when it does not fit; :class:`_BadMessage` when it cannot be
+    encoded at all."""
+    try:
+        batch.add_message(item[1])
+    except MessageSizeExceededError:
+        return False
+    except (TypeError, ValueError) as exc:
+        raise _BadMessage(item[0], f"cannot be encoded for {entity!r}: {type(exc).__name__}: {exc}") from exc
+    return True
+
+
+def _settle(action: Callable[..., None], message: Any, **kwargs: Any) -> None:
+    """Settle one message; a lost lock leaves it to the broker (it comes back), anything else raises."""
+    try:
+        action(message, **kwargs)
+    except (MessageLockLostError, MessageAlreadySettled) as exc:
+        _LOGGER.warning("backlog message %s was not settled (%s); it stays in the backlog",
+                        getattr(message, "message_id", None), type(exc).__name__)
+
+
+def summary_dict(summary: MoveSummary) -> Mapping[str, Any]:
+    """The summary as a plain dict (for logs and the CLI)."""
+    return {"backlog_queue": summary.backlog_queue, "received": summary.received, "moved": dict(summary.moved),
+            "dead_lettered": dict(summary.dead_lettered), "left": dict(summary.left), "pings": summary.pings,
+            "down": list(summary.down)}
+
+
+# --- the Spark side: republishing one batch of the servicebus-backlog source ------------------------------
+
+#: the ledger's columns (one row per moved, dead-lettered or re-parked message)
+LEDGER_DDL = (
+    "message_id STRING, backlog_queue STRING, sequence_number BIGINT, destination STRING, outcome STRING, "
+    "reason STRING, batch_id BIGINT, backlog_enqueued_time TIMESTAMP, recorded_time TIMESTAMP"
+)
+_LEDGER_NAMES = ("message_id", "backlog_queue", "sequence_number", "destination", "outcome", "reason", "batch_id",
+                 "backlog_enqueued_time", "recorded_time")
+
+
+def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tuple[str, int]],
+                        batches: Iterator[Any]) -> Iterator[Any]:
+    """``mapInArrow`` body: fetch this partition's deferred backlog messages by sequence number, republish the
+    restored copies to healthy destinations, dead-letter the invalid ones, re-park those for a destination
+    that is down, and yield one ledger row per message. Messages in ``skip`` (delivered per the ledger) are
+    not sent again; the source's commit completes them."""
+    import pyarrow as pa
+
+    from .source import receive_deferred
+
+    wanted: dict[str, list[int]] = {}
+    for batch in batches:
+        data = batch.to_pydict()
+        for queue, number in zip(data["backlog_queue"], data["sequence_number"], strict=True):
+            if (queue, int(number)) not in skip:
+                wanted.setdefault(queue, []).append(int(number))
+    rows: list[Outcome] = []
+    if wanted:
+        with Syphon(config, repark=True) as syphon:
+            for queue, numbers in wanted.items():
+                summary = MoveSummary(queue)
+                with syphon._secondary_client().get_queue_receiver(queue, prefetch_count=0) as receiver:
+                    found = receive_deferred(receiver, sorted(set(numbers)))
+                    summary.received = len(found)
+                    syphon.settle(receiver, found, summary)
+                rows.extend(summary.outcomes)
+    now = datetime.datetime.now(datetime.UTC)
+    columns: dict[str, list[Any]] = {name: [] for name in _LEDGER_NAMES}
+    for row in rows:
+        for name, value in (("message_id", row.message_id), ("backlog_queue", row.backlog_queue),
+                            ("sequence_number", row.sequence_number), ("destination", row.destination),
+                            ("outcome", row.outcome), ("reason", row.reason), ("batch_id", batch_id),
+                            ("backlog_enqueued_time", row.backlog_enqueued_time), ("recorded_time", now)):
+            columns[name].append(value)
+    schema = pa.schema([("message_id", pa.string()), ("backlog_queue", pa.string()),
+                        ("sequence_number", pa.int64()), ("destination", pa.string()), ("outcome", pa.string()),
+                        ("reason", pa.string()), ("batch_id", pa.int64()),
+                        ("backlog_enqueued_time", pa.timestamp("us", tz="UTC")),
+                        ("recorded_time", pa.timestamp("us", tz="UTC"))])
+    yield pa.RecordBatch.from_pydict(columns, schema=schema)
+
+
+class Republisher:
+    """The ``foreachBatch`` of ``jobs/syphon.py``: republish one batch of the ``servicebus-backlog`` source
+    from the executors and append one ledger row per message to the Delta ledger (idempotently per batch:
+    ``txnAppId``/``txnVersion``). A replayed batch skips what the ledger says is delivered."""
+
+    def __init__(self, config: SparkSbConfig) -> None:
+        config.syphon.require_job_locations()
+        self.config = config
+        self.ledger = str(config.syphon.ledger)
+        self.app_id = f"spark-sb-syphon:{config.send_availability.backlog_prefix}"
+        self.totals: dict[str, int] = {}
+        self._last_batch: int | None = None
+
+    def _ledger_df(self, spark: Any) -> Any:
+        if self.config.syphon.ledger_is_path:
+            from delta.tables import DeltaTable
+
+            if not DeltaTable.isDeltaTable(spark, self.ledger):
+                return None
+            return spark.read.format("delta").load(self.ledger)
+        if not spark.catalog.tableExists(self.ledger):
+            return None
+        return spark.read.table(self.ledger)
+
+    def delivered(self, spark: Any, batch_id: int) -> frozenset[tuple[str, int]]:
+        """(queue, sequence number) the ledger records as delivered by ``batch_id``."""
+        ledger = self._ledger_df(spark)
+        if ledger is None:
+            return frozenset()
+        rows = (ledger.where((ledger.batch_id == batch_id) & (ledger.outcome == "delivered"))
+                .select("backlog_queue", "sequence_number").collect())
+        return frozenset((r.backlog_queue, int(r.sequence_number)) for r in rows)
+
+    def __call__(self, batch_df: Any, batch_id: int) -> None:
+        from functools import partial
+
+        spark = batch_df.sparkSession
+        # only the first batch a process runs can be a replay: later ones are new batch ids
+        skip = self.delivered(spark, batch_id) if self._last_batch is None or batch_id <= self._last_batch \
+            else frozenset()
+        coordinates = batch_df.select("backlog_queue", "sequence_number").repartition("backlog_queue")
+        out = coordinates.mapInArrow(partial(republish_partition, self.config, batch_id, skip), LEDGER_DDL)
+        # one small row per message (at most maxMessagesPerTrigger): the ledger write gets a local plan
+        rows = out.collect()
+        if rows:
+            writer = (spark.createDataFrame(rows, LEDGER_DDL).write.format("delta").mode("append")
+                      .option("txnAppId", self.app_id).option("txnVersion", batch_id))
+            if self.config.syphon.ledger_is_path:
+                writer.save(self.ledger)
+            else:
+                writer.saveAsTable(self.ledger)
+        counts = dict(collections.Counter(r.outcome for r in rows))
+        for key, n in counts.items():
+            self.totals[key] = self.totals.get(key, 0) + n
+        self._last_batch = batch_id
+        _LOGGER.info("syphon batch %d: %s (skipped as delivered before: %d)", batch_id, counts or "nothing",
+                     len(skip))

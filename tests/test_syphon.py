@@ -1,0 +1,216 @@
+"""The syphon against the emulator pair: restore and republish, dead-letter what cannot be delivered, leave
+what cannot be delivered yet."""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import time
+import uuid
+from typing import Any
+
+import pytest
+from azure.servicebus import (
+    ServiceBusClient,
+    ServiceBusMessage,
+    ServiceBusReceiveMode,
+    ServiceBusSubQueue,
+)
+from azure.servicebus.amqp import AmqpAnnotatedMessage
+
+from spark_sb import messages
+from spark_sb.emulator.model import QueueSpec
+from spark_sb.errors import CredentialRejectedError
+from spark_sb.paired import PRIMARY, PairedSender
+from spark_sb.syphon import Syphon
+
+_prefixes = itertools.count()
+
+
+def _config(primary: Any, secondary: Any, **send_availability: Any) -> dict:
+    return {
+        "primary": {"connection_string": primary.connection_string, "admin_endpoint": primary.admin_url},
+        "secondary": {"connection_string": secondary.connection_string, "admin_endpoint": secondary.admin_url},
+        "send_availability": {
+            "backlog_prefix": f"sy{next(_prefixes)}-{uuid.uuid4().hex[:8]}",
+            "backlog_queue_count": 1,
+            "failover_interval": "0s",
+            "primary_try_timeout": "500ms",
+            **send_availability,
+        },
+        "syphon": {"retry_interval": "5s"},
+    }
+
+
+@pytest.fixture
+def config(emulator: Any, primary: Any, secondary: Any) -> dict:
+    """A configuration whose one backlog queue exists on the secondary."""
+    cfg = _config(primary, secondary)
+    queue = f"{cfg['send_availability']['backlog_prefix']}/x-servicebus-transfer/0"
+    server = emulator.server("secondary")
+    server.call(lambda: server.broker.create_entity(QueueSpec(name=queue, max_delivery_count=2147483647)))
+    cfg["backlog_queue"] = queue
+    return cfg
+
+
+def _syphon_config(cfg: dict) -> dict:
+    return {k: v for k, v in cfg.items() if k != "backlog_queue"}
+
+
+def _to_backlog(secondary: Any, queue: str, items: list[Any]) -> None:
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_sender(queue) as sender:
+            for item in items:  # one at a time: a batch holding a value-body message lost the rest (emulator)
+                sender.send_messages(item)
+
+
+def _receive(connection_string: str, queue: str, *, expected: int, sub_queue: Any = None,
+             session_id: str | None = None) -> list:
+    out: list = []
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue, sub_queue=sub_queue, session_id=session_id,
+                                       receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+            deadline = time.monotonic() + 5
+            while len(out) < expected and time.monotonic() < deadline:
+                out.extend(receiver.receive_messages(max_message_count=50, max_wait_time=0.5))
+    return out
+
+
+def _peek(connection_string: str, queue: str) -> list:
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue) as receiver:
+            return list(receiver.peek_messages(max_message_count=50))
+
+
+def test_every_field_round_trips_through_failover_and_syphon(emulator, primary, secondary, make_queue) -> None:
+    plain = make_queue()
+    sessions = make_queue(requires_session=True)
+    cfg = _config(primary, secondary)
+    scheduled = datetime.datetime.now(datetime.UTC).replace(microsecond=0) + datetime.timedelta(hours=1)
+    first = ServiceBusMessage(
+        b"\x00body", message_id="m-1", correlation_id="c-1", subject="subj", content_type="application/x-test",
+        to="to-1", reply_to="reply", reply_to_session_id="rs", partition_key="pk-1",
+        time_to_live=datetime.timedelta(hours=1), scheduled_enqueue_time_utc=scheduled,
+        application_properties={"color": "red", "n": 7},
+    )
+    second = ServiceBusMessage("in a session", message_id="m-2", session_id="s-1", partition_key="s-1",
+                               time_to_live=datetime.timedelta(minutes=10))
+    with PairedSender.from_config(cfg) as producer:
+        emulator.fault("primary", "down")
+        try:
+            assert producer.send(plain, first).destination != PRIMARY
+            assert producer.send(sessions, second).destination != PRIMARY
+        finally:
+            emulator.heal("primary")
+        backlog_queue = producer.backlog_queues[0]
+
+    with Syphon.from_config(cfg) as syphon:
+        summary = syphon.move(backlog_queue)
+    assert summary.moved == {plain: 1, sessions: 1}
+    assert summary.dead_lettered == {} and summary.left == {}
+    assert _peek(secondary.connection_string, backlog_queue) == []
+
+    [restored] = _peek(primary.connection_string, plain)  # scheduled an hour ahead: visible to peek only
+    assert b"".join(restored.body) == b"\x00body"
+    assert (restored.message_id, restored.correlation_id, restored.subject, restored.content_type) == (
+        "m-1", "c-1", "subj", "application/x-test")
+    assert (restored.to, restored.reply_to, restored.reply_to_session_id) == ("to-1", "reply", "rs")
+    assert restored.partition_key == "pk-1"
+    assert restored.scheduled_enqueue_time_utc == scheduled
+    assert datetime.timedelta(minutes=59) < restored.time_to_live <= datetime.timedelta(hours=1)
+    assert {k.decode() if isinstance(k, bytes) else k: v for k, v in restored.application_properties.items()} == {
+        "color": b"red", "n": 7}
+
+    [in_session] = _receive(primary.connection_string, sessions, expected=1, session_id="s-1")
+    assert str(in_session) == "in a session"
+    assert (in_session.message_id, in_session.session_id, in_session.partition_key) == ("m-2", "s-1", "s-1")
+    assert datetime.timedelta(minutes=9) < in_session.time_to_live <= datetime.timedelta(minutes=10)
+
+
+def test_invalid_expired_and_foreign_messages_are_dead_lettered_with_their_reasons(
+    config, primary, secondary, make_queue
+) -> None:
+    q = make_queue()
+    queue = config["backlog_queue"]
+    good = messages.to_backlog(ServiceBusMessage("good", message_id="good"), q)
+    no_path = ServiceBusMessage("no path", message_id="no-path")  # a foreign-shaped message
+    bad_ttl = ServiceBusMessage("bad ttl", message_id="bad-ttl",
+                                application_properties={"x-ms-path": q, "x-ms-timetolive": "soon"})
+    expired = messages.to_backlog(
+        ServiceBusMessage("expired", message_id="expired", time_to_live=datetime.timedelta(seconds=1)), q)
+    odd = ServiceBusMessage(None, raw_amqp_message=AmqpAnnotatedMessage(  # a value body, x-ms-path an int
+        value_body={"a": 1}, application_properties={"x-ms-path": 42}, properties={"message_id": "odd"}))
+    ping = ServiceBusMessage(b"", content_type=messages.PING_CONTENT_TYPE, message_id="ping")  # no 1 s TTL here
+    _to_backlog(secondary, queue, [good, no_path, bad_ttl, expired, odd, ping])
+    time.sleep(1.2)  # the 1 s TTL runs out in the backlog
+
+    with Syphon.from_config(_syphon_config(config)) as syphon:
+        summary = syphon.move(queue)
+    assert summary.moved == {q: 1}
+    assert summary.pings == 1
+    assert summary.dead_lettered == {
+        "x-ms-path missing or not a string": 2,
+        "x-ms-timetolive is not an int64 number of milliseconds": 1,
+        messages.TTL_EXPIRED_IN_BACKLOG: 1,
+    }
+    dead = _receive(secondary.connection_string, queue, expected=4, sub_queue=ServiceBusSubQueue.DEAD_LETTER)
+    reasons = {m.message_id: m.dead_letter_reason for m in dead}
+    assert [r for i, r in reasons.items() if i not in ("no-path", "bad-ttl", "expired")] == [
+        "x-ms-path missing or not a string"]  # the value-body message (the SDK gave it its own message id)
+    assert {i: r for i, r in reasons.items() if i in ("no-path", "bad-ttl", "expired")} == {
+        "no-path": "x-ms-path missing or not a string",
+        "bad-ttl": "x-ms-timetolive is not an int64 number of milliseconds",
+        "expired": messages.TTL_EXPIRED_IN_BACKLOG,
+    }
+    assert [m.message_id for m in _receive(primary.connection_string, q, expected=1)] == ["good"]
+    assert _peek(secondary.connection_string, queue) == []
+
+
+def test_a_destination_down_gets_nothing_and_loses_nothing(emulator, config, primary, secondary, make_queue) -> None:
+    down, up = make_queue(), make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(f"{e}-{i}", message_id=f"{e}-{i}"), e)
+                                   for e in (down, up) for i in range(3)])
+    now = [time.time()]
+    emulator.fault("primary", "quota", entity=down)
+    try:
+        with Syphon.from_config(_syphon_config(config), clock=lambda: now[0]) as syphon:
+            first = syphon.move(queue)
+            assert first.moved == {up: 3} and first.left == {down: 3} and first.down == [down]
+            emulator.heal("primary", entity=down)
+            again = syphon.move(queue)  # inside the retry interval: not even pinged
+            assert again.moved == {} and again.left == {down: 3}
+            now[0] += 6
+            last = syphon.move(queue)
+            assert last.moved == {down: 3} and last.left == {}
+    finally:
+        emulator.heal("primary", entity=down)
+    assert sorted(m.message_id for m in _receive(primary.connection_string, down, expected=3)) == [
+        f"{down}-{i}" for i in range(3)]
+    assert _peek(secondary.connection_string, queue) == []
+
+
+def test_a_destination_that_does_not_exist_is_dead_lettered(config, secondary) -> None:
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage("x", message_id="lost"), "no-such-queue")])
+    with Syphon.from_config(_syphon_config(config)) as syphon:
+        summary = syphon.move(queue)
+    assert summary.dead_lettered == {messages.DESTINATION_NOT_FOUND: 1}
+    [dead] = _receive(secondary.connection_string, queue, expected=1, sub_queue=ServiceBusSubQueue.DEAD_LETTER)
+    assert (dead.message_id, dead.dead_letter_reason) == ("lost", messages.DESTINATION_NOT_FOUND)
+
+
+def test_a_rejected_credential_stops_the_syphon_and_keeps_the_messages(
+    emulator, config, primary, secondary, make_queue
+) -> None:
+    q = make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage("x", message_id="kept"), q)])
+    emulator.fault("primary", "unauthorized")
+    try:
+        with Syphon.from_config(_syphon_config(config)) as syphon:
+            with pytest.raises(CredentialRejectedError):
+                syphon.move(queue)
+    finally:
+        emulator.heal("primary")
+    assert [m.message_id for m in _peek(secondary.connection_string, queue)] == ["kept"]
