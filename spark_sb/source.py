@@ -8,16 +8,20 @@ A queue is not replayable by itself, so the source keeps Service Bus as the only
   and is fetched by sequence number). Pings are completed at once (every reader drops them). The offset is a
   JSON dict: ``{"batch": n, "queues": {queue: [sequence numbers]}}`` holding the batch's messages;
 * :meth:`~BacklogStreamReader.partitions` gives one partition per queue with its sequence numbers;
-  :meth:`~BacklogStreamReader.read` (on an executor) fetches them with receive-deferred in peek-lock, turns
-  each into a row and abandons it again: it stays deferred, so a replayed batch reads the same rows;
-* :meth:`~BacklogStreamReader.commit` completes the batch's messages (receive-deferred, then complete;
-  those already gone, e.g. dead-lettered by the republish step, are ignored). Spark calls it after the batch's
-  sink finished, so no backlog message is completed before its restored copy was accepted by the primary.
-  Spark calls it only when it plans the next batch; ``latestOffset(start)`` therefore also completes the
+  :meth:`~BacklogStreamReader.read` (on an executor) **peeks** them by sequence number, which neither locks
+  them nor counts a delivery, and turns each into a row: a replayed batch reads the same rows, and a reader
+  that dies holds no lock;
+* the sink settles the messages. The syphon's sink (:class:`spark_sb.syphon.Republisher`) completes or
+  dead-letters each one only after the primary accepted its restored copy and its ledger recorded the
+  outcome. :meth:`~BacklogStreamReader.commit` (Spark calls it after the batch's sink finished) completes
+  whatever of the batch the sink left deferred, so that another sink reads the backlog at least once. Spark
+  calls ``commit`` only when it plans the next batch; ``latestOffset(start)`` therefore does the same for the
   batch ending at ``start`` (it is only called once that batch finished), so an idle stream leaves nothing
   deferred behind;
-* on a fresh checkpoint :meth:`~BacklogStreamReader.initialOffset` peeks the queues for messages left deferred
-  by an abandoned run and takes them back into the first batch.
+* the first ``latestOffset`` of a reader (a new query, or a restart from a checkpoint) peeks the queues for
+  messages left deferred by a run that died between deferring them and Spark recording its offset, or by an
+  abandoned checkpoint, and takes them back into its batch. Only one syphon may read a primary's backlog
+  queues at a time.
 
 Options (case-insensitive): ``conf`` (a YAML path) or the flat options of :func:`spark_sb.config.from_options`
 (``primary.connectionString``, ``secondary.connectionString``, ``sendAvailability.backlogPrefix``, ...);
@@ -25,8 +29,9 @@ Options (case-insensitive): ``conf`` (a YAML path) or the flat options of :func:
 the first message, default 1); ``reportBacklogDepth`` (default true).
 
 Backlog depth: PySpark 4.2's Python sources have no custom metrics, so the depth (active messages over the
-backlog queues, from the administration API) is reported through :meth:`reportLatestOffset`, which Spark shows
-as the source's ``latestOffset`` in the query progress (``{"backlogDepth": n, ...}``), and logged.
+backlog queues, including the batch in flight, from the administration API) is reported through
+:meth:`reportLatestOffset`, which Spark shows as the source's ``latestOffset`` in the query progress
+(``{"backlogDepth": n}``), and logged.
 
 Readers keep no clients between calls: each call opens and closes its own (style.md).
 """
@@ -36,7 +41,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -187,14 +191,14 @@ def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
 
 
 def receive_deferred(receiver: Any, sequence_numbers: Sequence[int]) -> list[Any]:
-    """The deferred messages with these sequence numbers (peek-lock) that are still there."""
+    """The deferred messages with these sequence numbers (peek-lock) that are still there and not locked."""
     from azure.servicebus.exceptions import MessageNotFoundError
 
     if not sequence_numbers:
         return []
     try:
         return list(receiver.receive_deferred_messages(list(sequence_numbers)))
-    except MessageNotFoundError as exc:  # some are gone: fetch them one by one
+    except MessageNotFoundError as exc:  # some are gone (or locked): fetch them one by one
         _LOGGER.debug("receiving %d deferred messages at once failed (%s); one by one", len(sequence_numbers),
                       type(exc).__name__)
     found: list[Any] = []
@@ -202,8 +206,40 @@ def receive_deferred(receiver: Any, sequence_numbers: Sequence[int]) -> list[Any
         try:
             found.extend(receiver.receive_deferred_messages([number]))
         except MessageNotFoundError as exc:
-            _LOGGER.debug("deferred message %d is gone: %s", number, type(exc).__name__)
+            _LOGGER.debug("deferred message %d is gone or locked: %s", number, type(exc).__name__)
     return found
+
+
+def peek_deferred(receiver: Any, sequence_numbers: Sequence[int]) -> list[Any]:
+    """The deferred messages with these sequence numbers that are still there, by peeking: no lock is taken
+    and no delivery counted. A batch's numbers are mostly contiguous, so this pages from the smallest."""
+    from azure.servicebus import ServiceBusMessageState
+
+    wanted = set(int(n) for n in sequence_numbers)
+    if not wanted:
+        return []
+    found: list[Any] = []
+    start, last = min(wanted), max(wanted)
+    while start <= last and len(found) < len(wanted):
+        page = receiver.peek_messages(max_message_count=min(_PAGE, last - start + 1), sequence_number=start)
+        if not page:
+            break
+        found.extend(m for m in page if int(m.sequence_number or 0) in wanted
+                     and m.state == ServiceBusMessageState.DEFERRED)
+        start = int(page[-1].sequence_number or 0) + 1
+    return found
+
+
+def deferred_numbers(receiver: Any) -> list[int]:
+    """The sequence numbers of every deferred message in the receiver's queue (peeks the whole queue)."""
+    from azure.servicebus import ServiceBusMessageState
+
+    numbers: list[int] = []
+    start = 0
+    while page := receiver.peek_messages(max_message_count=_PAGE, sequence_number=start):
+        numbers.extend(int(m.sequence_number or 0) for m in page if m.state == ServiceBusMessageState.DEFERRED)
+        start = int(page[-1].sequence_number or 0) + 1
+    return numbers
 
 
 class BacklogStreamReader(DataSourceStreamReader):
@@ -219,7 +255,7 @@ class BacklogStreamReader(DataSourceStreamReader):
         self.report_depth = depth in ("true", "1", "yes")
         self.queues = self.config.send_availability.backlog_queue_names()
         self._taken_back: dict[str, list[int]] = {}
-        self._initial: dict | None = None
+        self._swept = False
         self._completed_batch = -1
         self._uncompleted: list[dict] = []  # batches whose completion failed: retried on the next call
         self._depth: int | None = None
@@ -227,36 +263,31 @@ class BacklogStreamReader(DataSourceStreamReader):
     # --- offsets -------------------------------------------------------------------------------------------
 
     def initialOffset(self) -> dict:
-        """A fresh checkpoint: take back the messages an abandoned run left deferred (Spark may call this more
-        than once: only the first call looks)."""
-        from azure.servicebus import ServiceBusMessageState
+        """A fresh checkpoint starts at batch 0; messages an abandoned run left deferred are taken back by the
+        first :meth:`latestOffset`."""
+        return {"batch": 0, "queues": {}}
 
-        if self._initial is not None:
-            return self._initial
+    def _sweep(self, exclude: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+        """Every deferred message of the backlog queues (but ``exclude``): left by a run that died."""
         taken: dict[str, list[int]] = {}
-        with self.config.secondary.client() as client:
+        with self.config.secondary.client(retry_total=0) as client:
             for queue in self.queues:
                 with client.get_queue_receiver(queue) as receiver:
-                    numbers: list[int] = []
-                    start = 0
-                    while page := receiver.peek_messages(max_message_count=_PAGE, sequence_number=start):
-                        numbers.extend(int(m.sequence_number or 0) for m in page
-                                       if m.state == ServiceBusMessageState.DEFERRED)
-                        start = int(page[-1].sequence_number or 0) + 1
-                    if numbers:
-                        taken[queue] = numbers
+                    skip = set(exclude.get(queue, ()))
+                    numbers = [n for n in deferred_numbers(receiver) if n not in skip]
+                if numbers:
+                    taken[queue] = numbers
         if taken:
-            _LOGGER.info("taking back %d messages left deferred by an earlier run",
-                         sum(len(v) for v in taken.values()))
-        self._taken_back = taken
-        self._initial = {"batch": 0, "queues": {}}
-        return self._initial
+            _LOGGER.warning("taking back %d backlog messages left deferred by an earlier run: %s",
+                            sum(len(v) for v in taken.values()), {q: len(v) for q, v in taken.items()})
+        return taken
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_per_trigger)
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        self._initial = self._initial or {"batch": 0, "queues": {}}  # a restart: initialOffset is not called
+        # the batch ending at ``start`` finished: complete what its sink left deferred (and retry earlier
+        # completions that failed)
         for pending in [*self._uncompleted, start]:
             try:
                 self._complete(pending)
@@ -268,10 +299,23 @@ class BacklogStreamReader(DataSourceStreamReader):
             else:
                 if pending in self._uncompleted:
                     self._uncompleted.remove(pending)
+        if not self._swept:  # the first call of this reader: take back what a dead run left deferred
+            exclude: dict[str, list[int]] = {}
+            for pending in self._uncompleted:
+                for queue, numbers in (pending.get("queues") or {}).items():
+                    exclude.setdefault(queue, []).extend(numbers)
+            self._taken_back = self._sweep(exclude)
+            self._swept = True
         cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
-        batch: dict[str, list[int]] = {q: list(v) for q, v in self._taken_back.items()}
-        self._taken_back = {}
-        count = sum(len(v) for v in batch.values())
+        batch: dict[str, list[int]] = {}
+        count = 0
+        for queue in list(self._taken_back):
+            numbers = self._taken_back.pop(queue)
+            room = len(numbers) if cap is None else max(0, cap - count)
+            batch[queue] = numbers[:room]
+            count += len(batch[queue])
+            if numbers[room:]:
+                self._taken_back[queue] = numbers[room:]
         with self.config.secondary.client() as client:
             for queue in self.queues:
                 if cap is not None and count >= cap:
@@ -333,21 +377,16 @@ class BacklogStreamReader(DataSourceStreamReader):
         assert isinstance(partition, BacklogPartition)
         now = datetime.datetime.now(datetime.UTC)
         with self.config.secondary.client(retry_total=0) as client:
-            with client.get_queue_receiver(partition.queue, prefetch_count=0) as receiver:
-                found = receive_deferred(receiver, partition.sequence_numbers)
-                rows = [backlog_row(m, partition.queue, now) for m in found]
-                for message in found:  # release the locks: they stay deferred
-                    try:
-                        receiver.abandon_message(message)
-                    except Exception as exc:  # the lock expires by itself
-                        _LOGGER.debug("abandoning %s failed: %s", message.sequence_number, type(exc).__name__)
-        yield from rows
+            with client.get_queue_receiver(partition.queue) as receiver:
+                found = peek_deferred(receiver, partition.sequence_numbers)
+        yield from (backlog_row(m, partition.queue, now) for m in found)
 
     def commit(self, end: dict) -> None:
+        """Complete what the batch's sink left deferred (the syphon's sink leaves nothing)."""
         self._complete(end)
 
     def _complete(self, offset: dict) -> None:
-        """Complete the deferred messages of the batch ending at ``offset`` (once)."""
+        """Complete the messages of the batch ending at ``offset`` that are still deferred (once)."""
         number = int(offset.get("batch", 0))
         queues = offset.get("queues") or {}
         if number <= self._completed_batch or not queues:
@@ -356,11 +395,13 @@ class BacklogStreamReader(DataSourceStreamReader):
         with self.config.secondary.client(retry_total=0) as client:
             for queue, numbers in queues.items():
                 with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
-                    for message in receive_deferred(receiver, numbers):
+                    left = [int(m.sequence_number) for m in peek_deferred(receiver, numbers)]
+                    for message in receive_deferred(receiver, left):
                         receiver.complete_message(message)
                         done += 1
         self._completed_batch = max(self._completed_batch, number)
-        _LOGGER.info("backlog batch %d committed: %d messages completed", number, done)
+        _LOGGER.log(logging.INFO if done else logging.DEBUG, "backlog batch %d committed: %d messages its sink "
+                    "left deferred completed", number, done)
 
     def stop(self) -> None:
-        _LOGGER.debug("backlog source stopped at %s", time.time())
+        _LOGGER.debug("backlog source stopped")

@@ -47,7 +47,8 @@ from .paired import PairedSender
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["REJECTED_BY_DESTINATION", "MoveSummary", "Outcome", "Syphon"]
+__all__ = ["REJECTED_BY_DESTINATION", "MoveSummary", "Outcome", "Republisher", "Syphon", "SyphonSettleError",
+           "republish_deferred", "settle_outcomes"]
 
 #: dead-letter reason for a restored message that the destination refused as invalid
 REJECTED_BY_DESTINATION = "RejectedByDestination"
@@ -111,17 +112,19 @@ class Outcome:
     outcome: str
     reason: str | None
     backlog_enqueued_time: datetime.datetime | None
+    #: the dead-letter error description (dead_lettered only)
+    description: str | None = None
 
 
-def _outcome(queue: str, message: Any, destination: str | None, outcome: str, reason: str | None = None
-             ) -> Outcome:
+def _outcome(queue: str, message: Any, destination: str | None, outcome: str, reason: str | None = None,
+             description: str | None = None) -> Outcome:
     enqueued = getattr(message, "enqueued_time_utc", None)
     if enqueued is not None and enqueued.tzinfo is None:
         enqueued = enqueued.replace(tzinfo=datetime.UTC)
     number = getattr(message, "sequence_number", None)
     message_id = getattr(message, "message_id", None)
     return Outcome(queue, None if number is None else int(number), None if message_id is None else str(message_id),
-                   destination, outcome, reason, enqueued)
+                   destination, outcome, reason, enqueued, description)
 
 
 def _add(counts: dict[str, int], key: str, n: int = 1) -> None:
@@ -268,14 +271,17 @@ class Syphon:
                          summary.received, summary.moved, summary.dead_lettered, summary.left)
         return summary
 
-    def settle(self, receiver: Any, received: Sequence[Any], summary: MoveSummary) -> None:
-        """Restore, republish and settle messages ``received`` (locked, or deferred and fetched again) by
-        ``receiver``. Every message ends completed, dead-lettered or abandoned."""
+    def settle(self, receiver: Any | None, received: Sequence[Any], summary: MoveSummary) -> None:
+        """Restore, republish and settle messages ``received`` (locked) by ``receiver``. Every message ends
+        completed, dead-lettered or abandoned, with its :class:`Outcome` in ``summary.outcomes``.
+
+        ``receiver`` None: the messages were peeked (deferred, not locked); decide, republish and re-park
+        only, and settle nothing: the caller settles them from the outcomes (:func:`settle_outcomes`)."""
         now = datetime.datetime.fromtimestamp(self._clock(), datetime.UTC)
         groups: dict[str, list[tuple[Any, ServiceBusMessage]]] = {}
         for message in received:
             if msgs.is_ping(message):
-                _settle(receiver.complete_message, message)
+                _settle(receiver, "complete_message", message)
                 summary.pings += 1
                 continue
             try:
@@ -296,7 +302,7 @@ class Syphon:
         except BaseException:
             for entity, items in pending:
                 for message, _ in items:
-                    _settle(receiver.abandon_message, message)
+                    _settle(receiver, "abandon_message", message)
                     summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left"))
                 _add(summary.left, entity, len(items))
             raise
@@ -315,7 +321,7 @@ class Syphon:
             for batch in self._batches(entity, items, one_by_one):
                 self._primary_sender(entity).send_messages([restored for _, restored in batch])
                 for message, _ in batch:
-                    _settle(receiver.complete_message, message)
+                    _settle(receiver, "complete_message", message)
                     summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "delivered"))
                 done += len(batch)
                 _add(summary.moved, entity, len(batch))
@@ -378,10 +384,7 @@ class Syphon:
             with self._secondary_client().get_queue_sender(summary.backlog_queue) as sdk_sender:
                 sdk_sender.send_messages(copies)  # raises: nothing completed, the batch fails and is replayed
         for message, _ in items:
-            if self.repark:
-                _settle(receiver.complete_message, message)
-            else:
-                _settle(receiver.abandon_message, message)
+            _settle(receiver, "complete_message" if self.repark else "abandon_message", message)
             summary.outcomes.append(_outcome(summary.backlog_queue, message, entity,
                                              "reparked" if self.repark else "left"))
         if items:
@@ -390,12 +393,13 @@ class Syphon:
             summary.down.append(entity)
 
     @staticmethod
-    def _dead_letter(receiver: Any, message: Any, reason: str, description: str | None,
+    def _dead_letter(receiver: Any | None, message: Any, reason: str, description: str | None,
                      summary: MoveSummary, entity: str | None = None) -> None:
-        _settle(receiver.dead_letter_message, message, reason=reason,
-                error_description=(description or reason)[:_MAX_DESCRIPTION])
+        description = (description or reason)[:_MAX_DESCRIPTION]
+        _settle(receiver, "dead_letter_message", message, reason=reason, error_description=description)
         _add(summary.dead_lettered, reason)
-        summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "dead_lettered", reason))
+        summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "dead_lettered", reason,
+                                         description))
         _LOGGER.info("dead-lettered backlog message %s: %s", getattr(message, "message_id", None), reason)
 
 
@@ -418,10 +422,13 @@ def _fits(batch: Any, item: tuple[Any, ServiceBusMessage], entity: str) -> bool:
     return True
 
 
-def _settle(action: Callable[..., None], message: Any, **kwargs: Any) -> None:
-    """Settle one message; a lost lock leaves it to the broker (it comes back), anything else raises."""
+def _settle(receiver: Any | None, action: str, message: Any, **kwargs: Any) -> None:
+    """Settle one message (``receiver`` None: leave it to the caller); a lost lock leaves it to the broker
+    (it comes back), anything else raises."""
+    if receiver is None:
+        return
     try:
-        action(message, **kwargs)
+        getattr(receiver, action)(message, **kwargs)
     except (MessageLockLostError, MessageAlreadySettled) as exc:
         _LOGGER.warning("backlog message %s was not settled (%s); it stays in the backlog",
                         getattr(message, "message_id", None), type(exc).__name__)
@@ -435,25 +442,119 @@ def summary_dict(summary: MoveSummary) -> Mapping[str, Any]:
 
 
 # --- the Spark side: republishing one batch of the servicebus-backlog source ------------------------------
+#
+# A batch's backlog messages stay deferred until its outcomes are in the ledger. In order:
+#   1. executors peek them (no lock), republish the restored copies to healthy destinations and re-park the
+#      ones for a destination that is down (republish_deferred): one Outcome per message, nothing settled;
+#   2. the driver appends the outcomes to the Delta ledger (idempotent per batch id);
+#   3. the driver settles them (settle_outcomes): delivered and re-parked ones completed, the others
+#      dead-lettered with their reason.
+# A batch replayed after a crash anywhere in between reads the ledger first: what it records is not sent
+# again, only settled. A copy sent in step 1 whose outcome was never recorded is sent again with the same
+# message id, and the primary's duplicate detection suppresses it.
 
 #: the ledger's columns (one row per moved, dead-lettered or re-parked message)
 LEDGER_DDL = (
     "message_id STRING, backlog_queue STRING, sequence_number BIGINT, destination STRING, outcome STRING, "
-    "reason STRING, batch_id BIGINT, backlog_enqueued_time TIMESTAMP, recorded_time TIMESTAMP"
+    "reason STRING, description STRING, batch_id BIGINT, backlog_enqueued_time TIMESTAMP, recorded_time TIMESTAMP"
 )
-_LEDGER_NAMES = ("message_id", "backlog_queue", "sequence_number", "destination", "outcome", "reason", "batch_id",
-                 "backlog_enqueued_time", "recorded_time")
+_LEDGER_NAMES = ("message_id", "backlog_queue", "sequence_number", "destination", "outcome", "reason",
+                 "description", "batch_id", "backlog_enqueued_time", "recorded_time")
+#: outcomes that settle the backlog message (``left`` leaves it in the backlog)
+_COMPLETE, _DEAD_LETTER = ("delivered", "reparked"), "dead_lettered"
+
+
+def republish_deferred(config: SparkSbConfig, wanted: Mapping[str, Sequence[int]], *,
+                       sender: PairedSender | None = None, clock: Callable[[], float] = time.time) -> list[Outcome]:
+    """Peek these deferred backlog messages (``{queue: sequence numbers}``), republish the restored copies
+    to healthy destinations, re-park those for a destination that is down (a copy back to the backlog queue)
+    and decide which to dead-letter, **settling nothing**: one :class:`Outcome` per message still there.
+    Record the outcomes, then :func:`settle_outcomes`."""
+    from .source import peek_deferred
+
+    outcomes: list[Outcome] = []
+    with Syphon(config, sender=sender, clock=clock, repark=True) as syphon:
+        for queue, numbers in wanted.items():
+            with syphon._secondary_client().get_queue_receiver(queue) as receiver:
+                found = peek_deferred(receiver, sorted(set(numbers)))
+            summary = MoveSummary(queue, received=len(found))
+            syphon.settle(None, found, summary)
+            outcomes.extend(summary.outcomes)
+    return outcomes
+
+
+def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_wait: float = 330.0,
+                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                    ) -> int:
+    """Settle the deferred backlog messages of recorded outcomes: complete the delivered and re-parked ones,
+    dead-letter the others with their reason and description. A message no longer there was settled by an
+    earlier attempt. One still locked by an earlier attempt that died is waited for until its lock expires
+    (at most ``lock_wait`` seconds, longer than the service's 5 minute maximum lock), then
+    :class:`SyphonSettleError`. Returns how many this call settled."""
+    from .source import peek_deferred, receive_deferred
+
+    by_queue: dict[str, dict[int, Outcome]] = {}
+    for outcome in outcomes:
+        if outcome.sequence_number is not None and outcome.outcome in (*_COMPLETE, _DEAD_LETTER):
+            by_queue.setdefault(outcome.backlog_queue, {})[outcome.sequence_number] = outcome
+    settled = 0
+    if not by_queue:
+        return settled
+    with config.secondary.client(retry_total=0) as client:
+        for queue, pending in by_queue.items():
+            deadline: float | None = None
+            pause = 1.0
+            with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
+                while pending:
+                    there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
+                    pending = {n: o for n, o in pending.items() if n in there}
+                    for message in receive_deferred(receiver, sorted(pending)):
+                        outcome = pending.pop(int(message.sequence_number))
+                        if outcome.outcome == _DEAD_LETTER:
+                            receiver.dead_letter_message(message, reason=outcome.reason,
+                                                         error_description=outcome.description or outcome.reason)
+                        else:
+                            receiver.complete_message(message)
+                        settled += 1
+                    if not pending:
+                        break
+                    if deadline is None:  # locked by an earlier attempt: wait for the locks to expire
+                        deadline = clock() + lock_wait
+                        _LOGGER.warning("%d backlog messages of %r are still locked by an earlier attempt; waiting "
+                                        "for their locks to expire", len(pending), queue)
+                    elif clock() >= deadline:
+                        raise SyphonSettleError(queue, sorted(pending))
+                    sleep(pause)
+                    pause = min(pause * 2, 10.0)
+    return settled
+
+
+class SyphonSettleError(SparkSbError):
+    """Backlog messages stayed locked longer than any lock lasts: the batch fails and is replayed."""
+
+    def __init__(self, queue: str, sequence_numbers: Sequence[int]) -> None:
+        shown = ", ".join(str(n) for n in sequence_numbers[:10]) + (" ..." if len(sequence_numbers) > 10 else "")
+        super().__init__(f"backlog queue {queue!r}: {len(sequence_numbers)} messages (sequence numbers {shown}) "
+                         "stayed locked; the batch will be replayed")
+        self.queue = queue
+        self.sequence_numbers = list(sequence_numbers)
+
+
+def _ledger_schema() -> Any:
+    import pyarrow as pa
+
+    return pa.schema([("message_id", pa.string()), ("backlog_queue", pa.string()),
+                      ("sequence_number", pa.int64()), ("destination", pa.string()), ("outcome", pa.string()),
+                      ("reason", pa.string()), ("description", pa.string()), ("batch_id", pa.int64()),
+                      ("backlog_enqueued_time", pa.timestamp("us", tz="UTC")),
+                      ("recorded_time", pa.timestamp("us", tz="UTC"))])
 
 
 def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tuple[str, int]],
                         batches: Iterator[Any]) -> Iterator[Any]:
-    """``mapInArrow`` body: fetch this partition's deferred backlog messages by sequence number, republish the
-    restored copies to healthy destinations, dead-letter the invalid ones, re-park those for a destination
-    that is down, and yield one ledger row per message. Messages in ``skip`` (delivered per the ledger) are
-    not sent again; the source's commit completes them."""
+    """``mapInArrow`` body: :func:`republish_deferred` for this partition's backlog coordinates (but those in
+    ``skip``, which the ledger already records) and one ledger row per outcome."""
     import pyarrow as pa
-
-    from .source import receive_deferred
 
     wanted: dict[str, list[int]] = {}
     for batch in batches:
@@ -461,44 +562,34 @@ def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tu
         for queue, number in zip(data["backlog_queue"], data["sequence_number"], strict=True):
             if (queue, int(number)) not in skip:
                 wanted.setdefault(queue, []).append(int(number))
-    rows: list[Outcome] = []
-    if wanted:
-        with Syphon(config, repark=True) as syphon:
-            for queue, numbers in wanted.items():
-                summary = MoveSummary(queue)
-                with syphon._secondary_client().get_queue_receiver(queue, prefetch_count=0) as receiver:
-                    found = receive_deferred(receiver, sorted(set(numbers)))
-                    summary.received = len(found)
-                    syphon.settle(receiver, found, summary)
-                rows.extend(summary.outcomes)
+    outcomes = republish_deferred(config, wanted) if wanted else []
     now = datetime.datetime.now(datetime.UTC)
     columns: dict[str, list[Any]] = {name: [] for name in _LEDGER_NAMES}
-    for row in rows:
-        for name, value in (("message_id", row.message_id), ("backlog_queue", row.backlog_queue),
-                            ("sequence_number", row.sequence_number), ("destination", row.destination),
-                            ("outcome", row.outcome), ("reason", row.reason), ("batch_id", batch_id),
-                            ("backlog_enqueued_time", row.backlog_enqueued_time), ("recorded_time", now)):
-            columns[name].append(value)
-    schema = pa.schema([("message_id", pa.string()), ("backlog_queue", pa.string()),
-                        ("sequence_number", pa.int64()), ("destination", pa.string()), ("outcome", pa.string()),
-                        ("reason", pa.string()), ("batch_id", pa.int64()),
-                        ("backlog_enqueued_time", pa.timestamp("us", tz="UTC")),
-                        ("recorded_time", pa.timestamp("us", tz="UTC"))])
-    yield pa.RecordBatch.from_pydict(columns, schema=schema)
+    for row in outcomes:
+        values = {**{name: getattr(row, name, None) for name in _LEDGER_NAMES}, "batch_id": batch_id,
+                  "recorded_time": now}
+        for name in _LEDGER_NAMES:
+            columns[name].append(values[name])
+    yield pa.RecordBatch.from_pydict(columns, schema=_ledger_schema())
 
 
 class Republisher:
     """The ``foreachBatch`` of ``jobs/syphon.py``: republish one batch of the ``servicebus-backlog`` source
-    from the executors and append one ledger row per message to the Delta ledger (idempotently per batch:
-    ``txnAppId``/``txnVersion``). A replayed batch skips what the ledger says is delivered."""
+    from the executors, append one ledger row per message to the Delta ledger (idempotently per batch:
+    ``txnAppId``/``txnVersion``), then settle the batch's backlog messages from the driver. A replayed batch
+    skips what the ledger records for it and only settles it (see the comment above :data:`LEDGER_DDL`).
 
-    def __init__(self, config: SparkSbConfig) -> None:
+    ``after`` (for tests) is called with each step's name once it is done: ``"republished"``,
+    ``"recorded"``, ``"settled"``."""
+
+    def __init__(self, config: SparkSbConfig, *, after: Callable[[str, int], None] | None = None) -> None:
         config.syphon.require_job_locations()
         self.config = config
         self.ledger = str(config.syphon.ledger)
         self.app_id = f"spark-sb-syphon:{config.send_availability.backlog_prefix}"
         self.totals: dict[str, int] = {}
-        self._last_batch: int | None = None
+        self._after = after or (lambda step, batch_id: None)
+        self._begun: int | None = None  # the last batch id this process began
 
     def _ledger_df(self, spark: Any) -> Any:
         if self.config.syphon.ledger_is_path:
@@ -511,26 +602,28 @@ class Republisher:
             return None
         return spark.read.table(self.ledger)
 
-    def delivered(self, spark: Any, batch_id: int) -> frozenset[tuple[str, int]]:
-        """(queue, sequence number) the ledger records as delivered by ``batch_id``."""
+    def recorded(self, spark: Any, batch_id: int) -> list[Outcome]:
+        """The outcomes the ledger records for ``batch_id``."""
         ledger = self._ledger_df(spark)
         if ledger is None:
-            return frozenset()
-        rows = (ledger.where((ledger.batch_id == batch_id) & (ledger.outcome == "delivered"))
-                .select("backlog_queue", "sequence_number").collect())
-        return frozenset((r.backlog_queue, int(r.sequence_number)) for r in rows)
+            return []
+        rows = ledger.where(ledger.batch_id == batch_id).collect()
+        return [Outcome(r.backlog_queue, r.sequence_number, r.message_id, r.destination, r.outcome, r.reason,
+                        r.backlog_enqueued_time, r.description) for r in rows]
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         from functools import partial
 
         spark = batch_df.sparkSession
-        # only the first batch a process runs can be a replay: later ones are new batch ids
-        skip = self.delivered(spark, batch_id) if self._last_batch is None or batch_id <= self._last_batch \
-            else frozenset()
+        # only a batch id this process began before, or the first one it runs, can be a replay
+        replay = self._begun is None or batch_id <= self._begun
+        self._begun = batch_id
+        before = self.recorded(spark, batch_id) if replay else []
+        skip = frozenset((o.backlog_queue, int(o.sequence_number)) for o in before if o.sequence_number is not None)
         coordinates = batch_df.select("backlog_queue", "sequence_number").repartition("backlog_queue")
         out = coordinates.mapInArrow(partial(republish_partition, self.config, batch_id, skip), LEDGER_DDL)
-        # one small row per message (at most maxMessagesPerTrigger): the ledger write gets a local plan
-        rows = out.collect()
+        rows = out.collect()  # one small row per message (at most maxMessagesPerTrigger)
+        self._after("republished", batch_id)
         if rows:
             writer = (spark.createDataFrame(rows, LEDGER_DDL).write.format("delta").mode("append")
                       .option("txnAppId", self.app_id).option("txnVersion", batch_id))
@@ -538,9 +631,13 @@ class Republisher:
                 writer.save(self.ledger)
             else:
                 writer.saveAsTable(self.ledger)
+        self._after("recorded", batch_id)
+        outcomes = before + [Outcome(r.backlog_queue, r.sequence_number, r.message_id, r.destination, r.outcome,
+                                     r.reason, r.backlog_enqueued_time, r.description) for r in rows]
+        settled = settle_outcomes(self.config, outcomes)
+        self._after("settled", batch_id)
         counts = dict(collections.Counter(r.outcome for r in rows))
         for key, n in counts.items():
             self.totals[key] = self.totals.get(key, 0) + n
-        self._last_batch = batch_id
-        _LOGGER.info("syphon batch %d: %s (skipped as delivered before: %d)", batch_id, counts or "nothing",
-                     len(skip))
+        _LOGGER.info("syphon batch %d: %s, %d backlog messages settled (recorded by an earlier attempt: %d)",
+                     batch_id, counts or "nothing", settled, len(before))

@@ -13,16 +13,25 @@ import pytest
 from azure.servicebus import (
     ServiceBusClient,
     ServiceBusMessage,
+    ServiceBusMessageState,
     ServiceBusReceiveMode,
     ServiceBusSubQueue,
 )
 from azure.servicebus.amqp import AmqpAnnotatedMessage
 
 from spark_sb import messages
+from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import CredentialRejectedError
 from spark_sb.paired import PRIMARY, PairedSender
-from spark_sb.syphon import Syphon
+from spark_sb.syphon import (
+    REJECTED_BY_DESTINATION,
+    Outcome,
+    Syphon,
+    SyphonSettleError,
+    republish_deferred,
+    settle_outcomes,
+)
 
 _prefixes = itertools.count()
 
@@ -214,3 +223,100 @@ def test_a_rejected_credential_stops_the_syphon_and_keeps_the_messages(
     finally:
         emulator.heal("primary")
     assert [m.message_id for m in _peek(secondary.connection_string, queue)] == ["kept"]
+
+
+# --- the Spark path: decide and send from peeked deferred messages, settle only after recording -------------
+
+
+def _defer_all(secondary: Any, queue: str, expected: int) -> list[int]:
+    """Defer every message of the queue, as the servicebus-backlog source does; their sequence numbers."""
+    numbers: list[int] = []
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
+            deadline = time.monotonic() + 5
+            while len(numbers) < expected and time.monotonic() < deadline:
+                for message in receiver.receive_messages(max_message_count=50, max_wait_time=0.5):
+                    receiver.defer_message(message)
+                    numbers.append(message.sequence_number)
+    assert len(numbers) == expected
+    return numbers
+
+
+def test_a_destination_down_is_reparked_and_nothing_is_settled_before_the_outcomes_are(
+    emulator, config, primary, secondary, make_queue
+) -> None:
+    down, up = make_queue(), make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(f"{e}-{i}", message_id=f"{e}-{i}",
+                                                                         time_to_live=datetime.timedelta(hours=1)), e)
+                                   for e in (down, up) for i in range(2)])
+    numbers = _defer_all(secondary, queue, 4)
+    cfg = _syphon_config(config)
+    emulator.fault("primary", "quota", entity=down)
+    try:
+        outcomes = republish_deferred(load_config(cfg), {queue: numbers})
+    finally:
+        emulator.heal("primary", entity=down)
+    assert sorted((o.destination, o.outcome) for o in outcomes) == [
+        (down, "reparked"), (down, "reparked"), (up, "delivered"), (up, "delivered")]
+    assert sorted(m.message_id for m in _receive(primary.connection_string, up, expected=2)) == [f"{up}-0", f"{up}-1"]
+    # nothing settled yet: the four originals are still deferred, the two copies wait behind them
+    backlog = _peek(secondary.connection_string, queue)
+    assert sorted((m.state, m.message_id) for m in backlog) == sorted(
+        [(ServiceBusMessageState.DEFERRED, f"{e}-{i}") for e in (down, up) for i in range(2)]
+        + [(ServiceBusMessageState.ACTIVE, f"{down}-{i}") for i in range(2)])
+
+    assert settle_outcomes(load_config(cfg), outcomes) == 4
+    assert settle_outcomes(load_config(cfg), outcomes) == 0  # a replay settles nothing twice
+    copies = _peek(secondary.connection_string, queue)
+    assert sorted(m.message_id for m in copies) == [f"{down}-0", f"{down}-1"]
+    assert {m.application_properties[b"x-ms-path"] for m in copies} == {down.encode()}
+    # the copies carry the remaining TTL (the backlog message itself has none)
+    assert all(59 * 60_000 < m.application_properties[b"x-ms-timetolive"] <= 3_600_000 for m in copies)
+    with Syphon.from_config(cfg) as syphon:  # the destination is back: the copies go home
+        assert syphon.move(queue).moved == {down: 2}
+    assert sorted(m.message_id for m in _receive(primary.connection_string, down, expected=2)) == [
+        f"{down}-0", f"{down}-1"]
+
+
+def test_a_restored_message_the_destination_refuses_is_dead_lettered_with_its_reason(
+    config, primary, secondary, make_queue
+) -> None:
+    sessions = make_queue(requires_session=True)
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [
+        messages.to_backlog(ServiceBusMessage("no session", message_id="no-session"), sessions),
+        messages.to_backlog(ServiceBusMessage("in session", message_id="in-session", session_id="s"), sessions),
+    ])
+    numbers = _defer_all(secondary, queue, 2)
+    cfg = load_config(_syphon_config(config))
+    outcomes = {o.message_id: o for o in republish_deferred(cfg, {queue: numbers})}
+    assert outcomes["in-session"].outcome == "delivered"
+    refused = outcomes["no-session"]
+    assert (refused.outcome, refused.reason) == ("dead_lettered", REJECTED_BY_DESTINATION)
+    assert "session" in (refused.description or "").lower()
+    assert settle_outcomes(cfg, list(outcomes.values())) == 2
+    [dead] = _receive(secondary.connection_string, queue, expected=1, sub_queue=ServiceBusSubQueue.DEAD_LETTER)
+    assert (dead.message_id, dead.dead_letter_reason) == ("no-session", REJECTED_BY_DESTINATION)
+    assert dead.dead_letter_error_description == refused.description
+    [home] = _receive(primary.connection_string, sessions, expected=1, session_id="s")
+    assert home.message_id == "in-session"
+    assert _peek(secondary.connection_string, queue) == []
+
+
+def test_settling_waits_for_a_lock_left_by_an_attempt_that_died(emulator_with_clock, fake_clock, primary) -> None:
+    clocked = emulator_with_clock["clocked"]
+    queue = emulator_with_clock.make_queue(lock_duration=30, max_delivery_count=2147483647)
+    _to_backlog(clocked, queue, [messages.to_backlog(ServiceBusMessage("x", message_id="locked"), "q")])
+    [number] = _defer_all(clocked, queue, 1)
+    with ServiceBusClient.from_connection_string(clocked.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue) as receiver:  # an attempt locks it, then dies
+            assert len(receiver.receive_deferred_messages([number])) == 1
+    outcome = Outcome(queue, number, "locked", "q", "delivered", None, None)
+    cfg = load_config(_config(primary, clocked))
+    with pytest.raises(SyphonSettleError, match=rf"{queue}.*sequence numbers {number}.*replayed"):
+        settle_outcomes(cfg, [outcome], lock_wait=10, clock=fake_clock, sleep=fake_clock.advance)
+    assert [m.message_id for m in _peek(clocked.connection_string, queue)] == ["locked"]  # nothing lost
+    # waited for: the lock expires (30 s of fake time) and the message is settled
+    assert settle_outcomes(cfg, [outcome], clock=fake_clock, sleep=fake_clock.advance) == 1
+    assert _peek(clocked.connection_string, queue) == []

@@ -35,6 +35,8 @@ def spark() -> Iterator[Any]:
         .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
         .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
         .config("spark.driver.memory", "1g")
+        # an idle stream reports progress every 200 ms rather than every 10 s: tests see "empty" at once
+        .config("spark.sql.streaming.noDataProgressEventInterval", "200ms")
     )
     session = configure_spark_with_delta_pip(builder).getOrCreate()
     session.sparkContext.setLogLevel("ERROR")

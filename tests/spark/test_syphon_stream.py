@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import collections
 import importlib.util
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusSubQueue
+from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusMessageState, ServiceBusSubQueue
 from chispa import assert_df_equality
 
 from spark_sb import messages
+from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import ConfigError
-from spark_sb.source import register
+from spark_sb.source import BacklogDataSource, BacklogStreamReader, register
 from spark_sb.syphon import Republisher
 
 from .conftest import receive_all, sink_config
@@ -55,28 +57,34 @@ def _park(secondary: Any, queue: str, entity: str, ids: list[str]) -> None:
                                   for i in ids])
 
 
-def _run(spark: Any, config: dict, wrap: Any = None, max_per_trigger: int = 100) -> Republisher:
+def _run(spark: Any, config: dict, max_per_trigger: int = 100) -> tuple[Republisher, list[dict]]:
+    """Run the job's query until the backlog is empty; the republisher and the query's progress reports."""
     job = _job()
     query, republisher = job.start(spark, config, max_per_trigger=max_per_trigger, receive_timeout=0.5)
-    if wrap is not None:  # restart the query with a wrapped foreachBatch
-        query.stop()
-        query = _restart(spark, config, wrap(republisher), max_per_trigger)
     try:
         job.await_until_empty(query, idle_batches=1, timeout=240)
     finally:
         query.stop()
-    return republisher
+    return republisher, list(query.recentProgress)
 
 
-def _restart(spark: Any, config: dict, foreach: Any, max_per_trigger: int) -> Any:
+def _restart(spark: Any, config: dict, foreach: Any, max_per_trigger: int, source: str = "servicebus-backlog",
+             **options: str) -> Any:
+    """The job's query from the same checkpoint, with another foreachBatch (and source) for the test."""
     job = _job()
     from spark_sb.config import load_config
 
     cfg = load_config(config)
-    stream = (spark.readStream.format("servicebus-backlog").options(**job._flat_options(cfg))
+    stream = (spark.readStream.format(source).options(**job._flat_options(cfg), **options)
               .option("maxMessagesPerTrigger", str(max_per_trigger)).option("receiveTimeout", "0.5").load())
     return (stream.writeStream.foreachBatch(foreach).option("checkpointLocation", cfg.syphon.checkpoint_location)
             .trigger(processingTime="1 second").start())
+
+
+def _states(secondary: Any, queue: str) -> list[tuple[Any, int]]:
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue) as receiver:
+            return [(m.state, m.delivery_count) for m in receiver.peek_messages(max_message_count=10)]
 
 
 def _ledger(spark: Any, config: dict) -> Any:
@@ -98,7 +106,7 @@ def test_round_trip_through_the_stream_with_a_ledger(spark, setup, primary, seco
     with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
         with client.get_queue_sender(queues[1]) as sender:
             sender.send_messages(ServiceBusMessage("foreign", message_id="foreign"))
-    _run(spark, setup["config"], max_per_trigger=6)
+    _, progress = _run(spark, setup["config"], max_per_trigger=6)
 
     arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, expected=9)]
     assert sorted(arrived) == sorted([f"a{i}" for i in range(5)] + [f"b{i}" for i in range(4)])
@@ -112,42 +120,95 @@ def test_round_trip_through_the_stream_with_a_ledger(spark, setup, primary, seco
     counts = collections.Counter((r.message_id, r.outcome) for r in ledger.collect())
     assert counts == collections.Counter({**{(i, "delivered"): 1 for i in arrived}, ("foreign", "dead_lettered"): 1})
     assert ledger.select("batch_id").distinct().count() >= 2  # six per trigger
+    # the backlog depth is in the query's progress: 10 before the first batch, 0 at the end
+    depths = [json.loads(p["sources"][0]["latestOffset"])["backlogDepth"] for p in progress
+              if p["sources"][0].get("latestOffset")]
+    assert depths[0] == 10 and depths[-1] == 0, depths
 
 
-def test_a_batch_killed_after_its_sink_is_replayed_without_loss_or_duplicates(spark, setup, primary, secondary
-                                                                                 ) -> None:
-    register(spark)
-    queues, entity = setup["queues"], setup["entity"]
-    ids = [f"k{i}" for i in range(6)]
-    _park(secondary, queues[0], entity, ids)
-    failed: list[int] = []
+class _KillingReader(BacklogStreamReader):
+    """The source's reader, failing once (a marker file says it did) at the option ``killAt``."""
 
-    def flaky(republisher: Republisher) -> Any:
-        def run(df: Any, batch_id: int) -> None:
-            republisher(df, batch_id)
-            if not failed:  # the driver dies after the sink, before Spark records the batch
-                failed.append(batch_id)
-                raise RuntimeError("killed")
-        return run
+    def _kill(self, point: str) -> None:
+        options = {str(k).lower(): v for k, v in self.options.items()}  # Spark's options are case-insensitive
+        marker = Path(options["killmarker"])
+        if options.get("killat") == point and not marker.exists():
+            marker.write_text(point)
+            raise RuntimeError(f"killed at {point}")
 
-    config = setup["config"]
+    def latestOffset(self, start: dict, limit: Any) -> dict:
+        end = super().latestOffset(start, limit)
+        if end != start:
+            self._kill("latestOffset")  # after deferring, before Spark records the offset
+        return end
+
+    def read(self, partition: Any) -> Any:
+        self._kill("read")
+        yield from super().read(partition)
+
+    def commit(self, end: dict) -> None:
+        self._kill("commit")
+        super().commit(end)
+
+
+class _KillingSource(BacklogDataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "servicebus-backlog-killing"
+
+    def streamReader(self, schema: Any) -> BacklogStreamReader:
+        return _KillingReader(self.options)
+
+
+def test_killing_the_query_at_any_point_loses_and_duplicates_nothing(spark, setup, primary, secondary, tmp_path
+                                                                        ) -> None:
+    """One failure at each point of a batch's life, each followed by a restart from the checkpoint with fresh
+    reader and republisher state, as after a crash; then a clean run empties the backlog."""
+    from pyspark import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the killing source goes to Spark by value
+    spark.dataSource.register(_KillingSource)
+    queues, entity, config = setup["queues"], setup["entity"], setup["config"]
+    ids = [f"k{q}-{i}" for q in range(2) for i in range(8)]
+    for q in range(2):
+        _park(secondary, queues[q], entity, [i for i in ids if i.startswith(f"k{q}-")])
+
+    def sink_killed_after(step: str) -> Any:
+        def after(done: str, batch_id: int) -> None:
+            if done == step:
+                raise RuntimeError(f"killed after {step}")
+        return Republisher(load_config(config), after=after)
+
+    runs = [("latestOffset", Republisher(load_config(config))),  # deferred, offset not recorded
+            ("read", Republisher(load_config(config))),  # offset recorded, nothing sent
+            (None, sink_killed_after("republished")),  # sent, ledger not written
+            (None, sink_killed_after("recorded")),  # in the ledger, nothing settled
+            (None, sink_killed_after("settled")),  # settled, Spark has not recorded the batch
+            ("commit", Republisher(load_config(config)))]  # the next batch's offset recorded, not run
+    for n, (point, republisher) in enumerate(runs):
+        options = {"killAt": point or "", "killMarker": str(tmp_path / f"killed-{n}")}
+        query = _restart(spark, config, republisher, 5, source="servicebus-backlog-killing", **options)
+        with pytest.raises(Exception, match="killed"):
+            query.awaitTermination(120)
+            pytest.fail(f"run {n} was not killed")
     job = _job()
-    query, republisher = job.start(spark, config, max_per_trigger=3, receive_timeout=0.5)
-    query.stop()
-    query = _restart(spark, config, flaky(republisher), 3)
-    with pytest.raises(Exception, match="killed"):
-        query.awaitTermination(60)
-    # restart from the checkpoint: the failed batch is replayed, then the rest
-    query = _restart(spark, config, republisher, 3)
-    try:  # the replayed batch reads nothing (its messages were completed): wait for two idle triggers
-        job.await_until_empty(query, idle_batches=2, timeout=240)
+    query = _restart(spark, config, Republisher(load_config(config)), 5)
+    try:
+        job.await_until_empty(query, idle_batches=1, timeout=240)
     finally:
         query.stop()
-    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, expected=6)]
-    assert sorted(arrived) == ids  # nothing lost, nothing duplicated (duplicate detection + ledger)
+
+    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, wait=1.0)]
+    assert sorted(arrived) == sorted(ids)  # nothing lost, nothing duplicated
     delivered = _ledger(spark, config).where("outcome = 'delivered'").select("message_id")
     assert_df_equality(delivered, spark.createDataFrame([(i,) for i in ids], "message_id string"),
-                       ignore_row_order=True, ignore_nullable=True)
+                       ignore_row_order=True, ignore_nullable=True)  # exactly one delivered row per message
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        for queue in queues:  # nothing left behind, deferred or dead-lettered
+            with client.get_queue_receiver(queue) as receiver:
+                assert receiver.peek_messages(max_message_count=10) == []
+            with client.get_queue_receiver(queue, sub_queue=ServiceBusSubQueue.DEAD_LETTER) as receiver:
+                assert receiver.peek_messages(max_message_count=10) == []
 
 
 def test_messages_left_deferred_by_an_abandoned_run_are_taken_back(spark, setup, primary, secondary) -> None:
@@ -161,14 +222,14 @@ def test_messages_left_deferred_by_an_abandoned_run_are_taken_back(spark, setup,
                 receiver.defer_message(message)
     assert len(got) == 2
     _run(spark, setup["config"])
-    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, expected=3)]
+    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, wait=1.0)]
     assert sorted(arrived) == ["d0", "d1", "d2"]
     with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
         with client.get_queue_receiver(queues[1]) as receiver:
             assert receiver.peek_messages(max_message_count=10) == []
 
 
-def test_the_reader_defers_reads_restored_rows_and_completes_on_commit(setup, secondary) -> None:
+def test_the_reader_defers_peeks_restored_rows_and_completes_what_the_sink_left_on_commit(setup, secondary) -> None:
     import datetime
 
     from pyspark.sql.streaming.datasource import ReadMaxRows
@@ -191,6 +252,8 @@ def test_the_reader_defers_reads_restored_rows_and_completes_on_commit(setup, se
     end = reader.latestOffset(start, ReadMaxRows(10))
     assert end["batch"] == 1 and len(end["queues"][queues[0]]) == 2
     [partition] = reader.partitions(start, end)
+    before = _states(secondary, queues[0])
+    assert [state for state, _ in before] == [ServiceBusMessageState.DEFERRED] * 2
     rows = {row[1]: dict(zip(SCHEMA.names, row, strict=True)) for row in reader.read(partition)}
     good, foreign = rows["r1"], rows["f1"]
     assert (good["destination"], good["body"], good["session_id"], good["partition_key"], good["subject"]) == (
@@ -201,6 +264,7 @@ def test_the_reader_defers_reads_restored_rows_and_completes_on_commit(setup, se
     assert (good["status"], good["backlog_queue"]) == ("restored", queues[0])
     assert (foreign["status"], foreign["reason"]) == ("invalid", "x-ms-path missing or not a string")
     assert sorted(r[1] for r in reader.read(partition)) == ["f1", "r1"]  # replayable: still deferred
+    assert _states(secondary, queues[0]) == before  # reading took no lock and counted no delivery
     reader.commit(end)
     with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
         with client.get_queue_receiver(queues[0]) as receiver:
