@@ -4,8 +4,9 @@ Starts the emulator pair (primary and secondary namespaces, durable store in a t
 child process, provisions the backlog queues, and runs the paired writer stream (`jobs/paired_writer.py`:
 Spark's rate source, `foreachBatch(PairedSink)`, `conf/local.yaml` with the emulator's actual ports) on a
 local Spark session. Part-way the primary namespace goes down; later it
-heals. Each batch prints where its rows went. After the stream stops, the syphon moves the parked messages
-home; the end accounts for every row by message id: in the primary, left in a backlog queue, dead-lettered
+heals. Each batch prints where its rows went. After the stream stops, the syphon job (`jobs/syphon.py`:
+the `servicebus-backlog` source, `foreachBatch(Republisher)`, a checkpoint and a Delta ledger) moves the
+parked messages home and stops once the backlog is empty; the end accounts for every row by message id: in the primary, left in a backlog queue, dead-lettered
 (with reasons), lost, or duplicated. Exits 0 when nothing is lost or duplicated. No cloud account, no
 manual step.
 """
@@ -27,7 +28,6 @@ from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode, ServiceBus
 from spark_sb import messages
 from spark_sb.emulator import DEFAULT_NAMESPACES, EmulatorProcess, NamespaceOptions, fault, heal
 from spark_sb.paired import PairedSender
-from spark_sb.syphon import Syphon
 
 ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)  # Spark's Python workers: this interpreter
@@ -100,6 +100,8 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         start,
     )
     from pyspark.sql import functions as F
+    from syphon import await_until_empty
+    from syphon import start as start_syphon
 
     (work / "entities.yaml").write_text(ENTITIES)
     namespaces = [NamespaceOptions(n.name) for n in DEFAULT_NAMESPACES] if free_ports else list(DEFAULT_NAMESPACES)
@@ -117,6 +119,8 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
             "trigger": f"{trigger}s",
             "checkpoint_location": str(work / "checkpoint"),
         }
+        config["syphon"] = {**config.get("syphon", {}), "retry_interval": "1s",
+                            "checkpoint_location": str(work / "syphon-checkpoint"), "ledger": str(work / "ledger")}
         with PairedSender.from_config(config) as sender:
             usable = sender.pair()
             backlog_queues = sender.backlog_queues
@@ -125,6 +129,8 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         _say("starting Spark (local[2]; the first run downloads the Delta jars from Maven Central)")
         spark = build_session("spark-sb-demo")
         spark.sparkContext.setLogLevel("ERROR")
+        # an idle stream reports progress every second (default 10 s): the syphon sees an empty backlog sooner
+        spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
         down_at, heal_at = batches // 4, (2 * batches) // 3
         produced: list[str] = []
         holder: dict[str, Any] = {}
@@ -162,13 +168,15 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         totals = holder["sink"].totals
         _say("")
         _say(f"sink totals: {totals.describe()}")
-        spark.stop()
         _say("")
-        _say("running the syphon: backlog queues -> primary (ping first, restore, send, then complete)")
-        with Syphon.from_config(config) as syphon:
-            moved = syphon.drain(max_wait_time=0.5)
-        _say(f"syphon: moved {moved.total_moved} ({dict(moved.moved)}), "
-             f"dead-lettered {moved.total_dead_lettered}, left {moved.total_left}")
+        _say("running the syphon job: servicebus-backlog -> foreachBatch(Republisher) -> primary, Delta ledger")
+        syphon_query, _ = start_syphon(spark, config, max_per_trigger=500, receive_timeout=0.5)
+        await_until_empty(syphon_query, idle_batches=1)
+        ledger = spark.read.format("delta").load(config["syphon"]["ledger"])
+        outcomes = {r["outcome"]: r["count"] for r in ledger.groupBy("outcome").count().collect()}
+        _say(f"syphon: {ledger.select('batch_id').distinct().count()} batches; ledger rows by outcome: "
+             + (", ".join(f"{k} {n}" for k, n in sorted(outcomes.items())) or "none"))
+        spark.stop()
         dead = _dead_lettered(emu["secondary"].connection_string, backlog_queues)
         in_primary = _primary_ids(emu["primary"].connection_string)
         in_backlog = _backlog_ids(emu["secondary"].connection_string, backlog_queues)

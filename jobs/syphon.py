@@ -7,6 +7,10 @@ Runs ``spark.readStream.format("servicebus-backlog") -> foreachBatch(Republisher
 ``syphon.checkpoint_location`` and the Delta ledger ``syphon.ledger`` (a path or a table name): one row per
 moved, dead-lettered or re-parked message. Both are required: a configuration without them is refused before
 the query starts. The trigger is ``syphon.retry_interval``: a destination found down is tried again after it.
+
+A batch's backlog messages are settled only once the ledger records their outcomes, so the query can be
+killed at any point and restarted from its checkpoint: a replayed batch sends again only what the ledger does
+not record (the primary's duplicate detection suppresses a copy sent twice) and settles the rest.
 """
 
 from __future__ import annotations
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"spark-sb syphon: {err}", file=sys.stderr)
         return 2
     spark = build_session("spark-sb-syphon")
+    if args.until_empty:  # an idle stream reports progress every second (default 10 s): stop sooner
+        spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
     query, republisher = start(spark, config)
     if args.until_empty:
         await_until_empty(query)

@@ -33,7 +33,8 @@ backlog queues, including the batch in flight, from the administration API) is r
 :meth:`reportLatestOffset`, which Spark shows as the source's ``latestOffset`` in the query progress
 (``{"backlogDepth": n}``), and logged.
 
-Readers keep no clients between calls: each call opens and closes its own (style.md).
+Readers keep no clients in ``self``: their receivers live in the per-process registry
+(:mod:`spark_sb.receivers`), as the sink's senders do.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from pyspark.sql.types import (
 from . import messages as msgs
 from .config import SparkSbConfig, from_options, load_config
 from .errors import ConfigError, redact
+from .receivers import backlog_receiver
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -270,13 +272,12 @@ class BacklogStreamReader(DataSourceStreamReader):
     def _sweep(self, exclude: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
         """Every deferred message of the backlog queues (but ``exclude``): left by a run that died."""
         taken: dict[str, list[int]] = {}
-        with self.config.secondary.client(retry_total=0) as client:
-            for queue in self.queues:
-                with client.get_queue_receiver(queue) as receiver:
-                    skip = set(exclude.get(queue, ()))
-                    numbers = [n for n in deferred_numbers(receiver) if n not in skip]
-                if numbers:
-                    taken[queue] = numbers
+        for queue in self.queues:
+            with backlog_receiver(self.config, queue) as receiver:
+                skip = set(exclude.get(queue, ()))
+                numbers = [n for n in deferred_numbers(receiver) if n not in skip]
+            if numbers:
+                taken[queue] = numbers
         if taken:
             _LOGGER.warning("taking back %d backlog messages left deferred by an earlier run: %s",
                             sum(len(v) for v in taken.values()), {q: len(v) for q, v in taken.items()})
@@ -316,28 +317,27 @@ class BacklogStreamReader(DataSourceStreamReader):
             count += len(batch[queue])
             if numbers[room:]:
                 self._taken_back[queue] = numbers[room:]
-        with self.config.secondary.client() as client:
-            for queue in self.queues:
-                if cap is not None and count >= cap:
-                    break
-                numbers = batch.setdefault(queue, [])
-                with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
-                    wait = self.receive_timeout
-                    while cap is None or count < cap:
-                        want = _PAGE if cap is None else min(_PAGE, cap - count)
-                        page = receiver.receive_messages(max_message_count=want, max_wait_time=wait)
-                        if not page:
-                            break
-                        wait = min(wait, 0.2)
-                        for message in page:
-                            if msgs.is_ping(message):
-                                receiver.complete_message(message)
-                                continue
-                            receiver.defer_message(message)
-                            numbers.append(int(message.sequence_number or 0))
-                            count += 1
-            if self.report_depth:
-                self._depth = self._backlog_depth()
+        for queue in self.queues:
+            if cap is not None and count >= cap:
+                break
+            numbers = batch.setdefault(queue, [])
+            with backlog_receiver(self.config, queue) as receiver:
+                wait = self.receive_timeout
+                while cap is None or count < cap:
+                    want = _PAGE if cap is None else min(_PAGE, cap - count)
+                    page = receiver.receive_messages(max_message_count=want, max_wait_time=wait)
+                    if not page:
+                        break
+                    wait = min(wait, 0.2)
+                    for message in page:
+                        if msgs.is_ping(message):
+                            receiver.complete_message(message)
+                            continue
+                        receiver.defer_message(message)
+                        numbers.append(int(message.sequence_number or 0))
+                        count += 1
+        if self.report_depth:
+            self._depth = self._backlog_depth()
         batch = {q: sorted(v) for q, v in batch.items() if v}
         if not batch:
             return start
@@ -376,9 +376,8 @@ class BacklogStreamReader(DataSourceStreamReader):
     def read(self, partition: InputPartition) -> Iterator[tuple]:
         assert isinstance(partition, BacklogPartition)
         now = datetime.datetime.now(datetime.UTC)
-        with self.config.secondary.client(retry_total=0) as client:
-            with client.get_queue_receiver(partition.queue) as receiver:
-                found = peek_deferred(receiver, partition.sequence_numbers)
+        with backlog_receiver(self.config, partition.queue) as receiver:
+            found = peek_deferred(receiver, partition.sequence_numbers)
         yield from (backlog_row(m, partition.queue, now) for m in found)
 
     def commit(self, end: dict) -> None:
@@ -392,13 +391,12 @@ class BacklogStreamReader(DataSourceStreamReader):
         if number <= self._completed_batch or not queues:
             return
         done = 0
-        with self.config.secondary.client(retry_total=0) as client:
-            for queue, numbers in queues.items():
-                with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
-                    left = [int(m.sequence_number) for m in peek_deferred(receiver, numbers)]
-                    for message in receive_deferred(receiver, left):
-                        receiver.complete_message(message)
-                        done += 1
+        for queue, numbers in queues.items():
+            with backlog_receiver(self.config, queue, retries=False) as receiver:
+                left = [int(m.sequence_number) for m in peek_deferred(receiver, numbers)]
+                for message in receive_deferred(receiver, left):
+                    receiver.complete_message(message)
+                    done += 1
         self._completed_batch = max(self._completed_batch, number)
         _LOGGER.log(logging.INFO if done else logging.DEBUG, "backlog batch %d committed: %d messages its sink "
                     "left deferred completed", number, done)

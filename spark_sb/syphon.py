@@ -30,6 +30,7 @@ Choices where behaviour.md is silent:
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import logging
 import time
@@ -465,20 +466,22 @@ _COMPLETE, _DEAD_LETTER = ("delivered", "reparked"), "dead_lettered"
 
 
 def republish_deferred(config: SparkSbConfig, wanted: Mapping[str, Sequence[int]], *,
-                       sender: PairedSender | None = None, clock: Callable[[], float] = time.time) -> list[Outcome]:
+                       syphon: Syphon | None = None) -> list[Outcome]:
     """Peek these deferred backlog messages (``{queue: sequence numbers}``), republish the restored copies
     to healthy destinations, re-park those for a destination that is down (a copy back to the backlog queue)
     and decide which to dead-letter, **settling nothing**: one :class:`Outcome` per message still there.
-    Record the outcomes, then :func:`settle_outcomes`."""
+    Record the outcomes, then :func:`settle_outcomes`. ``syphon`` (re-parking) defaults to this process's
+    (:func:`spark_sb.receivers.syphon_for`), which remembers destinations found down between batches."""
+    from .receivers import backlog_receiver, syphon_for
     from .source import peek_deferred
 
     outcomes: list[Outcome] = []
-    with Syphon(config, sender=sender, clock=clock, repark=True) as syphon:
+    with contextlib.nullcontext(syphon) if syphon is not None else syphon_for(config) as mover:
         for queue, numbers in wanted.items():
-            with syphon._secondary_client().get_queue_receiver(queue) as receiver:
+            with backlog_receiver(config, queue) as receiver:
                 found = peek_deferred(receiver, sorted(set(numbers)))
             summary = MoveSummary(queue, received=len(found))
-            syphon.settle(None, found, summary)
+            mover.settle(None, found, summary)
             outcomes.extend(summary.outcomes)
     return outcomes
 
@@ -491,6 +494,7 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
     earlier attempt. One still locked by an earlier attempt that died is waited for until its lock expires
     (at most ``lock_wait`` seconds, longer than the service's 5 minute maximum lock), then
     :class:`SyphonSettleError`. Returns how many this call settled."""
+    from .receivers import backlog_receiver
     from .source import peek_deferred, receive_deferred
 
     by_queue: dict[str, dict[int, Outcome]] = {}
@@ -500,32 +504,31 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
     settled = 0
     if not by_queue:
         return settled
-    with config.secondary.client(retry_total=0) as client:
-        for queue, pending in by_queue.items():
-            deadline: float | None = None
-            pause = 1.0
-            with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
-                while pending:
-                    there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
-                    pending = {n: o for n, o in pending.items() if n in there}
-                    for message in receive_deferred(receiver, sorted(pending)):
-                        outcome = pending.pop(int(message.sequence_number))
-                        if outcome.outcome == _DEAD_LETTER:
-                            receiver.dead_letter_message(message, reason=outcome.reason,
-                                                         error_description=outcome.description or outcome.reason)
-                        else:
-                            receiver.complete_message(message)
-                        settled += 1
-                    if not pending:
-                        break
-                    if deadline is None:  # locked by an earlier attempt: wait for the locks to expire
-                        deadline = clock() + lock_wait
-                        _LOGGER.warning("%d backlog messages of %r are still locked by an earlier attempt; waiting "
-                                        "for their locks to expire", len(pending), queue)
-                    elif clock() >= deadline:
-                        raise SyphonSettleError(queue, sorted(pending))
-                    sleep(pause)
-                    pause = min(pause * 2, 10.0)
+    for queue, pending in by_queue.items():
+        deadline: float | None = None
+        pause = 1.0
+        with backlog_receiver(config, queue, retries=False) as receiver:
+            while pending:
+                there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
+                pending = {n: o for n, o in pending.items() if n in there}
+                for message in receive_deferred(receiver, sorted(pending)):
+                    outcome = pending.pop(int(message.sequence_number))
+                    if outcome.outcome == _DEAD_LETTER:
+                        receiver.dead_letter_message(message, reason=outcome.reason,
+                                                     error_description=outcome.description or outcome.reason)
+                    else:
+                        receiver.complete_message(message)
+                    settled += 1
+                if not pending:
+                    break
+                if deadline is None:  # locked by an earlier attempt: wait for the locks to expire
+                    deadline = clock() + lock_wait
+                    _LOGGER.warning("%d backlog messages of %r are still locked by an earlier attempt; waiting "
+                                    "for their locks to expire", len(pending), queue)
+                elif clock() >= deadline:
+                    raise SyphonSettleError(queue, sorted(pending))
+                sleep(pause)
+                pause = min(pause * 2, 10.0)
     return settled
 
 

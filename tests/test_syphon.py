@@ -7,6 +7,7 @@ import datetime
 import itertools
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import CredentialRejectedError
 from spark_sb.paired import PRIMARY, PairedSender
+from spark_sb.receivers import close_all
 from spark_sb.syphon import (
     REJECTED_BY_DESTINATION,
     Outcome,
@@ -52,14 +54,15 @@ def _config(primary: Any, secondary: Any, **send_availability: Any) -> dict:
 
 
 @pytest.fixture
-def config(emulator: Any, primary: Any, secondary: Any) -> dict:
+def config(emulator: Any, primary: Any, secondary: Any) -> Iterator[dict]:
     """A configuration whose one backlog queue exists on the secondary."""
     cfg = _config(primary, secondary)
     queue = f"{cfg['send_availability']['backlog_prefix']}/x-servicebus-transfer/0"
     server = emulator.server("secondary")
     server.call(lambda: server.broker.create_entity(QueueSpec(name=queue, max_delivery_count=2147483647)))
     cfg["backlog_queue"] = queue
-    return cfg
+    yield cfg
+    close_all()  # this process's backlog receivers and syphons (the Spark path keeps them)
 
 
 def _syphon_config(cfg: dict) -> dict:
@@ -320,3 +323,4 @@ def test_settling_waits_for_a_lock_left_by_an_attempt_that_died(emulator_with_cl
     # waited for: the lock expires (30 s of fake time) and the message is settled
     assert settle_outcomes(cfg, [outcome], clock=fake_clock, sleep=fake_clock.advance) == 1
     assert _peek(clocked.connection_string, queue) == []
+    close_all()

@@ -7,6 +7,7 @@ import collections
 import importlib.util
 import json
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from spark_sb import messages
 from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import ConfigError
+from spark_sb.receivers import close_all
 from spark_sb.source import BacklogDataSource, BacklogStreamReader, register
 from spark_sb.syphon import Republisher
 
@@ -35,7 +37,7 @@ def _job() -> Any:
 
 
 @pytest.fixture
-def setup(emulator: Any, primary: Any, secondary: Any, make_queue: Any, tmp_path: Path) -> dict:
+def setup(emulator: Any, primary: Any, secondary: Any, make_queue: Any, tmp_path: Path) -> Iterator[dict]:
     """A configuration whose two backlog queues exist, a destination queue with duplicate detection, and
     fresh checkpoint and ledger paths."""
     cfg = sink_config(primary, secondary)
@@ -47,7 +49,8 @@ def setup(emulator: Any, primary: Any, secondary: Any, make_queue: Any, tmp_path
     queues = [f"{prefix}/x-servicebus-transfer/{i}" for i in range(2)]
     for name in queues:
         server.call(lambda name=name: server.broker.create_entity(QueueSpec(name=name, max_delivery_count=2**31 - 1)))
-    return {"config": cfg, "queues": queues, "entity": make_queue(requires_duplicate_detection=True)}
+    yield {"config": cfg, "queues": queues, "entity": make_queue(requires_duplicate_detection=True)}
+    close_all()  # this process's backlog receivers (the driver settles through them)
 
 
 def _park(secondary: Any, queue: str, entity: str, ids: list[str]) -> None:
@@ -72,8 +75,6 @@ def _restart(spark: Any, config: dict, foreach: Any, max_per_trigger: int, sourc
              **options: str) -> Any:
     """The job's query from the same checkpoint, with another foreachBatch (and source) for the test."""
     job = _job()
-    from spark_sb.config import load_config
-
     cfg = load_config(config)
     stream = (spark.readStream.format(source).options(**job._flat_options(cfg), **options)
               .option("maxMessagesPerTrigger", str(max_per_trigger)).option("receiveTimeout", "0.5").load())
