@@ -174,7 +174,7 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         await_until_empty(syphon_query, idle_batches=1)
         ledger = spark.read.format("delta").load(config["syphon"]["ledger"])
         outcomes = {r["outcome"]: r["count"] for r in ledger.groupBy("outcome").count().collect()}
-        _say(f"syphon: {ledger.select('batch_id').distinct().count()} batches; ledger rows by outcome: "
+        _say(f"syphon: batches {ledger.select('batch_id').distinct().count()}; ledger rows by outcome: "
              + (", ".join(f"{k} {n}" for k, n in sorted(outcomes.items())) or "none"))
         spark.stop()
         dead = _dead_lettered(emu["secondary"].connection_string, backlog_queues)

@@ -394,9 +394,9 @@ class BacklogStreamReader(DataSourceStreamReader):
         for queue, numbers in queues.items():
             with backlog_receiver(self.config, queue, retries=False) as receiver:
                 left = [int(m.sequence_number) for m in peek_deferred(receiver, numbers)]
-                for message in receive_deferred(receiver, left):
-                    receiver.complete_message(message)
-                    done += 1
+            if left:  # receive-and-delete: completes them in one request
+                with backlog_receiver(self.config, queue, retries=False, delete=True) as deleter:
+                    done += len(receive_deferred(deleter, left))
         self._completed_batch = max(self._completed_batch, number)
         _LOGGER.log(logging.INFO if done else logging.DEBUG, "backlog batch %d committed: %d messages its sink "
                     "left deferred completed", number, done)
