@@ -6,7 +6,11 @@ from __future__ import annotations
 import collections
 import importlib.util
 import json
+import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -270,3 +274,43 @@ def test_the_reader_defers_peeks_restored_rows_and_completes_what_the_sink_left_
     with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
         with client.get_queue_receiver(queues[0]) as receiver:
             assert receiver.peek_messages(max_message_count=10) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_the_syphon_job_killed_with_sigkill_mid_stream_loses_and_duplicates_nothing(spark, setup, primary, secondary,
+                                                                                   tmp_path) -> None:
+    """The real thing: ``jobs/syphon.py`` in its own process (its own Spark JVM and Python workers), killed with
+    SIGKILL while it streams, then started again on the same checkpoint and ledger until the backlog is empty."""
+    queues, entity = setup["queues"], setup["entity"]
+    ids = [f"s{q}-{i:03d}" for q in range(2) for i in range(100)]
+    for q in range(2):
+        _park(secondary, queues[q], entity, [i for i in ids if i.startswith(f"s{q}-")])
+    conf = tmp_path / "syphon.yaml"
+    conf.write_text(json.dumps({**setup["config"], "syphon": {**setup["config"]["syphon"], "receive_batch": 25}}))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
+    env["PYSPARK_PYTHON"] = sys.executable
+    command = [sys.executable, str(_JOBS / "syphon.py"), "--conf", str(conf), "--until-empty"]
+
+    log = tmp_path / "first.log"
+    with log.open("w") as out:
+        first = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "syphon batch 1:" not in log.read_text() and first.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert first.poll() is None, log.read_text()[-3000:]
+        assert "syphon batch 1:" in log.read_text(), "the job did not run two batches in time"
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the driver, its JVM and the Python workers, mid-batch
+        first.wait()
+    second = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert second.returncode == 0, second.stderr[-3000:]
+
+    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, wait=1.0)]
+    assert sorted(arrived) == ids  # nothing lost, nothing duplicated
+    delivered = _ledger(spark, setup["config"]).where("outcome = 'delivered'").select("message_id")
+    assert_df_equality(delivered, spark.createDataFrame([(i,) for i in ids], "message_id string"),
+                       ignore_row_order=True, ignore_nullable=True)  # exactly one delivered row per message
+    for queue in queues:
+        assert _states(secondary, queue) == []  # nothing left, active or deferred
