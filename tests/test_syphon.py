@@ -4,9 +4,7 @@ what cannot be delivered yet."""
 from __future__ import annotations
 
 import datetime
-import itertools
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +17,7 @@ from azure.servicebus import (
     ServiceBusSubQueue,
 )
 from azure.servicebus.amqp import AmqpAnnotatedMessage
+from pairing import pair_config
 
 from spark_sb import messages
 from spark_sb.config import load_config
@@ -35,22 +34,10 @@ from spark_sb.syphon import (
     settle_outcomes,
 )
 
-_prefixes = itertools.count()
-
 
 def _config(primary: Any, secondary: Any, **send_availability: Any) -> dict:
-    return {
-        "primary": {"connection_string": primary.connection_string, "admin_endpoint": primary.admin_url},
-        "secondary": {"connection_string": secondary.connection_string, "admin_endpoint": secondary.admin_url},
-        "send_availability": {
-            "backlog_prefix": f"sy{next(_prefixes)}-{uuid.uuid4().hex[:8]}",
-            "backlog_queue_count": 1,
-            "failover_interval": "0s",
-            "primary_try_timeout": "500ms",
-            **send_availability,
-        },
-        "syphon": {"retry_interval": "5s"},
-    }
+    sa = {"backlog_queue_count": 1, "failover_interval": "0s", "primary_try_timeout": "500ms", **send_availability}
+    return {**pair_config(primary, secondary, "sy", **sa), "syphon": {"retry_interval": "5s"}}
 
 
 @pytest.fixture

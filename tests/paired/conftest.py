@@ -3,19 +3,16 @@ fake time, and helpers that count what reached the primary and the backlog queue
 
 from __future__ import annotations
 
-import itertools
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
+from pairing import pair_config
 
 from spark_sb.admin import admin_client
 from spark_sb.paired import ConstantBackoff, PairedSender
-
-_prefixes = itertools.count()
 
 
 class FakeTime:
@@ -46,20 +43,9 @@ def fake_time() -> FakeTime:
 
 
 def config_dict(primary: Any, secondary: Any, prefix: str | None = None, **send_availability: Any) -> dict:
-    sa = {
-        "backlog_prefix": prefix or f"pt{next(_prefixes)}-{uuid.uuid4().hex[:8]}",
-        "backlog_queue_count": 2,
-        "failover_interval": "10s",
-        "ping_primary_interval": "5s",
-        "primary_try_timeout": "500ms",
-        "backlog_cooldown": "30s",
-    }
-    sa.update(send_availability)
-    return {
-        "primary": {"connection_string": primary.connection_string, "admin_endpoint": primary.admin_url},
-        "secondary": {"connection_string": secondary.connection_string, "admin_endpoint": secondary.admin_url},
-        "send_availability": sa,
-    }
+    defaults = {"backlog_queue_count": 2, "failover_interval": "10s", "ping_primary_interval": "5s",
+                "primary_try_timeout": "500ms", "backlog_cooldown": "30s"}
+    return pair_config(primary, secondary, "pt", prefix=prefix, **{**defaults, **send_availability})
 
 
 @pytest.fixture

@@ -3,20 +3,17 @@ two shuffle partitions), configurations over the emulator pair, and helpers that
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import time
-import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
+from pairing import pair_config
 
 from spark_sb import messages
-
-_prefixes = itertools.count()
 
 
 @pytest.fixture(scope="session")
@@ -46,20 +43,9 @@ def spark() -> Iterator[Any]:
 
 def sink_config(primary: Any, secondary: Any, **sink: Any) -> dict:
     """A configuration over the emulator pair with a unique backlog prefix and short intervals."""
-    sa = sink.pop("send_availability", {})
-    return {
-        "primary": {"connection_string": primary.connection_string, "admin_endpoint": primary.admin_url},
-        "secondary": {"connection_string": secondary.connection_string, "admin_endpoint": secondary.admin_url},
-        "send_availability": {
-            "backlog_prefix": f"sk{next(_prefixes)}-{uuid.uuid4().hex[:8]}",
-            "backlog_queue_count": 2,
-            "failover_interval": "1s",
-            "ping_primary_interval": "1s",
-            "primary_try_timeout": "500ms",
-            **sa,
-        },
-        "sink": sink,
-    }
+    sa = {"backlog_queue_count": 2, "failover_interval": "1s", "ping_primary_interval": "1s",
+          "primary_try_timeout": "500ms", **sink.pop("send_availability", {})}
+    return {**pair_config(primary, secondary, "sk", **sa), "sink": sink}
 
 
 def receive_all(connection_string: str, queue: str, *, expected: int | None = None, wait: float = 2.0) -> list:
