@@ -582,6 +582,12 @@ def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tu
     yield pa.RecordBatch.from_pydict(columns, schema=_ledger_schema())
 
 
+def _ledger_outcome(row: Any) -> Outcome:
+    """The :class:`Outcome` of one ledger row."""
+    return Outcome(row.backlog_queue, row.sequence_number, row.message_id, row.destination, row.outcome, row.reason,
+                   row.backlog_enqueued_time, row.description)
+
+
 class Republisher:
     """The ``foreachBatch`` of ``jobs/syphon.py``: republish one batch of the ``servicebus-backlog`` source
     from the executors, append one ledger row per message to the Delta ledger (one atomic append), then
@@ -616,8 +622,7 @@ class Republisher:
         if ledger is None:
             return []
         rows = ledger.where(ledger.batch_id == batch_id).collect()
-        return [Outcome(r.backlog_queue, r.sequence_number, r.message_id, r.destination, r.outcome, r.reason,
-                        r.backlog_enqueued_time, r.description) for r in rows]
+        return [_ledger_outcome(r) for r in rows]
 
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         from functools import partial
@@ -644,8 +649,7 @@ class Republisher:
                 writer.saveAsTable(self.ledger)
         times.append(time.monotonic())
         self._after("recorded", batch_id)
-        outcomes = before + [Outcome(r.backlog_queue, r.sequence_number, r.message_id, r.destination, r.outcome,
-                                     r.reason, r.backlog_enqueued_time, r.description) for r in rows]
+        outcomes = before + [_ledger_outcome(r) for r in rows]
         settled = settle_outcomes(self.config, outcomes)
         times.append(time.monotonic())
         self._after("settled", batch_id)
