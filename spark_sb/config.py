@@ -91,6 +91,10 @@ __all__ = [
 
 BACKLOG_QUEUE_SEGMENT = "x-servicebus-transfer"
 _MAX_ENTITY_PATH = 260
+#: upper bounds: each backlog queue is an entity to create, ping and syphon; a receive batch is held in memory
+#: and its sequence numbers are written into a Spark offset
+MAX_BACKLOG_QUEUES = 100
+MAX_RECEIVE_BATCH = 10_000
 _REDACTED = "***"
 
 
@@ -498,7 +502,7 @@ class SendAvailabilityConfig:
 
     def __post_init__(self) -> None:
         s = self.SECTION
-        _check_int(f"{s}.backlog_queue_count", self.backlog_queue_count, 1)
+        _check_int(f"{s}.backlog_queue_count", self.backlog_queue_count, 1, MAX_BACKLOG_QUEUES)
         _check_duration(f"{s}.failover_interval", self.failover_interval, timedelta(0), timedelta(minutes=60))
         _check_duration(
             f"{s}.ping_primary_interval", self.ping_primary_interval, timedelta(seconds=1), timedelta(minutes=30)
@@ -569,7 +573,7 @@ class SyphonConfig:
         _check_duration(
             f"{self.SECTION}.retry_interval", self.retry_interval, timedelta(seconds=1), timedelta(minutes=2)
         )
-        _check_int(f"{self.SECTION}.receive_batch", self.receive_batch, 1)
+        _check_int(f"{self.SECTION}.receive_batch", self.receive_batch, 1, MAX_RECEIVE_BATCH)
         for name in ("checkpoint_location", "ledger"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value.strip()):
@@ -601,7 +605,25 @@ def _is_ledger_location(value: str) -> bool:
 
 # --- the sink's reserved section -------------------------------------------------------------------------
 
-_SECRET_KEY = re.compile(r"(?i)(secret|password|passwd|token|signature|connection_?string|access_?key|account_?key|sas)")
+# Option names whose values are secrets. Names are split into words (at ``.``, ``_``, ``-`` and camelCase), so
+# that Hadoop-style names are caught too: ``fs.azure.account.key.<account>``, ``fs.s3a.access.key``,
+# ``fs.azure.sas.<container>.<account>``, ``...oauth2.client.secret``, ``apiKey``; column names such as
+# ``partition_key`` are not.
+_SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwd", "pwd", "token", "signature", "sig", "sas",
+                           "sasl", "jaas", "credential", "credentials", "connectionstring", "accesskey",
+                           "accountkey", "apikey", "privatekey", "sharedaccesskey", "secretkey"})
+#: ``<word> key`` is a secret after these words
+_SECRET_KEY_QUALIFIERS = frozenset({"access", "account", "private", "api", "shared", "secret", "storage",
+                                    "encryption", "master", "signing", "client", "auth", "subscription", "sas"})
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+
+
+def is_secret_name(name: object) -> bool:
+    """True when an option named ``name`` holds a secret (its value is never shown)."""
+    words = [w.lower() for w in _WORD.findall(str(name))]
+    if any(w in _SECRET_WORDS for w in words) or "connectionstring" in "".join(words):
+        return True
+    return any(w == "key" and i > 0 and words[i - 1] in _SECRET_KEY_QUALIFIERS for i, w in enumerate(words))
 
 
 def _freeze(value: Any) -> Any:
@@ -653,7 +675,7 @@ class FrozenMap(Mapping[str, Any]):
         self._data = state["_data"]
 
     def __repr__(self) -> str:
-        shown = {k: (_REDACTED if _SECRET_KEY.search(k) else v) for k, v in self._data.items()}
+        shown = {k: (_REDACTED if is_secret_name(k) else v) for k, v in self._data.items()}
         return f"FrozenMap({shown!r})"
 
     def to_dict(self) -> dict[str, Any]:
@@ -662,7 +684,7 @@ class FrozenMap(Mapping[str, Any]):
 
 def _redacted_tree(value: Any) -> Any:
     if isinstance(value, Mapping):
-        return {k: (_REDACTED if _SECRET_KEY.search(str(k)) else _redacted_tree(v)) for k, v in value.items()}
+        return {k: (_REDACTED if is_secret_name(k) else _redacted_tree(v)) for k, v in value.items()}
     if isinstance(value, tuple | list):
         return [_redacted_tree(v) for v in value]
     return value

@@ -142,7 +142,7 @@ def test_durations_are_written_as_people_write_them() -> None:
         ({"send_availability": {"server_busy_backoff": "5s"}},
          "send_availability.server_busy_backoff: must be at least 10 s, got 5 s"),
         ({"send_availability": {"backlog_queue_count": 0}},
-         "send_availability.backlog_queue_count: must be at least 1, got 0"),
+         "send_availability.backlog_queue_count: must be between 1 and 100, got 0"),
         ({"send_availability": {"backlog_queue_count": "ten"}},
          "send_availability.backlog_queue_count: must be a whole number, got 'ten'"),
         ({"send_availability": {"failover_interval": "soon"}},
@@ -153,7 +153,7 @@ def test_durations_are_written_as_people_write_them() -> None:
          "send_availability.backlog_prefix: must be letters, digits"),
         ({"syphon": {"retry_interval": "3m"}}, "syphon.retry_interval: must be between 1 s and 2 min, got 3 min"),
         ({"syphon": {"retry_interval": "0.5s"}}, "syphon.retry_interval: must be between 1 s and 2 min, got 500 ms"),
-        ({"syphon": {"receive_batch": 0}}, "syphon.receive_batch: must be at least 1, got 0"),
+        ({"syphon": {"receive_batch": 0}}, "syphon.receive_batch: must be between 1 and 10000, got 0"),
     ],
 )
 def test_out_of_range_values_are_named_with_their_value(sections: dict[str, object], message: str) -> None:
@@ -454,3 +454,46 @@ def test_sink_options_from_spark_options() -> None:
     assert config.sink.column_map["session_id"] == "sid" and config.sink.column_map["message_id"] == "id"
     assert config.sink.source.rows_per_second == 7 and config.sink.chunk_size == 20
     assert config.sink.trigger == timedelta(seconds=2)
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "fs.azure.account.key.myaccount.dfs.core.windows.net",
+        "fs.s3a.access.key",
+        "fs.s3a.secret.key",
+        "fs.azure.sas.container.myaccount.blob.core.windows.net",
+        "fs.azure.account.oauth2.client.secret",
+        "spark.hadoop.fs.gs.auth.service.account.private.key",
+        "apiKey",
+        "kafka.sasl.jaas.config",
+    ],
+)
+def test_secret_reader_options_never_show(option: str) -> None:
+    secret = "s3cr3t-v4lue-0123456789"
+    config = load_config(minimal(sink={"key_column": "id",
+                                       "source": {"path": "/in", "format": "parquet",
+                                                  "options": {option: secret, "maxFilesPerTrigger": "1"}}}))
+    for text in (repr(config), str(config), repr(config.sink), repr(config.sink.source.options),
+                 str(config.to_dict())):
+        assert secret not in text, (option, text)
+    # what is not a secret stays readable, and the real value is still there for the reader
+    assert "maxFilesPerTrigger" in repr(config.sink.source.options) and "'1'" in repr(config.sink.source.options)
+    assert config.sink.source.options[option] == secret
+
+
+def test_column_names_are_not_taken_for_secrets() -> None:
+    config = load_config(minimal(sink={"entity": "orders", "columns": {"partition_key": "pk", "session_id": "sid"}}))
+    assert "'pk'" in repr(config.sink) and "'sid'" in repr(config.sink)
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"send_availability": {"backlog_queue_count": 10**9}},
+         "send_availability.backlog_queue_count: must be between 1 and 100, got 1000000000"),
+        ({"syphon": {"receive_batch": 10**9}}, "syphon.receive_batch: must be between 1 and 10000, got 1000000000"),
+    ],
+)
+def test_counts_have_an_upper_bound(sections: dict[str, object], message: str) -> None:
+    assert error_of(minimal(**sections)).startswith(message)
