@@ -653,7 +653,10 @@ class AdminServer:
         keys: dict[str, str],
         fault: Callable[[str | None], str | None] | None = None,
         control: Callable[[str, str, dict], tuple[int, dict]] | None = None,
+        namespace_port: int | None = None,
     ) -> None:
+        #: the AMQP port of the namespace served: a token naming another port is refused
+        self.namespace_port = namespace_port
         self._host = host
         self._requested_port = port
         self._broker = broker
@@ -966,6 +969,9 @@ class _Handler(BaseHTTPRequestHandler):
             sas.verify(token, self.server.admin._keys, audience=audience or None)
         except sas.SasError as err:
             raise _HttpError(401, f"InvalidSignature: {err}") from None
+        served, named = self.server.admin.namespace_port, sas.port_of(namespace)
+        if served is not None and named is not None and named != served:
+            raise _HttpError(401, f"InvalidAudience: the token is for {namespace}, not this namespace (port {served})")
         return namespace or "localhost"
 
     # ------------------------------------------------------------------ the API

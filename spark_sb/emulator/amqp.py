@@ -691,8 +691,11 @@ class NamespaceServer(Handler):
         audience = str(props.get("name", ""))
         token = msg.body.decode() if isinstance(msg.body, bytes) else str(msg.body)
         status, text = 202, "Accepted"
+        claimed_port = sas.port_of(audience)
         if self.fault_for(None) == "unauthorized" or self.fault_for(entity_path(audience) or None) == "unauthorized":
             status, text = 401, "Unauthorized: the token was rejected. (injected fault)"
+        elif claimed_port is not None and claimed_port != self.port:
+            status, text = 401, f"Unauthorized: audience {audience!r} is not this namespace (port {self.port})"
         else:
             try:
                 sas.verify(token, self.keys, audience=audience, now=self.clock())

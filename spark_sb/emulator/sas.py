@@ -71,11 +71,14 @@ def verify(token: str, keys: dict[str, str], *, audience: str | None = None, now
     if audience is not None:
         sr = _normalise_resource(urllib.parse.unquote_plus(fields["sr"]))
         aud = _normalise_resource(audience)
-        if not (aud == sr or aud.startswith(sr + "/") or _host_only(sr) == _host_only(aud) and "/" not in sr):
+        # host and port both count: a token for one emulator namespace never opens another on the same host
+        if not (aud == sr or aud.startswith(sr + "/")):
             raise SasError(f"token resource {sr!r} does not cover {aud!r}")
     return key_name
 
 
-def _host_only(resource: str) -> str:
-    host = resource.split("/", 1)[0]
-    return host.split(":", 1)[0]
+def port_of(resource: str) -> int | None:
+    """The port of a resource URI or ``host:port/path`` (``None`` when it names none)."""
+    authority = _normalise_resource(resource).split("/", 1)[0]
+    _, sep, port = authority.rpartition(":")
+    return int(port) if sep and port.isdigit() else None

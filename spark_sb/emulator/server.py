@@ -155,7 +155,7 @@ class Emulator:
                 admin = AdminServer(
                     opt.host, opt.admin_port,
                     broker=_BrokerProxy(server), call=server.call, keys={opt.key_name: opt.key},
-                    fault=_fault_reader(server), control=_control(server),
+                    fault=_fault_reader(server), control=_control(server), namespace_port=server.port,
                 )
                 admin.start()
                 self._admins[opt.name] = admin

@@ -672,3 +672,12 @@ def test_durations(seconds: float | None, text: str) -> None:
     assert format_duration(seconds) == text
     if seconds is not None and seconds < MAX_TTL_SECONDS:
         assert parse_duration(text, "x") == seconds
+
+
+def test_a_token_for_another_namespace_is_refused(primary: Any, secondary: Any) -> None:
+    # the secondary's connection string (same host, same development key) against the primary's admin API
+    with admin_client(secondary.connection_string, admin_endpoint=primary.admin_url, retry_total=0) as wrong:
+        with pytest.raises(ClientAuthenticationError):
+            wrong.get_namespace_properties()
+    with admin_client(primary.connection_string, admin_endpoint=primary.admin_url, retry_total=0) as right:
+        assert right.get_namespace_properties() is not None

@@ -135,3 +135,21 @@ def test_garbage_on_the_socket_does_not_hurt_other_clients(primary, make_queue) 
                 pass
     _send(primary.connection_string, q, "still-serving")
     assert _drain(primary.connection_string, q) == ["still-serving"]
+
+
+def test_a_token_for_another_namespace_on_the_same_host_is_rejected(primary, secondary, make_queue) -> None:
+    q = make_queue()
+    # same host, same key name and key (the emulator's development key), another port: the secondary's token
+    for_secondary = make_token(f"sb://localhost:{secondary.amqp_port}", secondary.key_name, secondary.key, ttl=600)
+    endpoint = f"localhost:{primary.amqp_port}"
+    with ServiceBusClient(endpoint, AzureSasCredential(for_secondary), retry_total=0, use_tls=False) as c:
+        with pytest.raises((ServiceBusAuthenticationError, ServiceBusAuthorizationError)):
+            with c.get_queue_sender(q) as s:
+                s.send_messages(ServiceBusMessage("x"))
+    assert _drain(primary.connection_string, q) == []
+    # the primary's own namespace-wide token still opens it
+    for_primary = make_token(f"sb://localhost:{primary.amqp_port}", primary.key_name, primary.key, ttl=600)
+    with ServiceBusClient(endpoint, AzureSasCredential(for_primary), retry_total=0, use_tls=False) as c:
+        with c.get_queue_sender(q) as s:
+            s.send_messages(ServiceBusMessage("signed"))
+    assert _drain(primary.connection_string, q) == ["signed"]
