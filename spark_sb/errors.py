@@ -75,7 +75,9 @@ __all__ = [
     "PairingError",
     "SparkSbError",
     "as_spark_sb_error",
+    "ENCODING_ERRORS",
     "classify",
+    "encoding_error",
     "redact",
 ]
 
@@ -90,7 +92,8 @@ class ErrorClass(enum.Enum):
       no failover.
     * ``CONFIGURATION_NOT_FOUND``: the entity does not exist; fail at once, no failover (the syphon could
       never deliver it).
-    * ``BAD_MESSAGE``: this message can never be sent (too large); reject it with an error naming its id.
+    * ``BAD_MESSAGE``: this message can never be sent (too large, refused as invalid, or the SDK cannot encode
+      it); reject it with an error naming its id.
     * ``OTHER``: not a Service Bus failure (a bug, misuse of a client, a closed handler): re-raise unchanged,
       no failover. Not in the table; it keeps programming errors from being mistaken for outages.
     """
@@ -398,6 +401,18 @@ def classify(exc: BaseException) -> ErrorClass:
     if isinstance(exc, ServiceRequestError | ServiceResponseError | ConnectionError | TimeoutError):
         return ErrorClass.OUTAGE
     return ErrorClass.OTHER
+
+
+#: what the SDK's encoder raises for a message it cannot encode (an int property over its range, a TTL out of
+#: the AMQP range, non-UTF-8 text, an unsupported type); ``UnicodeError`` is a ``ValueError``. These are bad
+#: messages only where they come from encoding: the sender converts them at that call site
+#: (:func:`encoding_error`), so a ``ValueError`` from anywhere else (a closed handler) stays ``OTHER``.
+ENCODING_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, OverflowError)
+
+
+def encoding_error(exc: BaseException, message_id: object, entity: str | None) -> BadMessageError:
+    """The :class:`BadMessageError` for a message the SDK raised ``exc`` encoding (raise it ``from exc``)."""
+    return BadMessageError(message_id, entity, f"cannot be encoded: {type(exc).__name__}: {exc}")
 
 
 def as_spark_sb_error(

@@ -38,6 +38,7 @@ from azure.servicebus.exceptions import (
 )
 
 from spark_sb.errors import (
+    ENCODING_ERRORS,
     BacklogUnavailableError,
     BadMessageError,
     ConfigError,
@@ -48,6 +49,7 @@ from spark_sb.errors import (
     SparkSbError,
     as_spark_sb_error,
     classify,
+    encoding_error,
     redact,
 )
 
@@ -183,6 +185,25 @@ def test_a_plain_value_error_is_not_a_bad_message(client: ServiceBusClient) -> N
         sender.send_messages(ServiceBusMessage("x"))
     assert classify(caught.value) is ErrorClass.OTHER
     assert classify(KeyError("bug")) is ErrorClass.OTHER
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        ServiceBusMessage("x", application_properties={"n": 2**31}),  # int over its range
+        ServiceBusMessage("x", application_properties={"raw": b"\xff"}),  # not UTF-8
+        ServiceBusMessage("x", application_properties={"o": object()}),  # no AMQP type
+    ],
+    ids=["int-over-range", "not-utf8", "unknown-type"],
+)
+def test_an_encoding_error_is_a_bad_message_where_it_is_converted(message: ServiceBusMessage) -> None:
+    batch = ServiceBusMessageBatch(max_size_in_bytes=262_144)
+    with pytest.raises(ENCODING_ERRORS) as caught:
+        batch.add_message(message)
+    assert classify(caught.value) is ErrorClass.OTHER  # the raw error could come from anywhere
+    converted = encoding_error(caught.value, "m-1", "orders")
+    assert classify(converted) is ErrorClass.BAD_MESSAGE and not converted.retryable
+    assert str(converted).startswith("message 'm-1' for entity 'orders' rejected: cannot be encoded: ")
 
 
 def _http_error(status: int) -> HttpResponseError:

@@ -7,8 +7,9 @@ Choices where behaviour.md is silent (also in the report):
 * the SDK senders are cached per entity (opening one costs a round trip); one lock per (namespace, entity)
   serialises their use, because an SDK sender is not thread-safe;
 * messages are sent in ``ServiceBusMessageBatch``es built before anything is sent: a message that does not
-  fit an empty batch (or, rewritten, a backlog batch) is rejected with :class:`BadMessageError` and nothing
-  of that call is sent;
+  fit an empty batch (or, rewritten, a backlog batch), or that the SDK cannot encode (``add_message`` raises
+  ``ValueError``/``TypeError``/``OverflowError``), is rejected with :class:`BadMessageError` and nothing of
+  that call is sent; such a message never counts toward failover nor against a backlog queue;
 * pings run on the calling thread, when a send finds one due (no background thread);
 * :meth:`PairedSender.send` pairs first when :meth:`PairedSender.pair` was not called;
 * a ``ServiceBusConnectionError`` (the SDK shut its connection down) on either side closes both sides'
@@ -42,12 +43,14 @@ from azure.servicebus.exceptions import MessageSizeExceededError, ServiceBusConn
 from .. import messages as msgs
 from ..config import NamespaceConfig, SparkSbConfig, load_config
 from ..errors import (
+    ENCODING_ERRORS,
     BacklogUnavailableError,
     BadMessageError,
     ErrorClass,
     PairingError,
     as_spark_sb_error,
     classify,
+    encoding_error,
     redact,
 )
 from .health import EntityState, HealthBoard, shared_board
@@ -185,6 +188,36 @@ def _message_id(message: ServiceBusMessage) -> object:
         return message.message_id
     except Exception:  # a message without properties
         return None
+
+
+def _unencodable(item: ServiceBusMessage, entity: str, exc: BaseException) -> BadMessageError:
+    """The error for a message the SDK raised ``exc`` encoding: the precise one of
+    ``messages.check_encodable`` (naming the field) when that exists, else one quoting the SDK's words."""
+    check = getattr(msgs, "check_encodable", None)
+    if check is not None:
+        try:
+            check(item, entity)
+        except BadMessageError as precise:
+            return precise
+    return encoding_error(exc, _message_id(item), entity)
+
+
+def _add(batch: Any, item: ServiceBusMessage, entity: str) -> None:
+    """``batch.add_message(item)``; an encoding error there is a bad message (behaviour.md, "Error classes")."""
+    try:
+        batch.add_message(item)
+    except MessageSizeExceededError:
+        raise
+    except ENCODING_ERRORS as exc:
+        raise _unencodable(item, entity, exc) from exc
+
+
+def _check_encodable(item: ServiceBusMessage, entity: str) -> None:
+    """Raise :class:`BadMessageError` when the SDK cannot encode ``item`` (encodes it once, sends nothing)."""
+    try:
+        msgs.message_size(item)
+    except ENCODING_ERRORS as exc:
+        raise _unencodable(item, entity, exc) from exc
 
 
 class PairedSender:
@@ -465,7 +498,7 @@ class PairedSender:
                 current = sdk_sender.create_message_batch()
                 for item in items:
                     try:
-                        current.add_message(item)
+                        _add(current, item, entity)
                         continue
                     except MessageSizeExceededError:
                         if len(current) == 0:
@@ -473,7 +506,7 @@ class PairedSender:
                     batches.append(current)
                     current = sdk_sender.create_message_batch()
                     try:
-                        current.add_message(item)
+                        _add(current, item, entity)
                     except MessageSizeExceededError:
                         raise self._too_big(item, path, entity, current.max_size_in_bytes) from None
                 batches.append(current)
@@ -498,6 +531,10 @@ class PairedSender:
 
     def _send_backlog(self, entity: str, items: Sequence[ServiceBusMessage]) -> dict[str, int]:
         usable = self._ensure_paired()
+        for item in items:
+            # what the primary could never accept is a bad message here too (the backlog rewrite would hide a
+            # TTL out of range in an int64 property), never the backlog queue's fault
+            _check_encodable(item, entity)
         rewritten = [msgs.to_backlog(item, entity) for item in items]
         counts: dict[str, int] = {}
         tried: list[str] = []
