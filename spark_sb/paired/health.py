@@ -8,6 +8,10 @@ States of one entity::
        +----success--------+                  <----ping succeeded-----------+
 
 * ``failover_interval`` 0 fails over on the first outage-class failure.
+* **one outage, one interval**: a failing state lives only as long as the sends living through it
+  (:meth:`HealthBoard.sending`); when the last of them leaves otherwise than by a success or a failover (another
+  error, a killed task), the entity is healthy again, so a send hours later tries the primary for a full
+  interval instead of failing over at once.
 * **fast re-failover**: after a successful ping returns an entity to healthy it is *on probation* until the
   first successful primary send; an outage-class failure while on probation returns it to failed over at once,
   without a new interval. (behaviour.md says "a failure right after failing back"; "right after" is defined
@@ -28,7 +32,8 @@ import enum
 import logging
 import random
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from .retry import Clock
@@ -52,6 +57,7 @@ class _Entity:
     pinging: bool = False
     probation: bool = False
     backlog_queue: str | None = None
+    sending: int = 0  # sends of this entity in progress (see HealthBoard.sending)
 
 
 class HealthBoard:
@@ -137,6 +143,28 @@ class HealthBoard:
                 if record.failing_since is None or now - record.failing_since >= self.failover_interval:
                     self._fail_over(entity, record, now)
             return record.state
+
+    @contextmanager
+    def sending(self, entity: str) -> Iterator[None]:
+        """Around one send of ``entity``: a failing state does not outlive the sends living through it. When
+        the last of them leaves while the entity is still failing (another error, a killed task, an
+        exception), the outage it measured is over for this board: the entity is healthy again and the next
+        outage-class failure starts a new interval (behaviour.md, "one outage, one interval")."""
+        with self._lock:
+            self._entity(entity).sending += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                record = self._entity(entity)
+                record.sending -= 1
+                abandoned = record.sending == 0 and record.state is EntityState.FAILING
+                if abandoned:
+                    record.state = EntityState.HEALTHY
+                    record.failing_since = None
+            if abandoned:
+                _LOGGER.info("the send(s) living through the outage of %r ended without success or failover; "
+                             "the next failure starts a new failover interval", entity)
 
     # --- pings -----------------------------------------------------------------------------------------
 

@@ -420,6 +420,16 @@ class PairedSender:
             if not isinstance(item, ServiceBusMessage):
                 raise TypeError(f"expected ServiceBusMessage, got {type(item).__name__}")
         self._ensure_paired()
+        with self.board.sending(entity):
+            counts = self._send(entity, batch)
+        result = SendResult(entity, counts)
+        with self._state_lock:
+            self._counters["sent_primary"] += result.primary
+            self._counters["sent_backlog"] += result.backlog
+        return result
+
+    def _send(self, entity: str, batch: list[ServiceBusMessage]) -> dict[str, int]:
+        """The loop of :meth:`send`: returns ``{destination: count}``."""
         counts: dict[str, int] = {}
         pending = batch
         failures = 0
@@ -473,11 +483,7 @@ class PairedSender:
                 if converted is None:
                     raise error
                 raise converted from error
-        result = SendResult(entity, dict(counts))
-        with self._state_lock:
-            self._counters["sent_primary"] += result.primary
-            self._counters["sent_backlog"] += result.backlog
-        return result
+        return counts
 
     def stats(self) -> dict[str, int]:
         """Counters for monitoring: ``sent_primary``, ``sent_backlog`` and ``busy_waits`` (server-busy waits)

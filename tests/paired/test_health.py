@@ -153,3 +153,22 @@ def test_stats_count_failovers_and_failbacks() -> None:
     b.ping_result("e", ok=True)
     b.record_failure("e")  # on probation: back to failed over at once
     assert b.stats() == {"failovers": 2, "failbacks": 1, "assumed_failovers": 0}
+
+
+def test_a_failing_state_ends_with_the_last_send_living_through_it() -> None:
+    clock = Clock()
+    b = board(clock, interval=60)
+    with b.sending("e"):
+        with b.sending("e"):  # a second send of the same outage
+            b.record_failure("e")
+        clock.now = 30
+        assert b.state("e") is EntityState.FAILING  # one send still lives through it
+    assert b.state("e") is EntityState.HEALTHY  # the last one left without success or failover
+    clock.now = 10_000
+    with b.sending("e"):
+        assert b.record_failure("e") is EntityState.FAILING  # a new outage, a new interval
+        clock.now = 10_059
+        assert b.state("e") is EntityState.FAILING
+        clock.now = 10_060
+        assert b.state("e") is EntityState.FAILED_OVER
+    assert b.state("e") is EntityState.FAILED_OVER  # leaving does not undo a failover

@@ -311,3 +311,34 @@ def test_a_connection_dropped_while_idle_is_reopened_not_failed_over(
     assert sender.state(q) == "healthy"
     assert fake_time.sleeps == []
     assert sorted(str(m) for m in drain(primary.connection_string, q, 2)) == ["after", "before"]
+
+
+class _Killed(BaseException):
+    """What a killed task looks like to the code it runs through (not an Exception)."""
+
+
+@pytest.mark.parametrize("how", ["killed", "another-error"])
+def test_a_failing_state_left_behind_does_not_make_a_later_send_fail_over_without_trying(
+    emulator, make_sender, make_queue, fake_time, secondary_admin, primary, drain, how
+) -> None:
+    q = make_queue()
+    sender = make_sender(failover_interval="60s")
+    sender.pair()
+    emulator.fault("primary", "quota", entity=q)
+
+    def leave(t) -> None:
+        if how == "killed":
+            raise _Killed()
+        emulator.fault("primary", "notfound", entity=q)  # the next attempt ends the send with another error
+
+    fake_time.on_sleep = leave
+    with pytest.raises(_Killed if how == "killed" else EntityNotFoundError):
+        sender.send(q, ServiceBusMessage("interrupted"))
+    fake_time.on_sleep = None
+    emulator.heal("primary", entity=q)
+    fake_time.advance(2 * 3600)  # hours later, the primary is fine
+    result = sender.send(q, ServiceBusMessage("hours later", message_id="later"))
+    assert result.destinations == {PRIMARY: 1}  # tried the primary, no failover
+    assert sender.state(q) == "healthy"
+    assert backlog_total(secondary_admin, sender) == 0
+    assert [m.message_id for m in drain(primary.connection_string, q, 1)] == ["later"]
