@@ -10,6 +10,7 @@ to that endpoint instead.
 from __future__ import annotations
 
 import logging
+import socket
 import urllib.parse
 from typing import Any
 
@@ -20,7 +21,14 @@ _LOGGER = logging.getLogger(__name__)
 
 EMULATOR_ADMIN_PORT = 5300
 
-__all__ = ["EMULATOR_ADMIN_PORT", "EmulatorAdminTransport", "admin_client", "emulator_admin_endpoint"]
+__all__ = [
+    "EMULATOR_ADMIN_PORT",
+    "EmulatorAdminTransport",
+    "admin_client",
+    "admin_endpoint_of",
+    "emulator_admin_endpoint",
+    "unreachable_reason",
+]
 
 
 class EmulatorAdminTransport(RequestsTransport):
@@ -147,3 +155,37 @@ def admin_client(
         raise ValueError("an admin endpoint applies only to emulator connection strings "
                          "(UseDevelopmentEmulator=true); real namespaces are reached over TLS")
     return ServiceBusAdministrationClient(fully_qualified_namespace, credential, **kwargs)
+
+
+def admin_endpoint_of(connection_string: str | None, fully_qualified_namespace: str,
+                      admin_endpoint: str | None = None) -> str:
+    """Where :func:`admin_client` sends requests, for error messages (no secret): the emulator's admin
+    endpoint for an emulator connection string, else ``https://<namespace>``."""
+    if connection_string is not None and is_emulator(connection_string):
+        try:
+            return emulator_admin_endpoint(connection_string, admin_endpoint)
+        except ValueError:
+            pass
+    return f"https://{fully_qualified_namespace}"
+
+
+def unreachable_reason(exc: BaseException) -> str | None:
+    """"connection refused", "host not found" or "connection timed out" when ``exc`` (or a cause in its chain:
+    ``inner_exception``, ``__cause__``, ``__context__``) shows the endpoint could not be reached; else None."""
+    seen: set[int] = set()
+    stack: list[BaseException] = [exc]
+    while stack and len(seen) < 32:
+        current = stack.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(current, socket.gaierror):
+            return "host not found"
+        if isinstance(current, TimeoutError):
+            return "connection timed out"
+        for linked in (getattr(current, "inner_exception", None), current.__cause__, current.__context__):
+            if isinstance(linked, BaseException):
+                stack.append(linked)
+    return None

@@ -339,6 +339,7 @@ class PairedSender:
                 f"secondary {secondary}: credential rejected while {doing} (the secondary's credential needs "
                 f"Manage rights): {exc}"))
 
+        last_error: BaseException | None = None
         try:
             client = self.admin_client()
         except ValueError as exc:
@@ -353,6 +354,7 @@ class PairedSender:
             except Exception as exc:
                 if classify(exc) is ErrorClass.CONFIGURATION_CREDENTIAL:
                     raise credential_error(exc, "listing queues") from exc
+                last_error = exc
                 _LOGGER.warning("listing the queues of the secondary failed (%s); creating every backlog queue",
                                 redact(str(exc)))
             usable: list[str] = []
@@ -378,6 +380,7 @@ class PairedSender:
                 except Exception as exc:
                     if classify(exc) is ErrorClass.CONFIGURATION_CREDENTIAL:
                         raise credential_error(exc, f"creating backlog queue {name!r}") from exc
+                    last_error = exc
                     _LOGGER.warning("backlog queue %r could not be created after %d tries: %s", name,
                                     sa.provision_retries, redact(str(exc)))
                     continue
@@ -386,12 +389,29 @@ class PairedSender:
         finally:
             client.close()
         if not usable:
-            raise PairingError(
+            raise PairingError(redact(
                 f"secondary {secondary}: no usable backlog queue under {sa.backlog_prefix!r} "
-                f"(wanted send_availability.backlog_queue_count={sa.backlog_queue_count})")
+                f"(wanted send_availability.backlog_queue_count={sa.backlog_queue_count})"
+                + self._provision_cause(last_error))) from last_error
         if len(usable) < len(wanted):
             _LOGGER.warning("%d of %d backlog queues usable", len(usable), len(wanted))
         return usable
+
+    def _provision_cause(self, error: BaseException | None) -> str:
+        """``: <why>`` for the last provisioning error, naming the administration endpoint when it could not be
+        reached (e.g. a wrong ``admin_endpoint``); no secret."""
+        if error is None:
+            return ""
+        from ..admin import admin_endpoint_of, unreachable_reason
+
+        ns = self.config.secondary
+        endpoint = admin_endpoint_of(ns.connection_string.reveal() if ns.connection_string is not None else None,
+                                     ns.fully_qualified_namespace, ns.admin_endpoint)
+        reason = unreachable_reason(error)
+        detail = f"{type(error).__name__}: {error}"
+        if reason is not None:
+            return f": the administration endpoint {endpoint} cannot be reached: {reason} ({detail})"
+        return f": the last request to the administration endpoint {endpoint} failed: {detail}"
 
     def _ensure_paired(self) -> tuple[str, ...]:
         if self._usable is None:

@@ -66,3 +66,15 @@ def test_an_authorisation_failure_aborts_at_once(emulator, make_sender, fake_tim
         sender.pair()
     assert "SAS_KEY_VALUE" not in str(info.value)
     assert fake_time.sleeps == []
+
+
+def test_an_unreachable_admin_endpoint_is_named_with_the_refused_connection(make_config, make_sender) -> None:
+    config = make_config(backlog_queue_count=2, provision_retries=2, provision_retry_spacing="1s")
+    config["secondary"]["admin_endpoint"] = "http://localhost:1"  # nothing listens there
+    sender = make_sender(config=config)
+    with pytest.raises(PairingError) as info:
+        sender.pair()
+    text = str(info.value)
+    assert "http://localhost:1" in text
+    assert "connection refused" in text.lower()
+    assert "SAS_KEY_VALUE" not in text and "SharedAccessKey=" not in text
