@@ -22,8 +22,13 @@ States of one entity::
 The board also keeps the backlog rotation of the process: the backlog queue each entity uses (chosen at random,
 kept until it fails) and the queues cooling down after a failed send.
 
-:func:`shared_board` returns the board for one pairing (primary, secondary, backlog prefix); the first sender
-that asks creates it, with its intervals and its clock. Every method is thread-safe.
+:func:`join_board` returns the board for one pairing (primary, secondary, backlog prefix); the first sender
+that asks creates it, with its intervals and its clock. The intervals (failover interval, ping interval,
+backlog cool-down) belong to the pairing, not to one sender: a sender whose options differ from those of a
+sender of the same pairing still open in the process is refused with a :class:`~spark_sb.errors.ConfigError`
+naming each option and both values (keying the state by the options instead would split one entity's health
+in two within a process, so "all senders learn" would silently stop holding). Once every sender of the board
+is closed, the next one's options replace them (the entity states stay). Every method is thread-safe.
 """
 
 from __future__ import annotations
@@ -35,12 +40,18 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 
+from ..config import format_duration
+from ..errors import ConfigError
 from .retry import Clock
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["EntityState", "HealthBoard", "all_boards", "shared_board"]
+__all__ = ["EntityState", "HealthBoard", "all_boards", "join_board", "shared_board"]
+
+#: the board's settings, as named in the configuration (``send_availability.<name>``)
+SETTINGS = ("failover_interval", "ping_primary_interval", "backlog_cooldown")
 
 
 class EntityState(enum.Enum):
@@ -79,6 +90,45 @@ class HealthBoard:
         self._entities: dict[str, _Entity] = {}
         self._cooling: dict[str, float] = {}  # backlog queue -> back in the rotation at
         self._counters: dict[str, int] = {"failovers": 0, "failbacks": 0, "assumed_failovers": 0}
+        self._open = 0  # senders of this board not closed yet (join / leave)
+
+    def settings(self) -> dict[str, float]:
+        """``{option name: seconds}`` for :data:`SETTINGS`."""
+        return {"failover_interval": self.failover_interval, "ping_primary_interval": self.ping_interval,
+                "backlog_cooldown": self.backlog_cooldown}
+
+    def join(self, settings: dict[str, float], pairing: str = "this pairing") -> None:
+        """A sender with ``settings`` (as :meth:`settings`) starts using this board. Raises
+        :class:`ConfigError` naming every option that differs, with both values, while another sender of the
+        board is open; when none is, ``settings`` replace the board's. Pair with :meth:`leave`."""
+        with self._lock:
+            current = self.settings()
+            differing = [name for name in SETTINGS if float(settings[name]) != current[name]]
+            if differing and self._open > 0:
+                def shown(seconds: float) -> str:
+                    return format_duration(timedelta(seconds=seconds))
+
+                first, *others = differing
+                problem = (f"{shown(settings[first])} differs from the {shown(current[first])} of a PairedSender "
+                           f"of {pairing} already open in this process")
+                for name in others:
+                    problem += (f"; send_availability.{name}: {shown(settings[name])} differs from its "
+                                f"{shown(current[name])}")
+                problem += (". Every sender of one pairing in a process shares the entity health, so these options "
+                            "must agree: use the same values, close the other sender first, or use another "
+                            "send_availability.backlog_prefix")
+                raise ConfigError(f"send_availability.{first}", problem)
+            if differing:
+                _LOGGER.info("the shared health of %s now uses %s", pairing, settings)
+                self.failover_interval = float(settings["failover_interval"])
+                self.ping_interval = float(settings["ping_primary_interval"])
+                self.backlog_cooldown = float(settings["backlog_cooldown"])
+            self._open += 1
+
+    def leave(self) -> None:
+        """A sender that joined (:meth:`join`) is closed."""
+        with self._lock:
+            self._open = max(0, self._open - 1)
 
     def _entity(self, entity: str) -> _Entity:
         found = self._entities.get(entity)
@@ -281,6 +331,16 @@ def shared_board(key: tuple[str, ...], factory: Callable[[], HealthBoard]) -> He
         if board is None:
             board = _BOARDS[key] = factory()
         return board
+
+
+def join_board(key: tuple[str, ...], settings: dict[str, float], clock: Clock, pairing: str) -> HealthBoard:
+    """The process-wide board for ``key``, created with ``settings`` and ``clock`` on first use, joined with
+    ``settings`` (see :meth:`HealthBoard.join`; call :meth:`HealthBoard.leave` when done)."""
+    board = shared_board(key, lambda: HealthBoard(
+        failover_interval=settings["failover_interval"], ping_interval=settings["ping_primary_interval"],
+        backlog_cooldown=settings["backlog_cooldown"], clock=clock))
+    board.join(settings, pairing)
+    return board
 
 
 def all_boards() -> dict[tuple[str, ...], HealthBoard]:

@@ -53,7 +53,7 @@ from ..errors import (
     encoding_error,
     redact,
 )
-from .health import EntityState, HealthBoard, shared_board
+from .health import EntityState, HealthBoard, join_board
 from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, Sleep
 
 _LOGGER = logging.getLogger(__name__)
@@ -252,12 +252,11 @@ class PairedSender:
                                 {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()}, clock)
         key = (config.primary.fully_qualified_namespace.lower(), config.secondary.fully_qualified_namespace.lower(),
                sa.backlog_prefix)
-        self.board: HealthBoard = shared_board(key, lambda: HealthBoard(
-            failover_interval=sa.failover_interval.total_seconds(),
-            ping_interval=sa.ping_primary_interval.total_seconds(),
-            backlog_cooldown=sa.backlog_cooldown.total_seconds(),
-            clock=clock,
-        ))
+        settings = {"failover_interval": sa.failover_interval.total_seconds(),
+                    "ping_primary_interval": sa.ping_primary_interval.total_seconds(),
+                    "backlog_cooldown": sa.backlog_cooldown.total_seconds()}
+        pairing = (f"primary {config.primary.fully_qualified_namespace}, secondary "
+                   f"{config.secondary.fully_qualified_namespace}, backlog_prefix {sa.backlog_prefix!r}")
         self._usable: tuple[str, ...] | None = None
         self._pair_lock = threading.Lock()
         self._state_lock = threading.Lock()
@@ -266,6 +265,8 @@ class PairedSender:
         self._closed = False
         self._saw_connection_error = False
         self._counters: dict[str, int] = {"sent_primary": 0, "sent_backlog": 0, "busy_waits": 0}
+        # joined last (nothing after it can fail); close() leaves it
+        self.board: HealthBoard = join_board(key, settings, clock, pairing)
 
     @classmethod
     def from_config(
@@ -668,10 +669,14 @@ class PairedSender:
         with self._state_lock:
             if self._closed:
                 closers: list[threading.Thread] = []
+                leaving = False
             else:
                 self._closed = True
+                leaving = True
                 closers = list(self._closers)
                 self._closers = []
+        if leaving:
+            self.board.leave()
         deadline = time.monotonic() + CLOSE_TIMEOUT
         if not closers and not self._has_handles():
             self._primary.detach(final=True)

@@ -145,3 +145,24 @@ def test_threads_sending_through_a_failover_lose_nothing(
             in_backlog.append(m.message_id)
     assert sorted(on_primary + in_backlog) == sorted(sent)
     assert len(set(on_primary + in_backlog)) == 80
+
+
+def test_a_second_sender_of_a_pairing_with_other_intervals_is_refused_naming_both_values(make_config) -> None:
+    config = make_config(failover_interval="10s", ping_primary_interval="5s", backlog_cooldown="30s")
+    other = {**config, "send_availability": {**config["send_availability"], "failover_interval": "20s",
+                                             "backlog_cooldown": "1m"}}
+    first = PairedSender.from_config(config)
+    try:
+        with pytest.raises(ConfigError) as info:
+            PairedSender.from_config(other)
+        text = str(info.value)
+        assert "send_availability.failover_interval" in text and "10 s" in text and "20 s" in text
+        assert "send_availability.backlog_cooldown" in text and "30 s" in text and "1 min" in text
+        assert "ping_primary_interval" not in text  # the same for both
+        assert "SAS_KEY_VALUE" not in text
+        with PairedSender.from_config(config) as same:  # the same options share the state
+            assert same.board is first.board
+    finally:
+        first.close()
+    with PairedSender.from_config(other) as later:  # nobody uses the first options any more
+        assert later.board.failover_interval == 20 and later.board.backlog_cooldown == 60
