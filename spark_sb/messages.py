@@ -12,17 +12,23 @@ session_id                  ``x-ms-sessionid`` (string); session id cleared
 time_to_live                ``x-ms-timetolive`` (AMQP long, milliseconds); TTL cleared
 scheduled_enqueue_time_utc  ``x-ms-scheduledenqueuetimeutc`` (AMQP timestamp); cleared
 partition_key               ``x-ms-partitionkey`` (string); cleared
+(AMQP types)                ``x-ms-propertytypes``, ``x-ms-bodytypes`` (strings), when a receiver could not
+                            tell a type (a datetime property, a string inside a value body, ...)
 everything else             unchanged: body (data, value or sequence), message_id, correlation_id, subject,
                             content_type, to, reply_to, reply_to_session_id, other application properties
 =========================== ==============================================================================
 
 What the SDK does to a message on the wire, and so what :func:`from_backlog` accepts: a received message
 has ``bytes`` application property keys and string values, a timestamp arrives as an ``int`` of
-milliseconds since the epoch, and an AMQP string inside a value or sequence body arrives as ``bytes`` (the
-SDK's decoder does not keep the string/binary distinction there, so such a body is restored as received).
-Restored application property keys and string values are ``str`` again (the SDK sends ``bytes`` values as
-strings anyway); the restored properties (message_id, subject, ...) are ``str``. Times have millisecond
-precision, as on the wire.
+milliseconds since the epoch, and an AMQP string, binary or symbol inside a value or sequence body arrives as
+``bytes``. :func:`to_backlog` records the AMQP types a receiver cannot tell apart (``x-ms-propertytypes``,
+``x-ms-bodytypes``, only when needed) and :func:`from_backlog` restores them: a datetime property is sent
+again as a timestamp, a body string as a string, binary as binary. Restored property keys and string values
+are ``str``; the restored properties (message_id, subject, ...) are ``str``. Times have millisecond
+precision, as on the wire. Only the backlog's own properties (:data:`BACKLOG_PROPERTIES`) are consumed.
+
+:func:`check_encodable` says which field of a message the SDK cannot encode; :func:`set_time_to_live` sets a
+TTL in milliseconds (the SDK's setter keeps whole seconds).
 """
 
 from __future__ import annotations
@@ -30,17 +36,29 @@ from __future__ import annotations
 import copy
 import datetime
 import enum
+import json
 import logging
+import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from azure.servicebus import ServiceBusMessage
-from azure.servicebus._pyamqp.types import TYPE, VALUE
+from azure.servicebus._pyamqp._encode import (
+    _ENCODE_MAP,
+    describe_performative,
+    encode_annotations,
+    encode_application_properties,
+    encode_value,
+)
+from azure.servicebus._pyamqp.message import Header, Properties
+from azure.servicebus._pyamqp.types import TYPE, VALUE, AMQPTypes
 from azure.servicebus._pyamqp.utils import amqp_long_value, get_message_encoded_size
 from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
-from azure.servicebus.amqp import AmqpAnnotatedMessage, AmqpMessageBodyType
+from azure.servicebus.amqp import AmqpAnnotatedMessage, AmqpMessageBodyType, AmqpMessageHeader
+
+from .errors import BadMessageError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -50,16 +68,21 @@ __all__ = [
     "PING_CONTENT_TYPE",
     "TTL_EXPIRED_IN_BACKLOG",
     "X_MS_PARTITION_KEY",
+    "X_MS_BODY_TYPES",
     "X_MS_PATH",
+    "X_MS_PROPERTY_TYPES",
+    "X_MS_REPARKED_FROM",
     "X_MS_SCHEDULED_ENQUEUE_TIME",
     "X_MS_SESSION_ID",
     "X_MS_TIME_TO_LIVE",
     "RestoreStatus",
     "Restored",
+    "check_encodable",
     "from_backlog",
     "is_ping",
     "message_size",
     "ping_message",
+    "set_time_to_live",
     "to_backlog",
 ]
 
@@ -68,7 +91,17 @@ X_MS_SESSION_ID = "x-ms-sessionid"
 X_MS_TIME_TO_LIVE = "x-ms-timetolive"
 X_MS_SCHEDULED_ENQUEUE_TIME = "x-ms-scheduledenqueuetimeutc"
 X_MS_PARTITION_KEY = "x-ms-partitionkey"
-BACKLOG_PROPERTIES = (X_MS_PATH, X_MS_SESSION_ID, X_MS_TIME_TO_LIVE, X_MS_SCHEDULED_ENQUEUE_TIME, X_MS_PARTITION_KEY)
+#: the AMQP types of application properties that the SDK's decoder loses (JSON: name -> type code)
+X_MS_PROPERTY_TYPES = "x-ms-propertytypes"
+#: the AMQP types of the leaves of a value or sequence body that the SDK's decoder loses (type codes)
+X_MS_BODY_TYPES = "x-ms-bodytypes"
+#: set by the syphon when it parks a restored message in the backlog again (the queue it came from)
+X_MS_REPARKED_FROM = "x-ms-reparked-from"
+#: what :func:`to_backlog` writes (a stale copy on its input is replaced)
+_REWRITE_PROPERTIES = (X_MS_PATH, X_MS_SESSION_ID, X_MS_TIME_TO_LIVE, X_MS_SCHEDULED_ENQUEUE_TIME, X_MS_PARTITION_KEY,
+                       X_MS_PROPERTY_TYPES, X_MS_BODY_TYPES)
+#: every property the backlog rewrite adds, by exact name: :func:`from_backlog` consumes these and only these
+BACKLOG_PROPERTIES = (*_REWRITE_PROPERTIES, X_MS_REPARKED_FROM)
 
 PING_CONTENT_TYPE = "application/vnd.ms-servicebus-ping"
 #: dead-letter reason for a backlog message whose TTL ran out while it waited in the backlog
@@ -80,6 +113,9 @@ _X_OPT_PARTITION_KEY = "x-opt-partition-key"
 _X_OPT_SCHEDULED_ENQUEUE_TIME = "x-opt-scheduled-enqueue-time"
 _X_OPT_ENQUEUED_TIME = "x-opt-enqueued-time"
 _BROKER_ANNOTATION_PREFIX = "x-opt-"  # reserved for the broker (sequence number, lock, enqueued time, ...)
+# what a broker sets on a received message: meaningless on a copy (a forwarded received message)
+_BROKER_ANNOTATIONS = ("x-opt-sequence-number", "x-opt-enqueued-time", "x-opt-locked-until", "x-opt-lock-token",
+                       "x-opt-message-state", "x-opt-enqueue-sequence-number", "x-opt-deadletter-source")
 _MAX_PROPERTY_LENGTH = 128  # the SDK's limit for session id and partition key
 _MAX_AMQP_TTL_MS = 0xFFFFFFFF  # the AMQP header ttl is a uint
 _MAX_INT64 = 2**63 - 1
@@ -168,13 +204,280 @@ def _wrap(annotated: AmqpAnnotatedMessage) -> ServiceBusMessage:
     return ServiceBusMessage(None, message=None, raw_amqp_message=annotated)
 
 
+# --- the AMQP types the SDK's decoder loses ---------------------------------------------------------------
+#
+# The SDK's decoder (``_pyamqp/_decode.py``) hands an AMQP string, binary and symbol all over as ``bytes``,
+# every integer type and a timestamp as ``int``, a float and a double as ``float``; its encoder sends a plain
+# ``int`` as an AMQP int (32 bits), ``bytes`` as binary (but as a string in application properties), a
+# ``datetime`` as a timestamp. So a value received from a backlog queue cannot say by itself what it was sent
+# as. :func:`to_backlog` records, one letter per value, the AMQP type the SDK sent where the value as received
+# would not tell it (``x-ms-propertytypes``, ``x-ms-bodytypes``); :func:`from_backlog` gives each value that
+# type back, as a plain Python value where the SDK's encoder infers the type (str, bytes, int, float,
+# datetime), else as a pyamqp typed value (``{TYPE: ..., VALUE: ...}``, as ``amqp_long_value`` builds).
+
+_CODES = {
+    AMQPTypes.string: "s", AMQPTypes.binary: "b", AMQPTypes.symbol: "y",
+    AMQPTypes.int: "i", AMQPTypes.long: "l", AMQPTypes.timestamp: "t", AMQPTypes.uint: "I",
+    AMQPTypes.ulong: "L", AMQPTypes.short: "h", AMQPTypes.ushort: "H", AMQPTypes.byte: "c",
+    AMQPTypes.ubyte: "C", AMQPTypes.float: "f", AMQPTypes.double: "d",
+}
+_AMQP_TYPES = {code: amqp_type for amqp_type, code in _CODES.items()}
+_BYTES_CODES = frozenset("sby")  # received as bytes
+_INT_CODES = frozenset("iltILhHcC")  # received as int
+_FLOAT_CODES = frozenset("fd")  # received as float
+_BODY_TYPES_PATTERN = re.compile(r"(?:[sbyiltILhHcCfd][0-9]*)*")
+_RUN = re.compile(r"([sbyiltILhHcCfd])([0-9]*)")
+_MIN_INT32, _MAX_INT32 = -(2**31), 2**31 - 1
+_MIN_DATETIME_MS = -62135596800000  # 0001-01-01
+_MAX_DATETIME_MS = 253402300799999  # 9999-12-31 23:59:59.999
+
+
+class _Typed(dict):  # type: ignore[type-arg]
+    """A pyamqp typed value that can also be a map key."""
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash((self[TYPE], self[VALUE]))
+
+
+def _typed(amqp_type: str, value: Any) -> _Typed:
+    return _Typed({TYPE: amqp_type, VALUE: value})
+
+
+def _is_typed(value: Any) -> bool:
+    """True for a pyamqp typed value, read as the SDK's encoder reads one inside a map or list."""
+    if not isinstance(value, dict) or TYPE not in value or VALUE not in value:
+        return False
+    try:
+        return value[TYPE] in _ENCODE_MAP
+    except TypeError:  # unhashable
+        return False
+
+
+def _ms(value: datetime.datetime) -> int:
+    """Milliseconds since the epoch, as the SDK's encoder computes them (a naive datetime is UTC)."""
+    if value.tzinfo is None:
+        value = value.replace(tzinfo=datetime.UTC)
+    delta = value - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1000 + delta.microseconds // 1000
+
+
+def _received_code(value: Any, *, property_value: bool = False) -> str:
+    """The type a received value is restored as when nothing says otherwise: bytes as binary in a body, as a
+    string in application properties (what the SDK sends them as); an int as an AMQP int when it fits one,
+    else a long (ulong beyond); a float as a double."""
+    if isinstance(value, bytes | bytearray):
+        return "s" if property_value else "b"
+    if isinstance(value, float):
+        return "d"
+    if _MIN_INT32 <= value <= _MAX_INT32:
+        return "i"
+    return "l" if value < 2**63 else "L"
+
+
+def _sent(value: Any, *, property_value: bool = False) -> tuple[str, Any] | None:
+    """(the code of the AMQP type the SDK sends ``value`` as, ``value`` as a receiver gets it) for a leaf
+    whose type a receiver cannot tell; ``None`` for anything else."""
+    if _is_typed(value):
+        code = _CODES.get(value[TYPE])
+        if code is None:
+            return None
+        inner = value[VALUE]
+        if isinstance(inner, datetime.datetime):
+            inner = _ms(inner)
+        elif isinstance(inner, str):
+            inner = inner.encode("utf-8", "surrogatepass")
+        return code, inner
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, str):
+        return "s", value.encode("utf-8", "surrogatepass")
+    if isinstance(value, bytes | bytearray):
+        return ("s" if property_value else "b"), bytes(value)
+    if isinstance(value, int):
+        return "i", value
+    if isinstance(value, float):
+        return "d", value
+    if isinstance(value, datetime.datetime):
+        return "t", _ms(value)
+    return None
+
+
+def _sent_codes(value: Any, out: list[tuple[str, Any]], *, top: bool = False) -> None:
+    """The leaves of a body value whose type a receiver cannot tell, in the order the SDK's encoder writes
+    (and its decoder reads) them. At the top of a value body the SDK encodes a typed value as a plain map."""
+    if _is_typed(value) and not top:
+        kind, inner = value[TYPE], value[VALUE]
+        if kind is None:
+            _sent_codes(inner, out)
+        elif kind in (AMQPTypes.list, AMQPTypes.array):
+            for item in inner:
+                _sent_codes(item, out)
+        elif kind == AMQPTypes.map:
+            for key, item in inner.items() if isinstance(inner, dict) else inner:
+                _sent_codes(key, out)
+                _sent_codes(item, out)
+        elif kind == AMQPTypes.described:
+            _sent_codes(inner[1], out)
+        else:
+            leaf = _sent(value)
+            if leaf is not None:
+                out.append(leaf)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _sent_codes(key, out)
+            _sent_codes(item, out)
+    elif isinstance(value, list):
+        for item in value:
+            _sent_codes(item, out)
+    elif isinstance(value, tuple):  # described: a receiver gets the value only
+        if len(value) == 2:
+            _sent_codes(value[1], out)
+    else:
+        leaf = _sent(value)
+        if leaf is not None:
+            out.append(leaf)
+
+
+def _body_types(raw: AmqpAnnotatedMessage) -> str | None:
+    """``x-ms-bodytypes`` for a value or sequence body: one code per leaf a receiver gets as bytes, int or
+    float, run-length encoded (``s3bi2``); ``None`` when every leaf comes back as what it was sent as."""
+    leaves: list[tuple[str, Any]] = []
+    if raw.body_type == AmqpMessageBodyType.VALUE:
+        _sent_codes(raw.body, leaves, top=True)
+    elif raw.body_type == AmqpMessageBodyType.SEQUENCE:
+        for section in raw.body:
+            _sent_codes(section, leaves, top=True)
+    else:
+        return None
+    if all(code == _received_code(value) for code, value in leaves):
+        return None
+    runs: list[str] = []
+    previous, count = "", 0
+    for code, _ in leaves:
+        if code == previous:
+            count += 1
+            continue
+        if count:
+            runs.append(previous + (str(count) if count > 1 else ""))
+        previous, count = code, 1
+    runs.append(previous + (str(count) if count > 1 else ""))
+    return "".join(runs)
+
+
+def _property_types(properties: Mapping[Any, Any]) -> str | None:
+    """``x-ms-propertytypes``: ``{"name": code}`` (JSON) for the application properties a receiver would not
+    get back as what they were sent as (a datetime, a typed long that fits an int, ...); ``None`` if none."""
+    codes: dict[str, str] = {}
+    for name, value in properties.items():
+        leaf = _sent(value, property_value=True)
+        if leaf is not None and leaf[0] != _received_code(leaf[1], property_value=True):
+            codes[_key(name)] = leaf[0]
+    return json.dumps(codes, separators=(",", ":"), ensure_ascii=False) if codes else None
+
+
+class _Mismatch(Exception):
+    """A recorded type does not fit the value received."""
+
+
+def _restore(value: Any, code: str, *, top: bool = False) -> Any:
+    """A received leaf as the AMQP type ``code`` stands for (see the section comment)."""
+    if isinstance(value, bytes | bytearray):
+        if code not in _BYTES_CODES:
+            raise _Mismatch(code)
+        if code == "b":
+            return bytes(value)
+        if code == "s":
+            try:
+                return bytes(value).decode("utf-8")
+            except UnicodeDecodeError:
+                return bytes(value) if top else _typed(AMQPTypes.string, bytes(value))
+        return bytes(value) if top else _typed(AMQPTypes.symbol, bytes(value))
+    if isinstance(value, float):
+        if code not in _FLOAT_CODES:
+            raise _Mismatch(code)
+        return value if code == "d" or top else _typed(AMQPTypes.float, value)
+    if code not in _INT_CODES:
+        raise _Mismatch(code)
+    if code == "i" and _MIN_INT32 <= value <= _MAX_INT32:
+        return value
+    if code == "t" and _MIN_DATETIME_MS <= value <= _MAX_DATETIME_MS:
+        return _EPOCH + datetime.timedelta(milliseconds=value)
+    if top:  # the SDK encodes a typed value at the top of a value body as a map: leave it as received
+        return value
+    if code == "i":  # an int that does not fit an AMQP int was sent as something longer
+        code = _received_code(value)
+    return _typed(_AMQP_TYPES[code], value)
+
+
+def _is_leaf(value: Any) -> bool:
+    return isinstance(value, bytes | bytearray | int | float) and not isinstance(value, bool)
+
+
+def _received_only(value: Any) -> bool:
+    """True when ``value`` looks decoded by the SDK (maps, lists and plain leaves only), not built in process
+    with its types (str, datetime, typed values), which are kept as they are."""
+    if isinstance(value, dict):
+        return not _is_typed(value) and all(_received_only(k) and _received_only(v) for k, v in value.items())
+    if isinstance(value, list):
+        return all(_received_only(item) for item in value)
+    return not isinstance(value, str | datetime.datetime | tuple)
+
+
+def _restore_body_value(value: Any, codes: Iterator[str] | None, *, top: bool = False) -> Any:
+    if isinstance(value, dict):
+        return {_restore_body_value(k, codes): _restore_body_value(v, codes) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_restore_body_value(item, codes) for item in value]
+    if _is_leaf(value):
+        code = _received_code(value) if codes is None else next(codes, "")
+        if not code:
+            raise _Mismatch("too few codes")
+        return _restore(value, code, top=top)
+    return value
+
+
+def _codes(text: str) -> Iterator[str]:
+    for code, count in _RUN.findall(text):
+        for _ in range(int(count or 1)):
+            yield code
+
+
+def _restored_body(raw: AmqpAnnotatedMessage, body_types: str | None) -> dict[str, Any]:
+    """The body of a backlog message for its destination, with the types ``x-ms-bodytypes`` records (as
+    received where nothing is recorded, or where the record does not fit the body)."""
+    if raw.body_type == AmqpMessageBodyType.DATA:
+        return _body_kwargs(raw)
+    sections = [raw.body] if raw.body_type == AmqpMessageBodyType.VALUE else list(raw.body)
+    if not all(_received_only(section) for section in sections):  # built in process: types intact
+        return _body_kwargs(raw)
+    for attempt in (body_types, None):
+        codes = None if attempt is None else _codes(attempt)
+        try:
+            restored = [_restore_body_value(section, codes, top=True) for section in sections]
+            if codes is not None and next(codes, None) is not None:
+                raise _Mismatch("too many codes")
+        except _Mismatch as mismatch:
+            _LOGGER.warning("%s does not fit the body (%s); the body is restored as received", X_MS_BODY_TYPES,
+                            mismatch)
+            continue
+        if raw.body_type == AmqpMessageBodyType.VALUE:
+            return {"value_body": restored[0]}
+        return {"sequence_body": restored}
+    return _body_kwargs(raw)  # not reached: the attempt without codes cannot mismatch
+
+
 # --- to the backlog --------------------------------------------------------------------------------------
 
 
 def to_backlog(message: ServiceBusMessage, entity: str) -> ServiceBusMessage:
     """A copy of ``message`` for a backlog queue, carrying its destination ``entity`` and the fields a
-    backlog queue cannot hold (session, TTL, schedule, partition key) as ``x-ms-*`` application properties.
-    ``message`` is not modified. Stale ``x-ms-*`` backlog properties on the input are replaced."""
+    backlog queue cannot hold (session, TTL, schedule, partition key) as ``x-ms-*`` application properties,
+    and the AMQP types a receiver could not tell (``x-ms-propertytypes``, ``x-ms-bodytypes``, only when
+    needed). ``message`` is not modified. Stale copies of these properties on the input are replaced; any other
+    property (``x-ms-foo`` too) is kept.
+
+    Raises :class:`~spark_sb.errors.BadMessageError` (naming the field and value) when the SDK cannot encode
+    ``message`` (see :func:`check_encodable`)."""
     if not isinstance(entity, str) or not entity:
         raise ValueError(f"entity must be a non-empty string, got {entity!r}")
     raw = _raw(message)
@@ -182,9 +485,15 @@ def to_backlog(message: ServiceBusMessage, entity: str) -> ServiceBusMessage:
     properties: dict[Any, Any] = {
         key: value
         for key, value in (raw.application_properties or {}).items()
-        if _key(key) not in BACKLOG_PROPERTIES
+        if _key(key) not in _REWRITE_PROPERTIES
     }
+    property_types = _property_types(properties)
+    body_types = _body_types(raw)
     properties[X_MS_PATH] = entity
+    if property_types is not None:
+        properties[X_MS_PROPERTY_TYPES] = property_types
+    if body_types is not None:
+        properties[X_MS_BODY_TYPES] = body_types
     source = raw.properties
     session_id = source.group_id if source is not None else None
     if session_id is not None:
@@ -203,7 +512,7 @@ def to_backlog(message: ServiceBusMessage, entity: str) -> ServiceBusMessage:
     annotations: dict[Any, Any] = {
         key: copy.deepcopy(value)
         for key, value in (raw.annotations or {}).items()
-        if _key(key) not in (_X_OPT_PARTITION_KEY, _X_OPT_SCHEDULED_ENQUEUE_TIME)
+        if _key(key) not in (_X_OPT_PARTITION_KEY, _X_OPT_SCHEDULED_ENQUEUE_TIME, *_BROKER_ANNOTATIONS)
     }
     new_header = None
     if header is not None and (header.durable is not None or header.priority is not None):
@@ -231,6 +540,7 @@ def to_backlog(message: ServiceBusMessage, entity: str) -> ServiceBusMessage:
         footer=copy.deepcopy(raw.footer),
         **_body_kwargs(raw),
     )
+    _check_encodable(raw, entity, annotated)
     return _wrap(annotated)
 
 
@@ -320,21 +630,62 @@ def _scheduled_property(properties: Mapping[str, Any]) -> datetime.datetime | No
     return when
 
 
-def _user_properties(entries: Mapping[str, Any]) -> dict[str, Any]:
-    """The application properties other than ``x-ms-*``, with ``str`` keys and ``str`` string values."""
+def _types_property(properties: Mapping[str, Any]) -> dict[str, str]:
+    if X_MS_PROPERTY_TYPES not in properties:
+        return {}
+    value = properties[X_MS_PROPERTY_TYPES]
+    text = _as_str(_plain(value))
+    try:
+        codes = json.loads(text) if text is not None else None
+    except ValueError:
+        codes = None
+    if not isinstance(codes, dict) or not all(isinstance(c, str) and c in _AMQP_TYPES for c in codes.values()):
+        raise _Invalid(
+            f"{X_MS_PROPERTY_TYPES} is not a JSON map of type codes",
+            f"{X_MS_PROPERTY_TYPES} must map property names to AMQP type codes, got {_type_name(value)} "
+            f"{value!r:.80}",
+        )
+    return codes
+
+
+def _body_types_property(properties: Mapping[str, Any]) -> str | None:
+    if X_MS_BODY_TYPES not in properties:
+        return None
+    value = properties[X_MS_BODY_TYPES]
+    text = _as_str(_plain(value))
+    if text is None or not _BODY_TYPES_PATTERN.fullmatch(text):
+        raise _Invalid(
+            f"{X_MS_BODY_TYPES} is not a string of type codes",
+            f"{X_MS_BODY_TYPES} must be a run of AMQP type codes, got {_type_name(value)} {value!r:.80}",
+        )
+    return text
+
+
+def _user_properties(entries: Mapping[str, Any], codes: Mapping[str, str]) -> dict[str, Any]:
+    """The application properties but the backlog's own (exact names), with ``str`` keys, each value of the
+    AMQP type it was sent as (``codes``: what ``x-ms-propertytypes`` records; by default a received string as
+    ``str``, an int beyond 32 bits as a long)."""
     user: dict[str, Any] = {}
     for name, value in entries.items():
-        if name.lower().startswith("x-ms-"):
+        if name in BACKLOG_PROPERTIES:
             continue
-        if isinstance(value, bytes | bytearray):
-            text = _as_str(value)
-            if text is None:  # the SDK's sender would fail on it (it decodes bytes values as UTF-8)
+        if _is_leaf(value):
+            code = codes.get(name) or _received_code(value, property_value=True)
+            if code == "s" and isinstance(value, bytes | bytearray) and _as_str(value) is None:
+                # the SDK's sender would fail on it (it decodes bytes values as UTF-8)
                 raise _Invalid(
                     f"application property {name} is binary, not UTF-8 text",
                     f"application property {name!r} holds {len(value)} bytes that are not UTF-8; the SDK cannot "
                     "send them",
                 )
-            value = text
+            try:
+                value = _restore(value, code)
+            except _Mismatch:
+                raise _Invalid(
+                    f"{X_MS_PROPERTY_TYPES} does not fit application property {name}",
+                    f"{X_MS_PROPERTY_TYPES} says {name!r} is {_AMQP_TYPES[code]}, got {_type_name(value)} "
+                    f"{value!r:.80}",
+                ) from None
         user[name] = value
     return user
 
@@ -349,9 +700,13 @@ def from_backlog(
     ``received`` is a ``ServiceBusReceivedMessage`` (or any ``ServiceBusMessage``/``AmqpAnnotatedMessage``;
     only its AMQP sections are read). ``backlog_enqueued_time`` is when the backlog queue accepted it,
     by default the received message's ``x-opt-enqueued-time``; the restored TTL is ``x-ms-timetolive`` minus
-    the time since then (``now - backlog_enqueued_time``, at least 0). A TTL larger than the AMQP header can
-    carry (about 49.7 days, e.g. .NET's TimeSpan.MaxValue) is restored as no TTL: the entity's default applies.
-    Every ``x-ms-*`` application property and every broker annotation (``x-opt-*``) is removed.
+    the time since the message would have become visible: ``max(0, now - max(backlog_enqueued_time,
+    scheduled enqueue time))`` (Service Bus starts a scheduled message's TTL at its scheduled time). A TTL
+    larger than the AMQP header can carry (about 49.7 days, e.g. .NET's TimeSpan.MaxValue) is restored as no
+    TTL: the entity's default applies. The backlog's own properties (:data:`BACKLOG_PROPERTIES`, exact names)
+    and every broker annotation (``x-opt-*``) are removed; a user's other ``x-ms-*`` properties are kept.
+    Application properties and value or sequence bodies get back the AMQP types ``x-ms-propertytypes`` and
+    ``x-ms-bodytypes`` record (see "the AMQP types the SDK's decoder loses").
     """
     raw = _raw(received)
     entries = {_key(key): value for key, value in (raw.application_properties or {}).items()}
@@ -375,7 +730,8 @@ def from_backlog(
                 f"Service Bus requires the partition key to equal the session id, got {partition_key!r} "
                 f"and {session_id!r}",
             )
-        user_properties = _user_properties(entries)
+        user_properties = _user_properties(entries, _types_property(entries))
+        body_types = _body_types_property(entries)
     except _Invalid as invalid:
         return Restored(RestoreStatus.INVALID, entity, reason=invalid.reason, description=invalid.description)
 
@@ -385,14 +741,18 @@ def from_backlog(
         current = _utc(now)
         if enqueued is None or current is None:
             raise ValueError("from_backlog needs now and the backlog enqueued time (none on the message) as datetimes")
-        spent_ms = max(0, round((current - enqueued) / datetime.timedelta(milliseconds=1)))
+        # Service Bus starts a scheduled message's TTL at its scheduled enqueue time
+        visible = enqueued if scheduled is None else max(enqueued, scheduled)
+        spent_ms = max(0, round((current - visible) / datetime.timedelta(milliseconds=1)))
         remaining_ms = ttl_ms - spent_ms
         if remaining_ms <= 0:
+            since = "it was enqueued in the backlog" if visible == enqueued else "its scheduled enqueue time"
             return Restored(
                 RestoreStatus.EXPIRED,
                 entity,
                 reason=TTL_EXPIRED_IN_BACKLOG,
-                description=f"{X_MS_TIME_TO_LIVE} was {ttl_ms} ms and the message spent {spent_ms} ms in the backlog",
+                description=f"{X_MS_TIME_TO_LIVE} was {ttl_ms} ms and {spent_ms} ms passed since {since} "
+                f"({visible.isoformat()})",
             )
         if remaining_ms > _MAX_AMQP_TTL_MS:
             remaining_ms = None
@@ -432,7 +792,7 @@ def from_backlog(
         application_properties=user_properties or None,
         annotations=annotations or None,
         footer=copy.deepcopy(raw.footer),
-        **_body_kwargs(raw),
+        **_restored_body(raw, body_types),
     )
     return Restored(RestoreStatus.RESTORED, entity, _wrap(annotated))
 
@@ -469,3 +829,186 @@ def message_size(message: ServiceBusMessage | AmqpAnnotatedMessage) -> int:
         # the SDK's conversion rewrites bytes values to str in place: give it a copy
         raw.application_properties = dict(raw.application_properties)
     return int(get_message_encoded_size(PyamqpTransport.to_outgoing_amqp_message(raw)))
+
+
+# --- what the SDK can send -------------------------------------------------------------------------------
+
+
+def set_time_to_live(message: ServiceBusMessage, ttl: datetime.timedelta) -> None:
+    """Set ``message``'s TTL to ``ttl`` in milliseconds, rounded up to a whole millisecond (never to 0).
+
+    The SDK's own ``time_to_live`` setter keeps whole seconds only (0.5 s becomes no TTL, 1.5 s becomes 1 s);
+    this sets the AMQP header's ttl directly (the SDK derives the expiry properties from it when sending).
+    Raises ``ValueError`` naming ``time_to_live`` and the value for a TTL <= 0 or beyond what the header (an
+    unsigned 32-bit number of milliseconds, about 49.7 days) can carry."""
+    if not isinstance(ttl, datetime.timedelta):
+        raise ValueError(f"time_to_live must be a timedelta, got {_type_name(ttl)} {ttl!r:.80}")
+    microseconds = (ttl.days * 86_400 + ttl.seconds) * 1_000_000 + ttl.microseconds
+    if microseconds <= 0:
+        raise ValueError(f"time_to_live must be positive, got {ttl}")
+    ms = -(-microseconds // 1000)
+    if ms > _MAX_AMQP_TTL_MS:
+        raise ValueError(
+            f"time_to_live must be at most {_MAX_AMQP_TTL_MS} ms (about 49.7 days, what the AMQP header can "
+            f"carry), got {ttl}"
+        )
+    raw = _raw(message)
+    header = raw.header if raw.header is not None else AmqpMessageHeader()
+    header.time_to_live = ms
+    raw.header = header
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _seconds(ms: int) -> str:
+    return f"{ms // 1000} s" if ms % 1000 == 0 else f"{ms / 1000:.3f} s"
+
+
+def _encodes(value: Any) -> BaseException | None:
+    """The exception the SDK's encoder raises for ``value`` (inside a map or list), or ``None``."""
+    try:
+        encode_value(bytearray(), value)
+    except Exception as exc:  # whatever the encoder raises, this value cannot be sent
+        return exc
+    return None
+
+
+def _leaf_problem(value: Any, exc: BaseException) -> str:
+    if isinstance(value, int) and not isinstance(value, bool) and not _MIN_INT32 <= value <= _MAX_INT32:
+        return f"int {value} is out of range for the SDK's encoder ({_MIN_INT32}..{_MAX_INT32}; send a larger " \
+               "number as an AMQP long, e.g. azure.servicebus._pyamqp.utils.amqp_long_value)"
+    if isinstance(value, str) and isinstance(exc, UnicodeError):
+        return f"str {_show(value)} is not valid Unicode text ({exc})"
+    if isinstance(exc, TypeError) and not _is_typed(value):
+        return f"{_type_name(value)} {_show(value)} is not a type the SDK can encode"
+    return f"{_type_name(value)} {_show(value)} cannot be encoded ({type(exc).__name__}: {exc})"
+
+
+def _body_problem(value: Any, where: str = "", *, top: bool = False) -> tuple[str, str] | None:
+    """(where in a value or sequence body the SDK's encoder fails, why); ``None`` when it does not. At the top
+    of a body the SDK encodes a typed value as a plain map."""
+    exc = _encodes(_typed(AMQPTypes.null, None) if value is None else {TYPE: None, VALUE: value} if top else value)
+    if exc is None:
+        return None
+    if isinstance(value, dict) and (top or not _is_typed(value)):
+        for key, item in value.items():
+            found = _body_problem(key, f"{where} key {_show(key)}".strip()) or _body_problem(
+                item, f"{where}[{_show(key)}]")
+            if found:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _body_problem(item, f"{where}[{index}]")
+            if found:
+                return found
+    return where, _leaf_problem(value, exc)
+
+
+_FIELD_NAMES = {"group_id": "session_id", "reply_to_group_id": "reply_to_session_id"}
+_ANNOTATION_NAMES = {_X_OPT_PARTITION_KEY: "partition_key", _X_OPT_SCHEDULED_ENQUEUE_TIME: "scheduled_enqueue_time_utc"}
+
+
+def _ttl_problem(raw: AmqpAnnotatedMessage) -> str | None:
+    """A TTL the SDK cannot send: beyond the AMQP header's uint, or negative (which the SDK's encoder would
+    send as its absolute value)."""
+    ttl = raw.header.time_to_live if raw.header is not None else None
+    if ttl is None or isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        return None
+    if ttl < 0:
+        return f"time_to_live: {_seconds(int(ttl))} is negative"
+    if ttl > _MAX_AMQP_TTL_MS:
+        return f"time_to_live: {_seconds(int(ttl))} is beyond what the AMQP header can carry " \
+               f"({_seconds(_MAX_AMQP_TTL_MS)}, about 49.7 days)"
+    return None
+
+
+def _problem(raw: AmqpAnnotatedMessage) -> str | None:
+    """The first field of ``raw`` the SDK's encoder fails on, named as the user knows it, with its value."""
+    header = raw.header
+    ttl_problem = _ttl_problem(raw)
+    if ttl_problem:
+        return ttl_problem
+    if header is not None:
+        for name in ("durable", "priority", "first_acquirer", "delivery_count"):
+            value = getattr(header, name, None)
+            if value is not None:
+                exc = _encodes(describe_performative(Header(**{name: value})))
+                if exc is not None:
+                    return f"header {name}: {_type_name(value)} {_show(value)} cannot be encoded ({exc})"
+    properties = raw.properties
+    if properties is not None:
+        for name in ("message_id", "user_id", "to", "subject", "reply_to", "correlation_id", "content_type",
+                     "content_encoding", "absolute_expiry_time", "creation_time", "group_id", "group_sequence",
+                     "reply_to_group_id"):
+            value = getattr(properties, name, None)
+            if value is None:
+                continue
+            exc = _encodes(describe_performative(Properties(**{name: value})))
+            if exc is not None:
+                return f"{_FIELD_NAMES.get(name, name)}: {_leaf_problem(value, exc)}"
+    for section, entries in (("message annotation", raw.annotations), ("delivery annotation",
+                                                                      raw.delivery_annotations),
+                             ("footer", raw.footer)):
+        for key, value in (entries or {}).items():
+            exc = _encodes(encode_annotations({key: value}))
+            if exc is not None:
+                name = _ANNOTATION_NAMES.get(_key(key)) or f"{section} {_show(_key(key))}"
+                return f"{name}: {_leaf_problem(value, exc)}"
+    for key, value in (raw.application_properties or {}).items():
+        name = f"application property {_show(_key(key))}"
+        if not isinstance(key, str | bytes):
+            return f"{name}: the name is a {_type_name(key)}, not a string"
+        if isinstance(value, bytes | bytearray):
+            binary = bytes(value)
+            try:
+                value = binary.decode("utf-8")  # what the SDK does to a bytes value before sending it
+            except UnicodeDecodeError:
+                return f"{name}: bytes {_show(binary)} are not UTF-8 text (the SDK sends bytes as a string)"
+        exc = _encodes(encode_application_properties({key: value}))
+        if exc is not None:
+            if _encodes(encode_application_properties({key: None})) is not None:
+                return f"{name}: the name is not valid Unicode text"
+            return f"{name}: {_leaf_problem(value, exc)}"
+    if raw.body_type == AmqpMessageBodyType.VALUE:
+        found = _body_problem(raw.body, top=True)
+        if found:
+            return f"value body{' ' + found[0] if found[0] else ''}: {found[1]}"
+    elif raw.body_type == AmqpMessageBodyType.SEQUENCE:
+        for index, section in enumerate(raw.body):
+            found = _body_problem(section, top=True)
+            if found:
+                return f"sequence body section {index}{' ' + found[0] if found[0] else ''}: {found[1]}"
+    else:
+        for index, section in enumerate(raw.body or ()):
+            if not isinstance(section, bytes | bytearray | memoryview):
+                return f"data body section {index}: {_type_name(section)} {_show(section)} is not bytes"
+    return None
+
+
+def check_encodable(message: ServiceBusMessage, entity: str) -> None:
+    """Raise :class:`~spark_sb.errors.BadMessageError` (``message_id``, ``entity``, reason) when the SDK cannot
+    encode ``message``; the reason names the field and its value, e.g. ``application property 'n': int
+    3000000000 is out of range for the SDK's encoder``, ``application property 'b': bytes b'\\xff' are not UTF-8
+    text``, ``time_to_live: -1 s is negative`` (the SDK would send its absolute value). One encode attempt
+    (:func:`message_size`) in the common case; only a failure looks field by field for the culprit.
+    ``message`` is not modified."""
+    _check_encodable(_raw(message), entity)
+
+
+def _check_encodable(raw: AmqpAnnotatedMessage, entity: str, sent: AmqpAnnotatedMessage | None = None) -> None:
+    """:func:`check_encodable` of ``raw``, or of ``sent`` (a rewrite of ``raw``) when given: a failure is
+    then explained by ``raw``'s fields where they are the cause."""
+    properties = raw.properties
+    message_id = _str_or_raw(properties.message_id) if properties is not None else None
+    ttl_problem = _ttl_problem(raw)
+    if ttl_problem:
+        raise BadMessageError(message_id, entity, ttl_problem)
+    try:
+        message_size(raw if sent is None else sent)
+    except Exception as exc:  # any failure of the SDK's encoder: this message can never be sent
+        reason = (_problem(raw) or (None if sent is None else _problem(sent))
+                  or f"the SDK cannot encode it ({type(exc).__name__}: {exc})")
+        raise BadMessageError(message_id, entity, reason) from exc

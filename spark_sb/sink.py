@@ -574,8 +574,11 @@ def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
         if value is not None:
             kwargs[name] = value
     ttl = row.get("time_to_live")
-    if ttl is not None:
-        kwargs["time_to_live"] = ttl if isinstance(ttl, datetime.timedelta) else datetime.timedelta(seconds=ttl)
+    if ttl is not None and not isinstance(ttl, datetime.timedelta):
+        try:
+            ttl = datetime.timedelta(seconds=ttl)
+        except OverflowError:
+            raise ValueError(f"time_to_live: {ttl} s is out of range") from None
     scheduled = row.get("scheduled_enqueue_time")
     if scheduled is not None:
         kwargs["scheduled_enqueue_time_utc"] = _utc(scheduled)
@@ -585,5 +588,10 @@ def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
         kwargs["application_properties"] = {
             str(k): (_utc(v) if isinstance(v, datetime.datetime) else v) for k, v in pairs if v is not None
         }
-    return ServiceBusMessage(row["body"], **kwargs)
+    message = ServiceBusMessage(row["body"], **kwargs)
+    if ttl is not None:  # in milliseconds: the SDK's own setter keeps whole seconds only
+        from .messages import set_time_to_live
+
+        set_time_to_live(message, ttl)
+    return message
 

@@ -20,19 +20,24 @@ from azure.servicebus._pyamqp.utils import amqp_long_value, amqp_timestamp_value
 from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
 from azure.servicebus.amqp import AmqpAnnotatedMessage, AmqpMessageBodyType
 
+from spark_sb.errors import BadMessageError
 from spark_sb.messages import (
+    BACKLOG_PROPERTIES,
     PING_CONTENT_TYPE,
     TTL_EXPIRED_IN_BACKLOG,
     X_MS_PARTITION_KEY,
     X_MS_PATH,
+    X_MS_REPARKED_FROM,
     X_MS_SCHEDULED_ENQUEUE_TIME,
     X_MS_SESSION_ID,
     X_MS_TIME_TO_LIVE,
     RestoreStatus,
+    check_encodable,
     from_backlog,
     is_ping,
     message_size,
     ping_message,
+    set_time_to_live,
     to_backlog,
 )
 
@@ -160,6 +165,8 @@ def test_round_trip_restores_every_field(kind: str) -> None:
     original = with_body(kind)
     in_backlog = receive(to_backlog(original, "orders"), enqueued=ENQUEUED)
 
+    # the message is scheduled for later: its TTL has not started yet (Service Bus starts it at the
+    # scheduled enqueue time), so all of it remains
     restored = from_backlog(in_backlog, now=ENQUEUED + dt.timedelta(seconds=90))
 
     assert restored.status is RestoreStatus.RESTORED and restored.ok
@@ -169,15 +176,13 @@ def test_round_trip_restores_every_field(kind: str) -> None:
     assert message.session_id == "session-1"
     assert message.partition_key == "session-1"
     assert message.scheduled_enqueue_time_utc == SCHEDULED
-    assert message.time_to_live == dt.timedelta(minutes=10) - dt.timedelta(seconds=90)
+    assert message.time_to_live == dt.timedelta(minutes=10)
     assert not [k for k in message.application_properties or {} if str(k).startswith("x-ms-")]
-    expected = seen_by_consumer(receive(original))
-    expected["time_to_live"] = dt.timedelta(minutes=8, seconds=30)
-    assert seen_by_consumer(receive(message)) == expected
+    assert seen_by_consumer(receive(message)) == seen_by_consumer(receive(original))
 
 
 def test_ttl_counts_from_the_backlog_enqueued_time_given() -> None:
-    in_backlog = receive(to_backlog(full_message(), "orders"), enqueued=ENQUEUED)
+    in_backlog = receive(to_backlog(full_message(scheduled_enqueue_time_utc=None), "orders"), enqueued=ENQUEUED)
     restored = from_backlog(
         in_backlog,
         now=ENQUEUED + dt.timedelta(minutes=5),
@@ -189,7 +194,7 @@ def test_ttl_counts_from_the_backlog_enqueued_time_given() -> None:
 
 @pytest.mark.parametrize("spent", [dt.timedelta(minutes=10), dt.timedelta(hours=3)])
 def test_a_message_expired_in_the_backlog_is_dead_lettered(spent: dt.timedelta) -> None:
-    in_backlog = receive(to_backlog(full_message(), "orders"), enqueued=ENQUEUED)
+    in_backlog = receive(to_backlog(full_message(scheduled_enqueue_time_utc=None), "orders"), enqueued=ENQUEUED)
     restored = from_backlog(in_backlog, now=ENQUEUED + spent)
     assert restored.status is RestoreStatus.EXPIRED
     assert restored.reason == TTL_EXPIRED_IN_BACKLOG
@@ -213,8 +218,8 @@ def test_stale_backlog_properties_on_the_input_are_replaced() -> None:
     assert text_properties(received.application_properties) == {X_MS_PATH: "orders"}
 
 
-def test_every_x_ms_property_and_broker_annotation_is_removed() -> None:
-    original = full_message(application_properties={"x-ms-extra": "1", "keep": "yes"})
+def test_the_backlog_properties_and_broker_annotations_are_removed() -> None:
+    original = full_message(application_properties={"keep": "yes"})
     restored = from_backlog(receive(to_backlog(original, "orders")), now=ENQUEUED)
     assert restored.message is not None
     assert restored.message.application_properties == {"keep": "yes"}
@@ -300,3 +305,162 @@ def test_pings_are_recognised_after_the_wire() -> None:
 def test_to_backlog_needs_an_entity() -> None:
     with pytest.raises(ValueError, match="entity"):
         to_backlog(full_message(), "")
+
+
+# --- issue 9: nothing lost, nothing wedged -------------------------------------------------------------------
+
+def on_the_wire(message: ServiceBusMessage | AmqpAnnotatedMessage) -> Any:
+    """The message as the SDK puts it on the wire, decoded by proton (which, unlike the SDK's decoder, keeps
+    every AMQP type: str for a string, bytes for binary, ``timestamp``, ``int32``, ``symbol``...)."""
+    import proton
+
+    outgoing = transform_outbound_messages(message, ServiceBusMessage, PyamqpTransport.to_outgoing_amqp_message)
+    decoded = proton.Message()
+    decoded.decode(bytes(encode_payload(bytearray(), outgoing._message)))
+    return decoded
+
+
+def typed(value: Any) -> Any:
+    """``value`` with the type of every part spelled out, so that equality compares AMQP types too."""
+    if isinstance(value, dict):
+        return {typed(k): typed(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [typed(v) for v in value]
+    if isinstance(value, memoryview):  # proton's binary
+        value = value.tobytes()
+    return (type(value).__name__, value)
+
+
+EVERY_PROPERTY_TYPE: dict[str, Any] = {
+    "str": "text",
+    "int": 7,
+    "int-min": -(2**31),
+    "long": amqp_long_value(2**40),  # the SDK encodes a plain int as an AMQP int: a long goes wrapped
+    "small-long": amqp_long_value(5),
+    "float": 0.25,
+    "bool": True,
+    "bytes": b"raw",  # the SDK sends bytes values as strings
+    "uuid": uuid.UUID("12345678-1234-5678-1234-567812345678"),
+    "datetime": dt.datetime(2030, 1, 2, 3, 4, 5, 678000, tzinfo=dt.UTC),
+    "before-1970": dt.datetime(1969, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC),
+    "none": None,
+}
+
+
+def test_every_property_type_keeps_its_type_and_value_through_the_backlog() -> None:
+    original = ServiceBusMessage(b"x", message_id="types", application_properties=dict(EVERY_PROPERTY_TYPE))
+    restored = from_backlog(receive(to_backlog(original, "orders")), now=ENQUEUED)
+    assert restored.ok and restored.message is not None
+    assert typed(on_the_wire(restored.message).properties) == typed(on_the_wire(original).properties)
+    assert typed(receive(restored.message).application_properties) == typed(receive(original).application_properties)
+
+
+VALUE_BODY = {"a": "text", "b": b"bin", "c": ["x", 1], "d": dt.datetime(2031, 1, 1, tzinfo=dt.UTC),
+              "e": {"nested": [b"\x00\xff", "y", 2.5, None, True]}}
+SEQUENCE_BODY = [["x", b"y", 3], [{"k": "v", "b": b"\x01"}]]
+
+
+@pytest.mark.parametrize("kind", ["value", "sequence"])
+def test_strings_stay_strings_and_binary_stays_binary_in_value_and_sequence_bodies(kind: str) -> None:
+    body = AmqpAnnotatedMessage(value_body=VALUE_BODY) if kind == "value" else AmqpAnnotatedMessage(
+        sequence_body=SEQUENCE_BODY)
+    original = transform_outbound_messages(body, ServiceBusMessage, PyamqpTransport.to_outgoing_amqp_message)
+    original.message_id = "bodies"
+    restored = from_backlog(receive(to_backlog(original, "orders")), now=ENQUEUED)
+    assert restored.ok and restored.message is not None
+    assert typed(on_the_wire(restored.message).body) == typed(on_the_wire(original).body)
+    assert seen_by_consumer(receive(restored.message)) == seen_by_consumer(receive(original))
+
+
+def test_a_scheduled_message_ttl_starts_at_its_scheduled_time() -> None:
+    in_backlog = receive(to_backlog(full_message(), "orders"), enqueued=ENQUEUED)  # TTL 10 min, SCHEDULED later
+    before = from_backlog(in_backlog, now=SCHEDULED - dt.timedelta(hours=1))
+    assert before.message is not None and before.message.time_to_live == dt.timedelta(minutes=10)
+    after = from_backlog(in_backlog, now=SCHEDULED + dt.timedelta(seconds=90))
+    assert after.message is not None and after.message.time_to_live == dt.timedelta(minutes=8, seconds=30)
+    expired = from_backlog(in_backlog, now=SCHEDULED + dt.timedelta(minutes=10))
+    assert expired.status is RestoreStatus.EXPIRED
+    assert "600000 ms" in (expired.description or "") and "scheduled" in (expired.description or "")
+
+
+def test_a_user_x_ms_property_survives_the_backlog_only_ours_are_consumed() -> None:
+    mine = {"x-ms-foo": "1", "X-MS-Path": "not ours", "x-ms-sessionid-copy": "2", "keep": "yes"}
+    restored = from_backlog(receive(to_backlog(full_message(application_properties=dict(mine)), "orders")),
+                            now=ENQUEUED)
+    assert restored.message is not None
+    assert text_properties(restored.message.application_properties) == mine
+    assert X_MS_REPARKED_FROM == "x-ms-reparked-from" and X_MS_REPARKED_FROM in BACKLOG_PROPERTIES
+    reparked = backlog_message(**{X_MS_PATH: "orders", X_MS_REPARKED_FROM: "sy/x-servicebus-transfer/3", "k": "v"})
+    restored = from_backlog(reparked, now=ENQUEUED)
+    assert restored.message is not None and text_properties(restored.message.application_properties) == {"k": "v"}
+
+
+@pytest.mark.parametrize(
+    ("ttl", "ms"),
+    [(dt.timedelta(seconds=1.5), 1500), (dt.timedelta(milliseconds=500), 500), (dt.timedelta(microseconds=1), 1),
+     (dt.timedelta(milliseconds=1, microseconds=1), 2), (dt.timedelta(milliseconds=0xFFFFFFFF), 0xFFFFFFFF)],
+)
+def test_set_time_to_live_keeps_milliseconds_rounding_up(ttl: dt.timedelta, ms: int) -> None:
+    message = ServiceBusMessage(b"x")
+    set_time_to_live(message, ttl)
+    assert message.raw_amqp_message.header.time_to_live == ms
+    assert receive(message).time_to_live == dt.timedelta(milliseconds=ms)
+
+
+@pytest.mark.parametrize("ttl", [dt.timedelta(0), dt.timedelta(seconds=-1), dt.timedelta(milliseconds=0x100000000)])
+def test_set_time_to_live_refuses_what_the_header_cannot_carry(ttl: dt.timedelta) -> None:
+    with pytest.raises(ValueError, match="time_to_live") as raised:
+        set_time_to_live(ServiceBusMessage(b"x"), ttl)
+    assert str(ttl) in str(raised.value)
+
+
+def test_the_sink_keeps_a_ttl_under_one_second() -> None:
+    from spark_sb.sink import _to_message
+
+    assert _to_message({"body": b"x", "time_to_live": 0.5}, "m").raw_amqp_message.header.time_to_live == 500
+    assert _to_message({"body": b"x", "time_to_live": dt.timedelta(seconds=1.5)}, "m").time_to_live == dt.timedelta(
+        seconds=1.5)
+    with pytest.raises(ValueError, match="time_to_live"):
+        _to_message({"body": b"x", "time_to_live": 1e20}, "m")
+
+
+def big_int_in_body() -> ServiceBusMessage:
+    return transform_outbound_messages(AmqpAnnotatedMessage(value_body={"a": [1, 3_000_000_000]},
+                                                            properties={"message_id": "m-bad"}),
+                                       ServiceBusMessage, PyamqpTransport.to_outgoing_amqp_message)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda: ServiceBusMessage(b"x", message_id="m-bad", application_properties={"n": 3_000_000_000}),
+         "application property 'n': int 3000000000 is out of range for the SDK's encoder"),
+        (lambda: ServiceBusMessage(b"x", message_id="m-bad", application_properties={"b": b"\xff\xfe"}),
+         "application property 'b': bytes b'\\xff\\xfe' are not UTF-8 text"),
+        (lambda: ServiceBusMessage(b"x", message_id="m-bad", application_properties={"s": {1, 2}}),
+         "application property 's': set {1, 2} is not a type the SDK can encode"),
+        (lambda: ServiceBusMessage(b"x", message_id="m-bad", time_to_live=dt.timedelta(seconds=-1)),
+         "time_to_live: -1 s is negative"),
+        (lambda: ServiceBusMessage(b"x", message_id="m-bad", time_to_live=dt.timedelta(days=60)),
+         "time_to_live: 5184000 s is beyond"),
+        (lambda: ServiceBusMessage(b"x", message_id="m-bad", subject="a\ud800b"),
+         "subject: str 'a\\ud800b' is not valid Unicode text"),
+        (big_int_in_body, "value body ['a'][1]: int 3000000000 is out of range for the SDK's encoder"),
+    ],
+    ids=["int-range", "bytes-not-utf8", "set", "ttl-negative", "ttl-too-long", "surrogate", "body-int"],
+)
+def test_an_unencodable_message_is_a_bad_message_naming_the_field(make: Any, reason: str) -> None:
+    with pytest.raises(BadMessageError) as raised:
+        check_encodable(make(), "orders")
+    assert raised.value.message_id == "m-bad" and raised.value.entity == "orders"
+    assert reason in raised.value.reason
+    with pytest.raises(BadMessageError) as raised:
+        to_backlog(make(), "orders")
+    assert reason in raised.value.reason
+
+
+def test_an_encodable_message_passes_and_is_not_modified() -> None:
+    message = full_message(application_properties={"b": b"bytes", **EVERY_PROPERTY_TYPE})
+    before = repr(message)
+    assert check_encodable(message, "orders") is None
+    assert repr(message) == before and message.application_properties["b"] == b"bytes"
