@@ -154,13 +154,65 @@ def _text(value: Any) -> str | None:
     return str(value)
 
 
+def _json_value(value: Any) -> Any:
+    """``value`` as JSON can hold it; raises ``TypeError`` for a map key JSON cannot hold (binary, uuid...)."""
+    if isinstance(value, dict):
+        if set(value) == {"TYPE", "VALUE"}:  # a pyamqp typed value (a restored long, symbol, timestamp...)
+            return _json_value(value["VALUE"])
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str | int | float | bool) and key is not None:
+                raise TypeError(f"a {type(key).__name__} map key")
+            out[key] = _json_value(item)
+        return out
+    if isinstance(value, list | tuple):
+        return [_json_value(item) for item in value]
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, bytes | bytearray | memoryview):
+        return _text(bytes(value))
+    if value is None or isinstance(value, str | int | float | bool):
+        return value
+    return str(value)  # uuid, decimal
+
+
 def _body(message: Any) -> bytes:
+    """The body as bytes: a data body's sections joined; a value or sequence body as JSON when JSON can hold
+    it, else as the SDK encodes the body section(s) (AMQP). Never raises: a foreign shape is still a row."""
     from azure.servicebus.amqp import AmqpMessageBodyType
 
-    raw = message.raw_amqp_message
-    if raw.body_type == AmqpMessageBodyType.DATA:
-        return b"".join(bytes(section) for section in raw.body)
-    return json.dumps(raw.body, default=_text).encode("utf-8")
+    try:
+        raw = message.raw_amqp_message
+        if raw.body_type == AmqpMessageBodyType.DATA:
+            return b"".join(bytes(section) for section in raw.body)
+        body = raw.body if raw.body_type == AmqpMessageBodyType.VALUE else list(raw.body)
+    except Exception as exc:  # not a message the SDK could read: an empty body, the status says why
+        _LOGGER.warning("backlog message body unreadable: %s: %s", type(exc).__name__, exc)
+        return b""
+    try:
+        return json.dumps(_json_value(body)).encode("utf-8")
+    except (TypeError, ValueError, RecursionError):
+        pass
+    try:
+        return msgs.encoded_body(message)
+    except Exception as exc:  # nothing encodes it: an empty body, never a failed batch
+        _LOGGER.warning("backlog message body not encodable: %s: %s", type(exc).__name__, exc)
+        return b""
+
+
+def _property_text(value: Any) -> str | None:
+    if isinstance(value, dict) and set(value) == {"TYPE", "VALUE"}:  # a pyamqp typed value
+        inner = value["VALUE"]
+        if value["TYPE"] == "TIMESTAMP" and isinstance(inner, int):
+            try:
+                return (datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+                        + datetime.timedelta(milliseconds=inner)).isoformat()
+            except OverflowError:
+                return str(inner)
+        return _property_text(inner)
+    if isinstance(value, datetime.datetime):
+        return value.isoformat()
+    return _text(value)
 
 
 def _utc(value: Any) -> datetime.datetime | None:
@@ -185,7 +237,7 @@ def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
                 None, None, None, None, None, *coordinates, restored.status.value, restored.reason)
     m = restored.message
     ttl = m.time_to_live
-    properties = {_text(k): _text(v) for k, v in (m.application_properties or {}).items()}
+    properties = {_text(k): _property_text(v) for k, v in (m.application_properties or {}).items()}
     return (restored.entity, _text(m.message_id), _body(m), _text(m.session_id), _text(m.partition_key),
             _text(m.correlation_id), _text(m.subject), _text(m.content_type), _text(m.to), _text(m.reply_to),
             _text(m.reply_to_session_id), None if ttl is None else int(ttl.total_seconds() * 1000),

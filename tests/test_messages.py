@@ -464,3 +464,26 @@ def test_an_encodable_message_passes_and_is_not_modified() -> None:
     before = repr(message)
     assert check_encodable(message, "orders") is None
     assert repr(message) == before and message.application_properties["b"] == b"bytes"
+
+
+@pytest.mark.parametrize(
+    "value_body",
+    [{b"binary-key": [1, {"n": None}]}, [[1, [2, [b"\x00\xff", "x"]]]], uuid.UUID(int=5),
+     {"when": dt.datetime(2030, 1, 1, tzinfo=dt.UTC), "id": uuid.UUID(int=7)}, {1: "int key", 2.5: b"v"},
+     "text", 42],
+    ids=["binary-keys", "nested-lists", "uuid", "timestamp-uuid", "number-keys", "str", "int"],
+)
+@pytest.mark.parametrize("with_path", [True, False], ids=["restored", "invalid"])
+def test_the_backlog_source_turns_any_value_body_into_a_row(value_body: Any, with_path: bool) -> None:
+    from spark_sb.source import SCHEMA, backlog_row
+
+    original = transform_outbound_messages(AmqpAnnotatedMessage(value_body=value_body,
+                                                                properties={"message_id": "v-1"}),
+                                           ServiceBusMessage, PyamqpTransport.to_outgoing_amqp_message)
+    received = receive(to_backlog(original, "orders")) if with_path else receive(original)
+    row = backlog_row(received, "sy/x-servicebus-transfer/0", ENQUEUED)
+    assert len(row) == len(SCHEMA.fields)
+    fields = dict(zip(SCHEMA.fieldNames(), row, strict=True))
+    assert fields["status"] == ("restored" if with_path else "invalid")
+    assert fields["message_id"] == "v-1"
+    assert isinstance(fields["body"], bytes) and fields["body"]
