@@ -43,6 +43,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -337,18 +338,21 @@ class Stage:
         dead: collections.Counter[str] = collections.Counter()
         keys = set(self.keys)
         foreign = 0
-        with _client(self.emu["primary"].connection_string) as client:
-            for q in QUEUES:
-                ids = [str(m.message_id) for m in _peek_all(client, q)]
-                primary[q] = [i for i in ids if i in keys]
-                foreign += len(ids) - len(primary[q])
-                dead[q] += len(_peek_all(client, q, ServiceBusSubQueue.DEAD_LETTER))
-        with _client(self.emu["secondary"].connection_string) as client:
-            for queue in self.backlog_queues:
-                for m in _peek_all(client, queue):
-                    parked[messages.from_backlog(m, now).entity or "?"] += 1
-                for m in _peek_all(client, queue, ServiceBusSubQueue.DEAD_LETTER):
-                    dead[messages.from_backlog(m, now).entity or "?"] += 1
+        p, s, dlq = self.emu["primary"], self.emu["secondary"], ServiceBusSubQueue.DEAD_LETTER
+        wanted = [(p, q, None) for q in QUEUES] + [(p, q, dlq) for q in QUEUES]
+        wanted += [(s, q, sub) for q in self.backlog_queues for sub in (None, dlq)]
+        with ThreadPoolExecutor(len(wanted)) as pool:  # opening and closing a receiver takes ~1 s
+            peeked = list(pool.map(lambda w: _peek_all(w[0].connection_string, w[1], w[2]), wanted))
+        for (namespace, queue, sub), found in zip(wanted, peeked, strict=True):
+            if namespace is p and sub is None:
+                ids = [str(m.message_id) for m in found]
+                primary[queue] = [i for i in ids if i in keys]
+                foreign += len(ids) - len(primary[queue])
+            elif namespace is p:
+                dead[queue] += len(found)
+            else:
+                entities = collections.Counter(messages.from_backlog(m, now).entity or "?" for m in found)
+                (parked if sub is None else dead).update(entities)
         for q in QUEUES:
             got = set(primary[q])
             missing = keys - rejected[q] - got
@@ -398,13 +402,11 @@ def _first_line(error: Any) -> str:
     return text.splitlines()[0][:240] if text else type(error).__name__
 
 
-def _client(conn_str: str) -> ServiceBusClient:
-    return ServiceBusClient.from_connection_string(conn_str, retry_total=1)
-
-
-def _peek_all(client: ServiceBusClient, queue: str, sub_queue: Any = None) -> list[Any]:
+def _peek_all(conn_str: str, queue: str, sub_queue: Any = None) -> list[Any]:
+    """Every message of ``queue`` (or its ``sub_queue``), peeked: nothing is locked or removed."""
     out: list[Any] = []
-    with client.get_queue_receiver(queue, sub_queue=sub_queue) as receiver:
+    with ServiceBusClient.from_connection_string(conn_str, retry_total=1) as client, \
+            client.get_queue_receiver(queue, sub_queue=sub_queue) as receiver:
         seq = 0
         while page := receiver.peek_messages(max_message_count=250, sequence_number=seq, timeout=20):
             out.extend(page)
@@ -751,11 +753,15 @@ class Bench:
                 except Exception:
                     pass
         if stage is not None:
+            counted = time.monotonic()
             try:
                 stage.count()
             except Exception as err:
                 result.flag("crashed", f"counting failed: {type(err).__name__}: {_first_line(err)}")
+            closed = time.monotonic()
             stage.close()
+            say(f"  {spec.name}: counted in {closed - counted:.1f} s, emulator stopped in "
+                f"{time.monotonic() - closed:.1f} s")
         result.seconds = time.monotonic() - started
         c = result.counts
         say(f"== {spec.name}: {result.status}, lost {c[DEDUP].lost}/{c[PLAIN].lost}, duplicated "
@@ -763,7 +769,9 @@ class Bench:
         return result
 
     def close(self) -> None:
+        started = time.monotonic()
         self.spark.stop()
+        say(f"Spark stopped in {time.monotonic() - started:.1f} s")
 
 
 def table(results: list[RowResult]) -> str:
