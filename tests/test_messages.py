@@ -487,3 +487,80 @@ def test_the_backlog_source_turns_any_value_body_into_a_row(value_body: Any, wit
     assert fields["status"] == ("restored" if with_path else "invalid")
     assert fields["message_id"] == "v-1"
     assert isinstance(fields["body"], bytes) and fields["body"]
+
+
+# --- end to end on the emulator, with the real SDK -----------------------------------------------------------
+
+def _send(connection_string: str, queue: str, message: ServiceBusMessage) -> None:
+    from azure.servicebus import ServiceBusClient
+
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client:
+        with client.get_queue_sender(queue) as sender:
+            sender.send_messages(message)
+
+
+def _receive_one(connection_string: str, queue: str) -> ServiceBusReceivedMessage:
+    from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
+
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+            got = receiver.receive_messages(max_message_count=1, max_wait_time=5)
+    assert len(got) == 1, f"nothing received from {queue}"
+    return got[0]
+
+
+def _stored(emulator: Any, namespace: str, queue: str) -> Any:
+    """The one message stored in ``queue``, as its sender encoded it, decoded by proton (AMQP types kept)."""
+    import proton
+
+    server = emulator.server(namespace)
+    stored = server.call(lambda: server.broker.peek(queue, 0, 10))
+    assert len(stored) == 1
+    decoded = proton.Message()
+    decoded.decode(stored[0].raw)
+    return decoded
+
+
+def _e2e_message(kind: str) -> ServiceBusMessage:
+    if kind == "properties":
+        return ServiceBusMessage(b"x", message_id="e2e", application_properties=dict(EVERY_PROPERTY_TYPE))
+    body = AmqpAnnotatedMessage(value_body=VALUE_BODY) if kind == "value" else AmqpAnnotatedMessage(
+        sequence_body=SEQUENCE_BODY)
+    message = transform_outbound_messages(body, ServiceBusMessage, PyamqpTransport.to_outgoing_amqp_message)
+    message.message_id = "e2e"
+    return message
+
+
+@pytest.mark.parametrize("kind", ["properties", "value", "sequence"])
+def test_primary_backlog_primary_on_the_emulator_keeps_every_type(emulator: Any, primary: Any, secondary: Any,
+                                                                  make_queue: Any, kind: str) -> None:
+    backlog, restored_queue, direct = make_queue("secondary"), make_queue(), make_queue()
+    _send(secondary.connection_string, backlog, to_backlog(_e2e_message(kind), restored_queue))
+    in_backlog = _receive_one(secondary.connection_string, backlog)  # what the syphon gets
+    restored = from_backlog(in_backlog, now=in_backlog.enqueued_time_utc)
+    assert restored.ok and restored.entity == restored_queue and restored.message is not None
+    _send(primary.connection_string, restored_queue, restored.message)
+    _send(primary.connection_string, direct, _e2e_message(kind))
+
+    sent_back, sent_direct = _stored(emulator, "primary", restored_queue), _stored(emulator, "primary", direct)
+    assert typed(sent_back.properties) == typed(sent_direct.properties)
+    assert typed(sent_back.body) == typed(sent_direct.body)
+    assert seen_by_consumer(_receive_one(primary.connection_string, restored_queue)) == seen_by_consumer(
+        _receive_one(primary.connection_string, direct))
+
+
+def test_a_500_ms_ttl_reaches_the_wire_and_expires(emulator_with_clock: Any, fake_clock: Any) -> None:
+    queue = emulator_with_clock.make_queue()
+    connection_string = emulator_with_clock["clocked"].connection_string
+    short = ServiceBusMessage(b"short", message_id="short")
+    set_time_to_live(short, dt.timedelta(milliseconds=500))
+    long = ServiceBusMessage(b"long", message_id="long")
+    set_time_to_live(long, dt.timedelta(minutes=1))
+    _send(connection_string, queue, short)
+    _send(connection_string, queue, long)
+    server = emulator_with_clock.emu.server("clocked")
+    stored = {m.message_id: m for m in server.call(lambda: server.broker.peek(queue, 0, 10))}
+    assert stored["short"].expires_at - stored["short"].enqueued_time == pytest.approx(0.5)
+    fake_clock.advance(1)
+    received = _receive_one(connection_string, queue)
+    assert received.message_id == "long" and received.time_to_live == dt.timedelta(minutes=1)
