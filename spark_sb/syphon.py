@@ -35,7 +35,7 @@ import datetime
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,11 +49,14 @@ from .paired import PairedSender
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["REJECTED_BY_DESTINATION", "MoveSummary", "Outcome", "Republisher", "Syphon", "SyphonSettleError",
-           "republish_deferred", "settle_outcomes"]
+__all__ = ["REJECTED_BY_DESTINATION", "X_MS_REPARKED_FROM", "MoveSummary", "Outcome", "Republisher", "Syphon",
+           "SyphonSettleError", "reparked_copies", "republish_deferred", "settle_outcomes"]
 
 #: dead-letter reason for a restored message that the destination refused as invalid
 REJECTED_BY_DESTINATION = "RejectedByDestination"
+#: the application property of a re-parked copy: ``"<backlog queue>:<sequence number of the original>"``
+#: (:func:`spark_sb.messages.from_backlog` strips it with every ``x-ms-*`` property)
+X_MS_REPARKED_FROM: str = getattr(msgs, "X_MS_REPARKED_FROM", "x-ms-reparked-from")
 _MAX_DESCRIPTION = 1024
 
 
@@ -163,6 +166,7 @@ class Syphon:
         self._primary: Any = None
         self._secondary: Any = None
         self._primary_senders: dict[str, Any] = {}
+        self._backlog_senders: dict[str, Any] = {}  # re-parking: one sender per backlog queue
 
     @classmethod
     def from_config(cls, source: Any, *, sender: PairedSender | None = None,
@@ -218,6 +222,8 @@ class Syphon:
         self._receivers = {}
         for entity in list(self._primary_senders):
             self._reset_primary(entity)
+        for queue in list(self._backlog_senders):
+            self._reset_backlog_sender(queue)
         for client in (self._primary, self._secondary):
             if client is not None:
                 try:
@@ -273,12 +279,16 @@ class Syphon:
                          summary.received, summary.moved, summary.dead_lettered, summary.left)
         return summary
 
-    def settle(self, receiver: Any | None, received: Sequence[Any], summary: MoveSummary) -> None:
+    def settle(self, receiver: Any | None, received: Sequence[Any], summary: MoveSummary, *,
+               reparked: Collection[int] = ()) -> None:
         """Restore, republish and settle messages ``received`` (locked) by ``receiver``. Every message ends
         completed, dead-lettered or abandoned, with its :class:`Outcome` in ``summary.outcomes``.
 
         ``receiver`` None: the messages were peeked (deferred, not locked); decide, republish and re-park
-        only, and settle nothing: the caller settles them from the outcomes (:func:`settle_outcomes`)."""
+        only, and settle nothing: the caller settles them from the outcomes (:func:`settle_outcomes`).
+        ``reparked``: sequence numbers of messages whose re-parked copy is already in the backlog queue (an
+        attempt that died re-parked them, see :func:`reparked_copies`): nothing is sent for them, their
+        outcome is ``reparked`` (the copy carries them on)."""
         now = datetime.datetime.fromtimestamp(self._clock(), datetime.UTC)
         groups: dict[str, list[tuple[Any, ServiceBusMessage]]] = {}
         for message in received:
@@ -294,6 +304,13 @@ class Syphon:
             if not restored.ok or restored.entity is None or restored.message is None:
                 self._dead_letter(receiver, message, str(restored.reason), restored.description, summary,
                                   restored.entity)
+                continue
+            if reparked and getattr(message, "sequence_number", None) in reparked:
+                _settle(receiver, "complete_message", message)
+                summary.outcomes.append(_outcome(summary.backlog_queue, message, restored.entity, "reparked"))
+                _add(summary.left, restored.entity)
+                _LOGGER.info("backlog message %s was re-parked by an earlier attempt: not sent again",
+                             getattr(message, "message_id", None))
                 continue
             groups.setdefault(restored.entity, []).append((message, restored.message))
         pending = list(groups.items())
@@ -329,7 +346,7 @@ class Syphon:
                 _add(summary.moved, entity, len(batch))
                 self._healthy_at[entity] = self._clock()
         except _BadMessage as bad:  # the messages before it were sent; dead-letter it, go on with the rest
-            self._dead_letter(receiver, bad.message, REJECTED_BY_DESTINATION, bad.description, summary, entity)
+            self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
             rest = [item for item in items[done:] if item[0] is not bad.message]
             if rest:
                 self._deliver(receiver, entity, rest, summary, one_by_one=one_by_one)
@@ -366,33 +383,71 @@ class Syphon:
                  ) -> Iterator[list[tuple[Any, ServiceBusMessage]]]:
         """Groups that fit one ``ServiceBusMessageBatch`` (or single messages); a message that fits no batch
         or cannot be encoded is raised as :class:`_BadMessage`."""
-        sdk_sender = self._primary_sender(entity)
-        batch: list[tuple[Any, ServiceBusMessage]] = []
-        current = sdk_sender.create_message_batch()
-        for item in items:
-            if batch and (one_by_one or not _fits(current, item, entity)):
-                yield batch
-                batch, current = [], sdk_sender.create_message_batch()
-            if not batch and not _fits(current, item, entity):
-                raise _BadMessage(item[0], f"too large for {entity!r} ({msgs.message_size(item[1])} bytes, the "
-                                           f"limit is {current.max_size_in_bytes})")
-            batch.append(item)
-        if batch:
-            yield batch
+        return _batches(self._primary_sender(entity), items, entity, one_by_one)
 
     def _leave(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
-        if self.repark and items:
-            copies = [msgs.to_backlog(restored, entity) for _, restored in items]
-            with self._secondary_client().get_queue_sender(summary.backlog_queue) as sdk_sender:
-                sdk_sender.send_messages(copies)  # raises: nothing completed, the batch fails and is replayed
-        for message, _ in items:
-            _settle(receiver, "complete_message" if self.repark else "abandon_message", message)
-            summary.outcomes.append(_outcome(summary.backlog_queue, message, entity,
-                                             "reparked" if self.repark else "left"))
-        if items:
-            _add(summary.left, entity, len(items))
         if entity not in summary.down:
             summary.down.append(entity)
+        if not self.repark:
+            for message, _ in items:
+                _settle(receiver, "abandon_message", message)
+                summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left"))
+            if items:
+                _add(summary.left, entity, len(items))
+            return
+        self._repark(receiver, entity, items, summary)
+
+    def _repark(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
+        """Send a copy of each message back to its backlog queue, in batches that fit, then complete the
+        original. Each copy carries :data:`X_MS_REPARKED_FROM` naming its original, so that a replay finds
+        it (:func:`reparked_copies`). A message that cannot be encoded is dead-lettered; a failed send
+        raises (what it held is not completed: the caller's batch fails and is replayed)."""
+        queue = summary.backlog_queue
+        copies: list[tuple[Any, ServiceBusMessage]] = []
+        for message, restored in items:
+            try:
+                copy = msgs.to_backlog(restored, entity)
+                properties = copy.application_properties
+                if properties is None:
+                    properties = copy.application_properties = {}
+                properties[X_MS_REPARKED_FROM] = _marker(queue, message)
+            except Exception as exc:  # a shape to_backlog cannot copy: never wedge on it
+                self._dead_letter(receiver, message, REJECTED_BY_DESTINATION,
+                                  f"cannot be re-parked in {queue!r}: {type(exc).__name__}: {exc}", summary, entity)
+                continue
+            copies.append((message, copy))
+        while copies:
+            sent = 0
+            try:
+                sdk_sender = self._backlog_sender(queue)
+                for batch in _batches(sdk_sender, copies, queue, False):
+                    sdk_sender.send_messages([copy for _, copy in batch])
+                    for message, _ in batch:
+                        _settle(receiver, "complete_message", message)
+                        summary.outcomes.append(_outcome(queue, message, entity, "reparked"))
+                    sent += len(batch)
+                    _add(summary.left, entity, len(batch))
+                copies = []
+            except _BadMessage as bad:  # those before it were sent: dead-letter it, go on with the rest
+                self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
+                copies = [item for item in copies[sent:] if item[0] is not bad.message]
+            except Exception:
+                self._reset_backlog_sender(queue)
+                raise
+
+    def _backlog_sender(self, queue: str) -> Any:
+        sdk_sender = self._backlog_senders.get(queue)
+        if sdk_sender is None:
+            sdk_sender = self._backlog_senders[queue] = self._secondary_client().get_queue_sender(queue)
+        return sdk_sender
+
+    def _reset_backlog_sender(self, queue: str) -> None:
+        sdk_sender = self._backlog_senders.pop(queue, None)
+        if sdk_sender is not None:
+            try:
+                sdk_sender.close()
+            except Exception as exc:  # a broken handler: nothing left to do but say so
+                _LOGGER.debug("closing the sender of %r failed: %s", queue, type(exc).__name__)
 
     @staticmethod
     def _dead_letter(receiver: Any | None, message: Any, reason: str, description: str | None,
@@ -406,22 +461,101 @@ class Syphon:
 
 
 class _BadMessage(SparkSbError):
-    def __init__(self, message: Any, description: str) -> None:
+    def __init__(self, message: Any, description: str, reason: str = REJECTED_BY_DESTINATION) -> None:
         super().__init__(description)
         self.message = message
         self.description = description
+        self.reason = reason
+
+
+def _batches(sdk_sender: Any, items: list[tuple[Any, ServiceBusMessage]], entity: str, one_by_one: bool
+             ) -> Iterator[list[tuple[Any, ServiceBusMessage]]]:
+    """Groups of ``items`` that fit one of ``sdk_sender``'s ``ServiceBusMessageBatch`` (or single messages);
+    a message that fits no batch or cannot be encoded is raised as :class:`_BadMessage`."""
+    batch: list[tuple[Any, ServiceBusMessage]] = []
+    current = sdk_sender.create_message_batch()
+    for item in items:
+        if batch and (one_by_one or not _fits(current, item, entity)):
+            yield batch
+            batch, current = [], sdk_sender.create_message_batch()
+        if not batch and not _fits(current, item, entity):
+            raise _BadMessage(item[0], f"too large for {entity!r} ({msgs.message_size(item[1])} bytes, the "
+                                       f"limit is {current.max_size_in_bytes})")
+        batch.append(item)
+    if batch:
+        yield batch
 
 
 def _fits(batch: Any, item: tuple[Any, ServiceBusMessage], entity: str) -> bool:
     """Add the message to the batch; False when it does not fit; :class:`_BadMessage` when it cannot be
-    encoded at all."""
+    encoded at all (the reason names the application property the SDK cannot encode, when it is one)."""
     try:
         batch.add_message(item[1])
     except MessageSizeExceededError:
         return False
     except (TypeError, ValueError) as exc:
-        raise _BadMessage(item[0], f"cannot be encoded for {entity!r}: {type(exc).__name__}: {exc}") from exc
+        error = f"{type(exc).__name__}: {exc}"[:200]
+        name = _unencodable_property(item[1])
+        if name is None:
+            raise _BadMessage(item[0], f"cannot be encoded for {entity!r}: {error}") from exc
+        value = _property(item[1], name)
+        raise _BadMessage(item[0], f"the SDK cannot encode application property {name!r} "
+                                   f"({type(value).__name__} {value!r:.80}) for {entity!r}: {error}",
+                          f"application property {name:.100} cannot be encoded") from exc
     return True
+
+
+def _text(value: Any) -> str:
+    return bytes(value).decode("utf-8", "replace") if isinstance(value, bytes | bytearray) else str(value)
+
+
+def _property(message: ServiceBusMessage, name: str) -> Any:
+    for key, value in (message.application_properties or {}).items():
+        if _text(key) == name:
+            return value
+    return None
+
+
+def _unencodable_property(message: ServiceBusMessage) -> str | None:
+    """The name of the first application property the SDK cannot encode (None: they all encode)."""
+    for key, value in (message.application_properties or {}).items():
+        try:
+            msgs.message_size(ServiceBusMessage(b"", application_properties={key: value}))
+        except (TypeError, ValueError):
+            return _text(key)
+    return None
+
+
+def _marker(queue: str, message: Any) -> str:
+    """The :data:`X_MS_REPARKED_FROM` value of a copy of backlog message ``message`` of ``queue``."""
+    return f"{queue}:{int(message.sequence_number)}"
+
+
+def reparked_copies(receiver: Any, queue: str, sequence_numbers: Collection[int], *, page: int = 250) -> set[int]:
+    """Which of these backlog messages of ``queue`` already have a re-parked copy in the queue: peeks
+    (active and deferred messages alike, no lock taken) from the smallest sequence number onward, since a
+    copy always comes after its original, collecting the :data:`X_MS_REPARKED_FROM` markers, until every
+    message is accounted for or the queue ends. Costs one peek per ``page`` messages after the oldest one:
+    run it only on a replay (an attempt that died may have re-parked them)."""
+    wanted = {int(n) for n in sequence_numbers}
+    found: set[int] = set()
+    if not wanted:
+        return found
+    prefix = f"{queue}:"
+    start = min(wanted) + 1
+    while len(found) < len(wanted):
+        messages = receiver.peek_messages(max_message_count=page, sequence_number=start)
+        if not messages:
+            break
+        for message in messages:
+            value = _property(message, X_MS_REPARKED_FROM)
+            text = _text(value) if value is not None else ""
+            if text.startswith(prefix) and text[len(prefix):].isdigit():
+                original = int(text[len(prefix):])
+                if original in wanted and int(message.sequence_number or 0) > original:
+                    found.add(original)
+        start = int(messages[-1].sequence_number or 0) + 1
+    return found
 
 
 def _settle(receiver: Any | None, action: str, message: Any, **kwargs: Any) -> None:
@@ -467,12 +601,16 @@ _COMPLETE, _DEAD_LETTER = ("delivered", "reparked"), "dead_lettered"
 
 
 def republish_deferred(config: SparkSbConfig, wanted: Mapping[str, Sequence[int]], *,
-                       syphon: Syphon | None = None) -> list[Outcome]:
+                       syphon: Syphon | None = None, replay: bool = False) -> list[Outcome]:
     """Peek these deferred backlog messages (``{queue: sequence numbers}``), republish the restored copies
     to healthy destinations, re-park those for a destination that is down (a copy back to the backlog queue)
     and decide which to dead-letter, **settling nothing**: one :class:`Outcome` per message still there.
     Record the outcomes, then :func:`settle_outcomes`. ``syphon`` (re-parking) defaults to this process's
-    (:func:`spark_sb.receivers.syphon_for`), which remembers destinations found down between batches."""
+    (:func:`spark_sb.receivers.syphon_for`), which remembers destinations found down between batches.
+
+    ``replay``: an earlier attempt at these messages may have died after re-parking some of them; the queue
+    is searched for their copies first (:func:`reparked_copies`), and a message with a copy is not sent
+    again (outcome ``reparked``): a replay adds no second copy, and sends no message whose copy will."""
     from .receivers import backlog_receiver, syphon_for
     from .source import peek_deferred
 
@@ -481,8 +619,10 @@ def republish_deferred(config: SparkSbConfig, wanted: Mapping[str, Sequence[int]
         for queue, numbers in wanted.items():
             with backlog_receiver(config, queue) as receiver:
                 found = peek_deferred(receiver, sorted(set(numbers)))
+                copied = reparked_copies(receiver, queue, [int(m.sequence_number) for m in found]) if (
+                    replay and found) else set()
             summary = MoveSummary(queue, received=len(found))
-            mover.settle(None, found, summary)
+            mover.settle(None, found, summary, reparked=copied)
             outcomes.extend(summary.outcomes)
     return outcomes
 
@@ -560,9 +700,10 @@ def _ledger_schema() -> Any:
 
 
 def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tuple[str, int]],
-                        batches: Iterator[Any]) -> Iterator[Any]:
+                        batches: Iterator[Any], *, replay: bool = False) -> Iterator[Any]:
     """``mapInArrow`` body: :func:`republish_deferred` for this partition's backlog coordinates (but those in
-    ``skip``, which the ledger already records) and one ledger row per outcome."""
+    ``skip``, which the ledger already records) and one ledger row per outcome. ``replay``: the batch may
+    have been attempted before (see :func:`republish_deferred`)."""
     import pyarrow as pa
 
     wanted: dict[str, list[int]] = {}
@@ -571,7 +712,7 @@ def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tu
         for queue, number in zip(data["backlog_queue"], data["sequence_number"], strict=True):
             if (queue, int(number)) not in skip:
                 wanted.setdefault(queue, []).append(int(number))
-    outcomes = republish_deferred(config, wanted) if wanted else []
+    outcomes = republish_deferred(config, wanted, replay=replay) if wanted else []
     now = datetime.datetime.now(datetime.UTC)
     columns: dict[str, list[Any]] = {name: [] for name in _LEDGER_NAMES}
     for row in outcomes:
@@ -635,7 +776,8 @@ class Republisher:
         before = self.recorded(spark, batch_id) if replay else []
         skip = frozenset((o.backlog_queue, int(o.sequence_number)) for o in before if o.sequence_number is not None)
         coordinates = batch_df.select("backlog_queue", "sequence_number").repartition("backlog_queue")
-        out = coordinates.mapInArrow(partial(republish_partition, self.config, batch_id, skip), LEDGER_DDL)
+        out = coordinates.mapInArrow(partial(republish_partition, self.config, batch_id, skip, replay=replay),
+                                     LEDGER_DDL)
         rows = out.collect()  # one small row per message (at most maxMessagesPerTrigger)
         times.append(time.monotonic())
         self._after("republished", batch_id)
