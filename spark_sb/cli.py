@@ -72,11 +72,11 @@ def _provision(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     """Per backlog queue: active and dead-letter counts from the secondary's runtime properties. Entity health
     lives in the memory of the process that sends; this command's own process has sent nothing, so it lists
-    the entities of its own boards only (none, for a fresh process)."""
+    the entities this process knows for this pairing only (none, for a fresh process)."""
     from .paired import PairedSender
-    from .paired.health import all_boards
 
     with PairedSender.from_config(args.conf) as sender:
+        entities = sender.board.snapshot()
         sa = sender.config.send_availability
         wanted = sa.backlog_queue_names()
         client = sender.admin_client()
@@ -94,7 +94,6 @@ def _status(args: argparse.Namespace) -> int:
         else:
             note = "" if name in wanted else "  (not a backlog queue of this configuration: never used)"
             print(f"{name:<{width}}  {props.active_message_count:>8}  {props.dead_letter_message_count:>11}{note}")
-    entities = {entity: state for board in all_boards().values() for entity, state in board.snapshot().items()}
     if not entities:
         print("entities: none seen by this process (health is kept per sending process)")
     for entity, state in sorted(entities.items()):

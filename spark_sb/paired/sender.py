@@ -123,19 +123,51 @@ class _Partial(Exception):
         self.error = error
 
 
+class _Handles:
+    """One generation of a side's SDK handles: a client and the senders it opened. Closed once, by whoever
+    finds it detached with no send holding it (``users``); ``done`` is set once it is closed."""
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.senders: dict[str, Any] = {}
+        self.users = 0
+        self.detached = False
+        self.taken = False
+        self.done = threading.Event()
+
+    def take(self) -> list[Any]:
+        """What must be closed (senders first, then the client), handed out once."""
+        if self.taken:
+            return []
+        self.taken = True
+        handles = list(self.senders.values())
+        if self.client is not None:
+            handles.append(self.client)
+        self.senders = {}
+        self.client = None
+        if not handles:
+            self.done.set()
+        return handles
+
+
 class _Side:
-    """One namespace's ``ServiceBusClient`` and its cached SDK senders (built lazily, rebuilt after reset)."""
+    """One namespace's ``ServiceBusClient`` and its cached SDK senders (built lazily, rebuilt after detach).
+
+    A detach (after a connection error, or close) never pulls a handle from under a send: the detached
+    generation is closed as soon as no send holds it (by the last one to let go), and sends starting after the
+    detach open a new generation."""
 
     def __init__(self, name: str, namespace: NamespaceConfig, client_kwargs: Mapping[str, Any],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], spawn: Callable[[Callable[[], None]], None]) -> None:
         self.name = name
         self.namespace = namespace
         self._client_kwargs = dict(client_kwargs)
         self._clock = clock
+        self._spawn = spawn  # runs a closing function in a helper thread
         self.last_ok: float | None = None  # when an operation on this side last succeeded
         self._lock = threading.Lock()
-        self._client: Any = None
-        self._senders: dict[str, Any] = {}
+        self._current = _Handles()
+        self._detached: list[_Handles] = []  # detached generations not closed yet
         self._entity_locks: dict[str, threading.Lock] = {}
         self.closed = False
 
@@ -147,40 +179,77 @@ class _Side:
             with self._lock:
                 if self.closed:
                     raise RuntimeError("this PairedSender is closed")
-                sdk_sender = self._senders.get(entity)
+                generation = self._current
+                sdk_sender = generation.senders.get(entity)
                 if sdk_sender is None:
-                    if self._client is None:
+                    if generation.client is None:
                         _LOGGER.debug("opening a client for the %s namespace %s", self.name,
                                       self.namespace.fully_qualified_namespace)
-                        self._client = self.namespace.client(**self._client_kwargs)
-                    sdk_sender = self._senders[entity] = self._client.get_queue_sender(entity, **SENDER_KWARGS)
-            yield sdk_sender
-            self.last_ok = self._clock()
+                        generation.client = self.namespace.client(**self._client_kwargs)
+                    sdk_sender = generation.client.get_queue_sender(entity, **SENDER_KWARGS)
+                    generation.senders[entity] = sdk_sender
+                generation.users += 1
+            try:
+                yield sdk_sender
+                self.last_ok = self._clock()
+            finally:
+                self._release(generation)
+
+    def _release(self, generation: _Handles) -> None:
+        with self._lock:
+            generation.users -= 1
+            handles = generation.take() if generation.detached and generation.users == 0 else []
+        if handles:
+            self._spawn(lambda: _close_all(handles, generation.done))
 
     def stale(self) -> bool:
         """True when the connection has been idle long enough that the service may have dropped it."""
         last = self.last_ok
         return last is not None and self._clock() - last >= STALE_AFTER
 
-    def detach(self, *, final: bool = False) -> list[Any]:
-        """Forget the client and senders; returns what must be closed (senders first, then the client).
-        ``final``: no client is built any more (a send racing with close() fails instead of reopening)."""
+    def detach(self, *, final: bool = False) -> bool:
+        """Forget the client and senders: they are closed (in a helper thread) now, or by the last send still
+        holding them; the next send opens new ones. ``final``: no client is built any more (a send racing with
+        close() fails instead of reopening). Returns True when there was a client."""
         with self._lock:
             self.closed = self.closed or final
-            handles = list(self._senders.values())
-            if self._client is not None:
-                handles.append(self._client)
-            self._senders = {}
-            self._client = None
-            return handles
+            generation, self._current = self._current, _Handles()
+            had_client = generation.client is not None
+            generation.detached = True
+            self._detached = [g for g in self._detached if not g.done.is_set()]
+            handles = generation.take() if generation.users == 0 else []
+            if not generation.done.is_set():
+                self._detached.append(generation)
+        if handles:
+            self._spawn(lambda: _close_all(handles, generation.done))
+        return had_client
+
+    def wait_closed(self, deadline: float) -> bool:
+        """Wait (real time) until every detached generation is closed; True when all are."""
+        with self._lock:
+            pending = [g for g in self._detached if not g.done.is_set()]
+        for generation in pending:
+            generation.done.wait(max(0.0, deadline - time.monotonic()))
+        return all(g.done.is_set() for g in pending)
+
+    def force_close(self) -> None:
+        """Close what sends still hold (close() ran out of time waiting for them)."""
+        with self._lock:
+            taken = [(g.take(), g) for g in self._detached if not g.done.is_set()]
+        for handles, generation in taken:
+            _close_all(handles, generation.done)
 
 
-def _close_all(handles: Sequence[Any]) -> None:
-    for handle in handles:
-        try:
-            handle.close()
-        except Exception as exc:  # closing a broken handler: nothing left to do but say so
-            _LOGGER.debug("closing %s failed: %s", type(handle).__name__, redact(str(exc)))
+def _close_all(handles: Sequence[Any], done: threading.Event | None = None) -> None:
+    try:
+        for handle in handles:
+            try:
+                handle.close()
+            except Exception as exc:  # closing a broken handler: nothing left to do but say so
+                _LOGGER.debug("closing %s failed: %s", type(handle).__name__, redact(str(exc)))
+    finally:
+        if done is not None:
+            done.set()
 
 
 def _message_id(message: ServiceBusMessage) -> object:
@@ -246,10 +315,11 @@ class PairedSender:
         #: the wait between primary attempts inside the failover interval
         self._backoff = backoff if backoff is not None else ExponentialBackoff(0.5, 10.0)
         self._busy_backoff = sa.server_busy_backoff.total_seconds()
-        self._primary = _Side("primary", config.primary, sa.primary_client_kwargs(), clock)
+        self._primary = _Side("primary", config.primary, sa.primary_client_kwargs(), clock, self._spawn_closer)
         # the rotation, not the SDK, retries a failed backlog send: no SDK retries on the secondary either
         self._secondary = _Side("secondary", config.secondary,
-                                {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()}, clock)
+                                {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()}, clock,
+                                self._spawn_closer)
         key = (config.primary.fully_qualified_namespace.lower(), config.secondary.fully_qualified_namespace.lower(),
                sa.backlog_prefix)
         settings = {"failover_interval": sa.failover_interval.total_seconds(),
@@ -409,7 +479,8 @@ class PairedSender:
         endpoint = admin_endpoint_of(ns.connection_string.reveal() if ns.connection_string is not None else None,
                                      ns.fully_qualified_namespace, ns.admin_endpoint)
         reason = unreachable_reason(error)
-        detail = f"{type(error).__name__}: {error}"
+        text = " ".join(str(error).split())  # one line (an HTTP error carries its response body on the next)
+        detail = f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
         if reason is not None:
             return f": the administration endpoint {endpoint} cannot be reached: {reason} ({detail})"
         return f": the last request to the administration endpoint {endpoint} failed: {detail}"
@@ -645,16 +716,18 @@ class PairedSender:
     # --- faults and closing --------------------------------------------------------------------------------
 
     def _after_connection_error(self, error: BaseException) -> None:
-        """An SDK connection shut down: close both sides' clients (in a helper thread, joined by close())
-        and rebuild both on next use."""
+        """An SDK connection shut down: close both sides' clients (in helper threads, joined by close(); a
+        handle a send still holds is closed when that send lets go) and rebuild both on next use."""
         if not isinstance(error, ServiceBusConnectionError):
             return
         self._saw_connection_error = True
-        handles = self._primary.detach() + self._secondary.detach()
-        if not handles:
-            return
-        _LOGGER.info("connection lost (%s); closing both namespaces' clients", type(error).__name__)
-        closer = threading.Thread(target=_close_all, args=(handles,), name="spark-sb-close", daemon=True)
+        primary = self._primary.detach()
+        secondary = self._secondary.detach()
+        if primary or secondary:
+            _LOGGER.info("connection lost (%s); closing both namespaces' clients", type(error).__name__)
+
+    def _spawn_closer(self, close: Callable[[], None]) -> None:
+        closer = threading.Thread(target=close, name="spark-sb-close", daemon=True)
         with self._state_lock:
             self._closers = [t for t in self._closers if t.is_alive()]
             self._closers.append(closer)
@@ -667,26 +740,22 @@ class PairedSender:
     def close(self) -> None:
         """Close both namespaces' clients within 5 s; idempotent."""
         with self._state_lock:
-            if self._closed:
-                closers: list[threading.Thread] = []
-                leaving = False
-            else:
-                self._closed = True
-                leaving = True
-                closers = list(self._closers)
-                self._closers = []
+            leaving = not self._closed
+            self._closed = True
         if leaving:
             self.board.leave()
         deadline = time.monotonic() + CLOSE_TIMEOUT
-        if not closers and not self._has_handles():
-            self._primary.detach(final=True)
-            self._secondary.detach(final=True)
-            return
-        threads = [threading.Thread(target=_close_all, args=(side.detach(final=True),), name=f"spark-sb-close-{side.name}",
-                                    daemon=True) for side in (self._primary, self._secondary)]
-        for thread in threads:
-            thread.start()
-        for thread in threads + closers:
+        sides = (self._primary, self._secondary)
+        for side in sides:
+            side.detach(final=True)
+        for side in sides:
+            if not side.wait_closed(deadline):
+                _LOGGER.warning("sends still held the %s namespace's clients after %.0f s; closing them anyway",
+                                side.name, CLOSE_TIMEOUT)
+                side.force_close()
+        with self._state_lock:
+            closers = list(self._closers)
+        for thread in closers:
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 _LOGGER.warning("closing the Service Bus clients took longer than %.0f s", CLOSE_TIMEOUT)
@@ -694,6 +763,3 @@ class PairedSender:
             # the SDK keeps the socket of a connection that failed while opening in a reference cycle (its
             # exception's traceback); collect it now so that close() leaves no socket behind
             gc.collect()
-
-    def _has_handles(self) -> bool:
-        return any(side._client is not None for side in (self._primary, self._secondary))
