@@ -21,9 +21,21 @@ message id, and duplicate detection on the primary suppresses the second copy.
 Choices where behaviour.md is silent:
 
 * the restored copies go straight to the primary with no failover: the syphon never sends a message back to
-  a backlog queue; a send failure is handled like a failed ping (skip the destination, abandon);
+  a backlog queue (but to re-park it, below); a send failure is handled like a failed ping (skip the
+  destination, abandon);
 * a restored message the primary refuses as invalid (e.g. no session id for a session entity) is
-  dead-lettered with reason ``RejectedByDestination`` and the service's description;
+  dead-lettered with reason ``RejectedByDestination`` and the service's description; one the SDK cannot
+  encode (an application property its encoder rejects) with reason ``application property <name> cannot be
+  encoded``, whether its destination is up or down: one bad message never stops the syphon;
+* re-parking (``repark=True``, the Spark path, whose deferred messages cannot be abandoned): the messages for
+  a destination that is down go back to their backlog queue as copies, in batches that fit one
+  ``ServiceBusMessageBatch``, each copy carrying ``x-ms-reparked-from`` = ``"<backlog queue>:<sequence number
+  of the original>"`` (a copy re-parked again carries only its own original's). A replayed batch
+  (:func:`republish_deferred` with ``replay``) first peeks the queue from its oldest message on for these
+  markers (:func:`reparked_copies`) and sends nothing for a message whose copy is there: its outcome is
+  ``reparked`` and the copy carries it on, so a replay adds no second copy and no second delivery. That
+  search costs one peek per 250 messages after the batch's oldest (it stops early once every message of the
+  batch has its copy); a batch that is not a replay pays nothing;
 * a message whose lock was lost before it could be settled is left to the broker (it comes back).
 """
 
@@ -587,7 +599,9 @@ def summary_dict(summary: MoveSummary) -> Mapping[str, Any]:
 #      dead-lettered with their reason.
 # A batch replayed after a crash anywhere in between reads the ledger first: what it records is not sent
 # again, only settled. A copy sent in step 1 whose outcome was never recorded is sent again with the same
-# message id, and the primary's duplicate detection suppresses it.
+# message id, and the primary's duplicate detection suppresses it; a re-parked copy whose outcome was never
+# recorded is found by its x-ms-reparked-from marker (the replay peeks the backlog queue for markers once per
+# queue, only when it has messages to send) and not sent again.
 
 #: the ledger's columns (one row per moved, dead-lettered or re-parked message)
 LEDGER_DDL = (

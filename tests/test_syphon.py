@@ -399,6 +399,43 @@ def test_a_replayed_repark_adds_no_second_copy(emulator, config, primary, second
     assert sorted(m.message_id for m in _receive(primary.connection_string, down, expected=4)) == sorted(ids)
 
 
+@pytest.mark.parametrize("at_replay", ["down", "healed"])
+def test_a_replay_that_also_took_back_the_copies_leaves_one_copy_or_delivers_once(
+    emulator, config, primary, secondary, make_queue, at_replay
+) -> None:
+    down = make_queue()
+    queue = config["backlog_queue"]
+    ids = [f"t-{i}" for i in range(3)]
+    _to_backlog(secondary, queue, _parked(down, ids))
+    originals = _defer_all(secondary, queue, 3)
+    cfg = load_config(_syphon_config(config))
+    emulator.fault("primary", "quota", entity=down)
+    try:
+        assert {o.outcome for o in republish_deferred(cfg, {queue: originals})} == {"reparked"}
+        # the attempt dies; the source's next first call takes back what is deferred and reads the copies too
+        close_all()
+        copies = _defer_all(secondary, queue, 3)
+        if at_replay == "healed":
+            emulator.heal("primary", entity=down)
+        outcomes = republish_deferred(cfg, {queue: originals + copies}, replay=True)
+    finally:
+        emulator.heal("primary", entity=down)
+    by_number = {o.sequence_number: o.outcome for o in outcomes}
+    assert [by_number[n] for n in originals] == ["reparked"] * 3  # their copies carry them on: nothing sent
+    assert [by_number[n] for n in copies] == ["reparked" if at_replay == "down" else "delivered"] * 3
+    assert settle_outcomes(cfg, outcomes) == 6
+    left = _peek_all(secondary.connection_string, queue)
+    if at_replay == "down":  # the copies' copies, each marked with the copy it came from (and only that)
+        assert sorted(m.message_id for m in left) == sorted(ids)
+        assert sorted(m.application_properties[b"x-ms-reparked-from"] for m in left) == sorted(
+            f"{queue}:{n}".encode() for n in copies)
+        delivered = [o.message_id for o in _drain_home(_syphon_config(config)) if o.outcome == "delivered"]
+        assert sorted(delivered) == sorted(ids)
+    else:
+        assert left == []
+    assert sorted(m.message_id for m in _receive(primary.connection_string, down, expected=4)) == sorted(ids)
+
+
 def _unencodable(queue: str, message_id: str) -> ServiceBusMessage:
     """A backlog message whose application property ``big`` (an AMQP ulong beyond int64) arrives as an int the
     SDK cannot encode again."""
