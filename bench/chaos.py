@@ -32,6 +32,7 @@ import collections
 import datetime
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
@@ -42,6 +43,7 @@ import tempfile
 import threading
 import time
 import traceback
+import urllib.parse
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -76,7 +78,7 @@ TRIGGER = "0.5s"
 WRITER_TIMEOUT = 150.0  # seconds for the whole stream of a row, restarts included
 SYPHON_TIMEOUT = 150.0
 ROW_BUDGET = 420.0  # a row's thread is abandoned (wedged) after this
-SUBPROCESS_ENV = {"PYSPARK_PYTHON": sys.executable, "SPARK_MASTER": MASTER,
+SUBPROCESS_ENV = {"PYSPARK_PYTHON": sys.executable, "SPARK_MASTER": MASTER, "SPARK_LOCAL_IP": "127.0.0.1",
                   # the file source needs its schema inferred: the writer job reads sink.source as is
                   "PYSPARK_SUBMIT_ARGS": "--conf spark.sql.streaming.schemaInference=true "
                                          "--conf spark.sql.streaming.stopTimeout=30s pyspark-shell"}
@@ -153,6 +155,7 @@ class Stage:
         self.source = work / "source"
         self.keys: list[str] = []
         self.poison: set[str] = set()
+        self.finished: set[int] = set()  # batch ids whose sink call returned (in this process)
         self.batches = bench.batches
         self.config = self._config()
         with PairedSender.from_config(self.config) as sender:
@@ -259,6 +262,7 @@ class Stage:
                 fired.add(batch_id)
                 hooks[batch_id]()
             s = holder["sink"](df, batch_id)
+            self.finished.add(batch_id)
             say(f"  {self.name}: batch {batch_id}: {s.rows} rows, {s.primary} -> primary, {s.backlog_total} -> "
                 f"backlog, {s.rejected} rejected, failovers {s.failovers}, failbacks {s.failbacks} [{s.seconds:.1f} s]")
 
@@ -373,7 +377,7 @@ class Stage:
         table = self.config["sink"].get("reject_table")
         if not table or not Path(table).exists():
             return out
-        rows = self.bench.spark.read.format("delta").load(table).select("entity", "message_id").collect()
+        rows = _delta_rows(Path(table), ["entity", "message_id"])
         for row in rows:
             out.setdefault(row["entity"], set()).add(str(row["message_id"]))
         if len(rows) != sum(len(ids) for ids in out.values()):
@@ -382,6 +386,23 @@ class Stage:
 
     def close(self) -> None:
         self.emu.stop()
+
+
+def _delta_rows(table: Path, columns: list[str]) -> list[dict]:
+    """The rows of a Delta table (its live files, from the transaction log), read with pyarrow: counting needs
+    no Spark job (and works when a wedged row still holds Spark)."""
+    live: dict[str, bool] = {}
+    for commit in sorted((table / "_delta_log").glob("*.json")):
+        for line in commit.read_text().splitlines():
+            action = json.loads(line) if line.strip() else {}
+            if "add" in action:
+                live[action["add"]["path"]] = True
+            elif "remove" in action:
+                live.pop(action["remove"]["path"], None)
+    rows: list[dict] = []
+    for path in live:
+        rows.extend(pq.read_table(table / urllib.parse.unquote(path), columns=columns).to_pylist())
+    return rows
 
 
 def _stop(query: Any, stage: Stage) -> None:
@@ -490,24 +511,28 @@ def backlog_all_failing(stage: Stage) -> None:
 
 
 def worker_killed(stage: Stage) -> None:
-    """SIGKILL the busiest ``pyspark.daemon`` worker while batch 3 sends (a bigger batch, small chunks);
-    Spark retries the task (``local[2,4]``)."""
+    """SIGKILL a ``pyspark.daemon`` worker while it sends batch 3 (a big batch: 2,500 more keys, 20 messages a
+    send): the first worker seen busy, 0.3 s later. Spark retries the task (``local[2,4]``)."""
     kill_at = 3
     killed: dict[str, Any] = {}
 
     def kill() -> None:
-        pid, busy = _busiest_worker()
-        if pid is None:
-            stage.result.flag("crashed", "no pyspark.daemon worker found to kill")
-            return
-        os.kill(pid, signal.SIGKILL)
-        killed.update(pid=pid, busy=busy)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and kill_at not in stage.finished:
+            pid, busy = _busiest_worker()
+            if pid is not None and busy >= 3:  # >= 30 ms of CPU in 100 ms: running a task
+                time.sleep(0.3)
+                os.kill(pid, signal.SIGKILL)
+                killed.update(pid=pid, busy=busy, mid_batch=kill_at not in stage.finished)
+                return
+        stage.result.flag("crashed", f"no busy pyspark.daemon worker found while batch {kill_at} ran")
 
-    stage.write_source(big={kill_at: 6 * (stage.bench.rows // stage.batches)})
-    config = {**stage.config, "sink": {**stage.config["sink"], "chunk_size": 10}}
-    stage.run_writer({kill_at: lambda: _later(0.6, kill, stage, "worker kill")}, config=config)
+    stage.write_source(big={kill_at: 2500})
+    config = {**stage.config, "sink": {**stage.config["sink"], "chunk_size": 20}}
+    stage.run_writer({kill_at: lambda: _later(0.0, kill, stage, "worker kill")}, config=config)
     if killed:
-        stage.note(f"killed worker {killed['pid']} during batch {kill_at} (cpu ticks in 0.1 s: {killed['busy']})")
+        stage.note(f"killed worker {killed['pid']} ({'before' if killed['mid_batch'] else 'AFTER'} batch {kill_at} "
+                   f"was done; cpu ticks in 0.1 s: {killed['busy']})")
     stage.run_syphon()
 
 
@@ -715,6 +740,7 @@ class Bench:
         self.writer_job = _job("paired_writer")
         self.syphon_job = _job("syphon")
         os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+        os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # loopback only (Spark would take the host's address)
         say(f"starting Spark ({MASTER}, Delta)")
         self.spark = self.writer_job.build_session("spark-sb-chaos", master=MASTER)
         self.spark.sparkContext.setLogLevel("WARN" if verbose else "FATAL")
@@ -799,6 +825,8 @@ def main() -> int:
     args = parser.parse_args()
     if args.batches < 6:
         parser.error("--batches must be at least 6")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("spark_sb.syphon").setLevel(logging.INFO)  # one line per syphon batch, with step timings
     work = Path(tempfile.mkdtemp(prefix="spark-sb-chaos-"))
     say(f"work folder {work}")
     bench = Bench(work, args.rows, args.batches, args.verbose)
