@@ -4,7 +4,8 @@
     python jobs/paired_writer.py --conf conf/local.yaml          # a local session (local[2])
 
 Reads ``sink.source`` (the rate source by default: each rate row becomes the body ``row <value>`` with the
-key ``<value>``, which is the message id), and runs ``writeStream.foreachBatch(PairedSink)`` with
+key ``<timestamp ms>-<value>``, which is the message id: the same when a batch is replayed, never the same in
+another run, even one without a checkpoint), and runs ``writeStream.foreachBatch(PairedSink)`` with
 ``sink.checkpoint_location`` and the ``sink.trigger`` processing-time trigger. Stops after ``--max-batches``
 (or ``sink.max_batches``) batches when given.
 """
@@ -64,8 +65,11 @@ def read_source(spark: Any, config: Any) -> Any:
     if source.num_partitions is not None:
         reader = reader.option("numPartitions", source.num_partitions)
     rows = reader.options(**source.options).load()
-    return rows.select(F.concat(F.lit("row "), F.col("value").cast("string")).alias("body"),
-                       F.col("value").cast("string").alias("key"))
+    # the key (the message id) is ``<row timestamp in ms>-<value>``: the rate source counts from 0 again in
+    # every new checkpoint, but its timestamps start at the checkpoint's creation time (kept in the checkpoint),
+    # so a replayed batch gets the same ids and a new run never reuses an earlier run's
+    key = F.concat_ws("-", F.unix_millis(F.col("timestamp")).cast("string"), F.col("value").cast("string"))
+    return rows.select(F.concat(F.lit("row "), F.col("value").cast("string")).alias("body"), key.alias("key"))
 
 
 def start(spark: Any, conf: Any, foreach_batch: Callable[[Any, int], Any] | None = None,
@@ -91,11 +95,18 @@ def start(spark: Any, conf: Any, foreach_batch: Callable[[Any, int], Any] | None
     return writer.start(), sink
 
 
-def await_batches(query: Any, max_batches: int | None, poll: float = 0.2) -> None:
-    """Wait until ``max_batches`` batches completed (then stop the query), or until it terminates."""
+def await_batches(query: Any, max_batches: int | None, poll: float = 0.2, settle: float = 30.0) -> None:
+    """Wait until ``max_batches`` batches completed, or until the query terminates. The query is then stopped
+    between two batches (waiting up to ``settle`` seconds for the batch in flight), so that no batch is
+    interrupted half-sent: it would be replayed by the next run on the same checkpoint anyway, but an
+    interrupted Python batch also makes Spark 4.2's stream thread die of a StackOverflowError while it
+    matches the long error text."""
     while query.isActive:
         progress = query.lastProgress
         if max_batches is not None and progress is not None and progress["batchId"] >= max_batches - 1:
+            deadline = time.monotonic() + settle
+            while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
+                time.sleep(0.05)
             query.stop()
             break
         query.awaitTermination(poll)

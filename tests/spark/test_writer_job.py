@@ -1,0 +1,63 @@
+"""The writer job (jobs/paired_writer.py) as a user runs it."""
+
+from __future__ import annotations
+
+import collections
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.errors import StreamingQueryException
+
+from .conftest import receive_all, sink_config, wait_until
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "jobs"))
+import paired_writer  # noqa: E402
+
+
+def _run(spark: Any, config: dict, rows: int) -> int:
+    """One run of the job without a checkpoint location until it sent ``rows`` rows or more; returns how many
+    it sent."""
+    query, sink = paired_writer.start(spark, config)
+    wait_until(lambda: sink.totals.rows >= rows, timeout=60)
+    paired_writer.await_batches(query, 0)  # stops between two batches
+    return sink.totals.rows
+
+
+def test_runs_without_a_checkpoint_never_reuse_message_ids(spark, primary, secondary, make_queue) -> None:
+    # each run starts a fresh checkpoint, so the rate source counts from 0 again: the message ids must still
+    # differ, or duplicate detection on the entity drops the second run's rows
+    q = make_queue(requires_duplicate_detection=True)
+    config = sink_config(primary, secondary, entity=q, source={"format": "rate", "rows_per_second": 20})
+    first = _run(spark, config, 30)
+    second = _run(spark, config, 30)
+    assert first > 0 and second > 0
+    received = receive_all(primary.connection_string, q, expected=first + second)
+    ids = [str(m.message_id) for m in received]
+    assert len(ids) == first + second == len(set(ids))
+
+
+def test_a_replayed_batch_keeps_its_message_ids(spark, primary, secondary, make_queue, tmp_path) -> None:
+    # no duplicate detection: a replayed batch arrives twice, and only the same ids show it was the same batch
+    q = make_queue()
+    config = sink_config(primary, secondary, entity=q, source={"format": "rate", "rows_per_second": 20})
+    checkpoint = str(tmp_path / "checkpoint")
+    crashed: dict[str, int] = {}
+
+    def crash_once_after_sending(batch_df: Any, batch_id: int) -> None:
+        summary = sink(batch_df, batch_id)
+        if summary.rows and not crashed:
+            crashed.update(batch=batch_id, rows=summary.rows)
+            raise RuntimeError("killed after sending")
+
+    query, sink = paired_writer.start(spark, config, foreach_batch=crash_once_after_sending, checkpoint=checkpoint)
+    with pytest.raises(StreamingQueryException, match="killed after sending"):
+        query.awaitTermination(60)
+    assert crashed
+    query, sink = paired_writer.start(spark, config, checkpoint=checkpoint)
+    wait_until(lambda: sink.totals.batches >= 2, timeout=60)
+    paired_writer.await_batches(query, 0)
+    ids = [str(m.message_id) for m in receive_all(primary.connection_string, q)]
+    twice = [i for i, n in collections.Counter(ids).items() if n == 2]
+    assert len(twice) == crashed["rows"] and not [i for i, n in collections.Counter(ids).items() if n > 2]
