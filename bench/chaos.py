@@ -496,12 +496,12 @@ def backlog_queue_failing(stage: Stage) -> None:
 
 
 def backlog_all_failing(stage: Stage) -> None:
-    """The primary down (12 s) and the whole secondary down (6 s): batches fail until the secondary heals and
-    the supervisor restarts the query from its checkpoint."""
+    """The primary down (20 s) and the whole secondary down (14 s, longer than Spark's four tries of a task):
+    the batch fails until the secondary heals, and the supervisor restarts the query from its checkpoint."""
 
     def start() -> None:
-        fault(stage.secondary_admin, "down", duration=6.0)
-        fault(stage.primary_admin, "down", duration=12.0)
+        fault(stage.secondary_admin, "down", duration=14.0)
+        fault(stage.primary_admin, "down", duration=20.0)
 
     stage.write_source()
     stage.run_writer({FAULT_AT: start}, attempts=10)
