@@ -44,6 +44,7 @@ from datetime import timedelta
 
 from ..config import format_duration
 from ..errors import ConfigError
+from .pings import PingTask, Wait
 from .retry import Clock
 
 _LOGGER = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ class _Entity:
     failing_since: float | None = None
     next_ping: float | None = None
     pinging: bool = False
+    refused: BaseException | None = None  # the SDK error of the last ping, when refused for configuration
     probation: bool = False
     backlog_queue: str | None = None
     sending: int = 0  # sends of this entity in progress (see HealthBoard.sending)
@@ -81,6 +83,7 @@ class HealthBoard:
         ping_interval: float,
         backlog_cooldown: float,
         clock: Clock,
+        wait: Wait | None = None,
     ) -> None:
         self.failover_interval = float(failover_interval)
         self.ping_interval = float(ping_interval)
@@ -91,6 +94,8 @@ class HealthBoard:
         self._cooling: dict[str, float] = {}  # backlog queue -> back in the rotation at
         self._counters: dict[str, int] = {"failovers": 0, "failbacks": 0, "assumed_failovers": 0}
         self._open = 0  # senders of this board not closed yet (join / leave)
+        #: the background pings of this board (see :mod:`spark_sb.paired.pings`); ``wait`` is its wait
+        self.pings = PingTask(self, wait)
 
     def settings(self) -> dict[str, float]:
         """``{option name: seconds}`` for :data:`SETTINGS`."""
@@ -175,6 +180,7 @@ class HealthBoard:
             record.failing_since = None
             record.probation = False
             record.next_ping = None
+            record.refused = None
 
     def record_failure(self, entity: str) -> EntityState:
         """An outage-class failure of a primary send for ``entity``; returns the new state."""
@@ -230,12 +236,16 @@ class HealthBoard:
             record.pinging = True
             return True
 
-    def ping_result(self, entity: str, ok: bool) -> None:
+    def ping_result(self, entity: str, ok: bool | None, refused: BaseException | None = None) -> None:
+        """The result of a ping claimed with :meth:`claim_ping`: ``ok`` True (fail back), False (still down;
+        with ``refused``, the SDK error of a ping refused for configuration, which :meth:`refused` hands to the
+        next send), or None (no result: the pinger was closed; the ping stays due)."""
         with self._lock:
             record = self._entity(entity)
             record.pinging = False
-            if record.state is not EntityState.FAILED_OVER:
+            if record.state is not EntityState.FAILED_OVER or ok is None:
                 return
+            record.refused = None if ok else refused
             if ok:
                 record.state = EntityState.HEALTHY
                 record.failing_since = None
@@ -245,6 +255,31 @@ class HealthBoard:
                 _LOGGER.info("ping to entity %r succeeded; failing back to the primary", entity)
             else:
                 record.next_ping = self.clock() + self.ping_interval
+
+    def refused(self, entity: str) -> BaseException | None:
+        """The SDK error of the last ping of ``entity`` when it was refused for configuration (a rejected
+        credential, an unknown entity): every send raises it as a configuration error until a later ping
+        answers otherwise."""
+        with self._lock:
+            record = self._entities.get(entity)
+            return record.refused if record is not None else None
+
+    def due_pings(self) -> list[str]:
+        """The failed-over entities whose ping is due and not running (the ping task's round)."""
+        with self._lock:
+            now = self.clock()
+            return sorted(name for name, record in self._entities.items()
+                          if record.state is EntityState.FAILED_OVER and not record.pinging
+                          and (record.next_ping is None or record.next_ping <= now))
+
+    def next_ping_in(self) -> float | None:
+        """Seconds until the next ping of a failed-over entity is due (0 when one is due now), ``None`` when
+        no entity is failed over."""
+        with self._lock:
+            now = self.clock()
+            due = [max(0.0, (record.next_ping or now) - now) for record in self._entities.values()
+                   if record.state is EntityState.FAILED_OVER]
+            return min(due) if due else None
 
     def on_probation(self, entity: str) -> bool:
         with self._lock:
@@ -333,12 +368,14 @@ def shared_board(key: tuple[str, ...], factory: Callable[[], HealthBoard]) -> He
         return board
 
 
-def join_board(key: tuple[str, ...], settings: dict[str, float], clock: Clock, pairing: str) -> HealthBoard:
-    """The process-wide board for ``key``, created with ``settings`` and ``clock`` on first use, joined with
-    ``settings`` (see :meth:`HealthBoard.join`; call :meth:`HealthBoard.leave` when done)."""
+def join_board(key: tuple[str, ...], settings: dict[str, float], clock: Clock, pairing: str,
+               wait: Wait | None = None) -> HealthBoard:
+    """The process-wide board for ``key``, created with ``settings``, ``clock`` and the ping task's ``wait``
+    on first use, joined with ``settings`` (see :meth:`HealthBoard.join`; call :meth:`HealthBoard.leave` when
+    done)."""
     board = shared_board(key, lambda: HealthBoard(
         failover_interval=settings["failover_interval"], ping_interval=settings["ping_primary_interval"],
-        backlog_cooldown=settings["backlog_cooldown"], clock=clock))
+        backlog_cooldown=settings["backlog_cooldown"], clock=clock, wait=wait))
     board.join(settings, pairing)
     return board
 

@@ -10,11 +10,17 @@ Choices where behaviour.md is silent (also in the report):
   fit an empty batch (or, rewritten, a backlog batch), or that the SDK cannot encode (``add_message`` raises
   ``ValueError``/``TypeError``/``OverflowError``), is rejected with :class:`BadMessageError` and nothing of
   that call is sent; such a message never counts toward failover nor against a backlog queue;
-* pings run on the calling thread, when a send finds one due (no background thread);
+* pings run in the background ping task of the pairing (:mod:`spark_sb.paired.pings`, one thread per process
+  and pairing, started by the first send, stopped by the last close()) and on the send path when a send finds
+  one due; :meth:`HealthBoard.claim_ping` hands each due ping to one of them. A ping refused for a rejected
+  credential or an unknown entity makes every send of that entity raise that configuration error until a
+  later ping answers otherwise;
 * :meth:`PairedSender.send` pairs first when :meth:`PairedSender.pair` was not called;
 * a ``ServiceBusConnectionError`` (the SDK shut its connection down) on either side closes both sides'
   clients (in a helper thread, within 5 s) and both are rebuilt on next use;
-* any failure of a backlog send except a bad message takes that queue out of the rotation; the secondary's
+* a rejected credential on the secondary raises :class:`~spark_sb.errors.CredentialRejectedError` naming it
+  (no queue is to blame, none leaves the rotation);
+* any other failure of a backlog send except a bad message takes that queue out of the rotation; the secondary's
   clients do not retry by themselves either (``retry_total`` 0, ``try_timeout`` = ``primary_try_timeout``):
   the rotation is the retry, and a failed send surfaces as :class:`BacklogUnavailableError` for the caller;
 * topics are sent to with ``get_queue_sender`` (an AMQP sender only needs the entity path).
@@ -46,14 +52,18 @@ from ..errors import (
     ENCODING_ERRORS,
     BacklogUnavailableError,
     BadMessageError,
+    CredentialRejectedError,
+    EntityNotFoundError,
     ErrorClass,
     PairingError,
+    SparkSbError,
     as_spark_sb_error,
     classify,
     encoding_error,
     redact,
 )
 from .health import EntityState, HealthBoard, join_board
+from .pings import Wait
 from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, Sleep
 
 _LOGGER = logging.getLogger(__name__)
@@ -305,6 +315,7 @@ class PairedSender:
         sleep: Sleep = time.sleep,
         rng: random.Random | None = None,
         backoff: Backoff | None = None,
+        ping_wait: Wait | None = None,
     ) -> None:
         self.config = config
         sa = config.send_availability
@@ -336,7 +347,8 @@ class PairedSender:
         self._saw_connection_error = False
         self._counters: dict[str, int] = {"sent_primary": 0, "sent_backlog": 0, "busy_waits": 0}
         # joined last (nothing after it can fail); close() leaves it
-        self.board: HealthBoard = join_board(key, settings, clock, pairing)
+        self._attached = False  # to the board's ping task
+        self.board: HealthBoard = join_board(key, settings, clock, pairing, ping_wait)
 
     @classmethod
     def from_config(
@@ -347,10 +359,15 @@ class PairedSender:
         sleep: Sleep = time.sleep,
         rng: random.Random | None = None,
         backoff: Backoff | None = None,
+        ping_wait: Wait | None = None,
     ) -> PairedSender:
         """From a YAML path, a dict or a :class:`SparkSbConfig`. Nothing connects until :meth:`pair` or the
-        first :meth:`send`; a wrong option raises :class:`~spark_sb.errors.ConfigError` here."""
-        return cls(load_config(source), clock=clock, sleep=sleep, rng=rng, backoff=backoff)
+        first :meth:`send`; a wrong option raises :class:`~spark_sb.errors.ConfigError` here.
+
+        ``clock`` and ``sleep`` are the sender's time (the failover timer, backoff waits); ``ping_wait`` is the
+        wait of the pairing's background ping task (see :mod:`spark_sb.paired.pings`; default: real time).
+        The first sender of a pairing in the process sets the clock and ``ping_wait`` of its shared state."""
+        return cls(load_config(source), clock=clock, sleep=sleep, rng=rng, backoff=backoff, ping_wait=ping_wait)
 
     def __repr__(self) -> str:
         return (f"PairedSender(primary={self.config.primary.fully_qualified_namespace!r}, "
@@ -504,7 +521,7 @@ class PairedSender:
         :class:`BadMessageError` for a message too large (nothing of the call is sent), and
         :class:`BacklogUnavailableError` when failed over and no backlog queue accepts.
         """
-        self._check_open()
+        self._attach_pings()
         if not isinstance(entity, str) or not entity:
             raise ValueError(f"entity must be a non-empty string, got {entity!r}")
         batch = [message] if isinstance(message, ServiceBusMessage) else list(message)
@@ -526,7 +543,10 @@ class PairedSender:
         pending = batch
         failures = 0
         while pending:
-            self._maybe_ping(entity)
+            self.ping_if_due(entity)
+            refused = self.board.refused(entity)
+            if refused is not None:
+                raise self._refused(refused, entity) from refused
             if self.board.state(entity) is EntityState.FAILED_OVER:
                 for queue, n in self._send_backlog(entity, pending).items():
                     counts[queue] = counts.get(queue, 0) + n
@@ -648,6 +668,12 @@ class PairedSender:
                 if partial.sent:
                     counts[queue] = counts.get(queue, 0) + partial.sent
                     rewritten = rewritten[partial.sent:]
+                if classify(partial.error) is ErrorClass.CONFIGURATION_CREDENTIAL:
+                    # the secondary said no to the credential: no queue is to blame, and retrying cannot help
+                    raise CredentialRejectedError(
+                        f"secondary {self.config.secondary.fully_qualified_namespace}",
+                        f"sending to backlog queue {queue!r} for entity {entity!r}: {redact(str(partial.error))}",
+                    ) from partial.error
                 last_error = partial.error
                 tried.append(queue)
                 _LOGGER.warning("backlog queue %r failed (%s)", queue, type(partial.error).__name__)
@@ -674,18 +700,56 @@ class PairedSender:
 
     # --- pings ---------------------------------------------------------------------------------------------
 
-    def _maybe_ping(self, entity: str) -> None:
+    def _attach_pings(self) -> None:
+        """Raise when closed; else make sure the pairing's ping task runs and may ping through this sender."""
+        with self._state_lock:  # under the lock: close() then sees the attachment and undoes it
+            if self._closed:
+                raise RuntimeError("this PairedSender is closed")
+            if not self._attached:
+                self.board.pings.attach(self)
+                self._attached = True
+
+    def run_pings_once(self) -> float | None:
+        """One round of the pairing's ping task, on the calling thread: ping every failed-over entity whose ping
+        is due, and fail back those the primary accepts. Returns the seconds until the next ping is due, or
+        ``None`` when no entity is failed over. The background thread runs the same rounds by itself."""
+        self._attach_pings()
+        return self.board.pings.run_once()
+
+    def ping_if_due(self, entity: str) -> bool:
+        """Ping ``entity`` when it is failed over, its ping is due and nobody else is pinging it
+        (:meth:`HealthBoard.claim_ping`), and record the result: success fails it back; a rejected credential
+        or an unknown entity is kept for the next send (:meth:`HealthBoard.refused`); anything else means still
+        down. Returns False when this sender is closed (the ping task then uses another)."""
+        if self._closed:
+            return False
         if not self.board.claim_ping(entity):
-            return
-        ok = False
+            return True
+        ok: bool | None = False
+        refused: BaseException | None = None
         try:
             self.ping(entity)
             ok = True
         except Exception as exc:
-            _LOGGER.info("ping to %r failed: %s", entity, type(exc).__name__)
-            self._after_connection_error(exc)
+            if self._closed:
+                ok = None  # closed under the ping: no result, the ping stays due
+            elif classify(exc).is_configuration:
+                refused = exc
+                _LOGGER.warning("ping to %r refused (%s): %s", entity, classify(exc).value, redact(str(exc)))
+            else:
+                _LOGGER.info("ping to %r failed: %s; still failed over", entity, type(exc).__name__)
+                self._after_connection_error(exc)
         finally:
-            self.board.ping_result(entity, ok)
+            self.board.ping_result(entity, ok, refused)
+        return ok is not None
+
+    def _refused(self, error: BaseException, entity: str) -> SparkSbError:
+        """The configuration error a send raises after a ping of ``entity`` was refused with ``error``."""
+        namespace = f"primary {self.config.primary.fully_qualified_namespace}"
+        detail = f"a ping while failed over was refused: {redact(str(error))}"
+        if classify(error) is ErrorClass.CONFIGURATION_CREDENTIAL:
+            return CredentialRejectedError(namespace, detail, entity=entity)
+        return EntityNotFoundError(namespace, entity, detail)
 
     def ping(self, entity: str) -> None:
         """Prove the primary entity accepts a message without anyone receiving it: schedule a ping message
@@ -742,9 +806,11 @@ class PairedSender:
         with self._state_lock:
             leaving = not self._closed
             self._closed = True
+        deadline = time.monotonic() + CLOSE_TIMEOUT
         if leaving:
             self.board.leave()
-        deadline = time.monotonic() + CLOSE_TIMEOUT
+            # first: the last sender stops the ping thread, which then uses none of the clients closed below
+            self.board.pings.detach(self, CLOSE_TIMEOUT)
         sides = (self._primary, self._secondary)
         for side in sides:
             side.detach(final=True)

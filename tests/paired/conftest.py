@@ -3,6 +3,7 @@ fake time, and helpers that count what reached the primary and the backlog queue
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -36,6 +37,18 @@ class FakeTime:
         if self.on_sleep is not None:
             self.on_sleep(self)
 
+    def wait(self, stop: threading.Event, seconds: float) -> None:
+        """The ping task's wait on this clock: returns when ``stop`` is set or the clock has moved ``seconds``
+        (checked every 5 ms of real time)."""
+        deadline = self.now + seconds
+        while not stop.is_set() and self.now < deadline:
+            stop.wait(0.005)
+
+    @staticmethod
+    def idle(stop: threading.Event, seconds: float) -> None:
+        """A ping task's wait that only close() ends: the test drives the rounds (``run_pings_once``)."""
+        stop.wait()
+
 
 @pytest.fixture
 def fake_time() -> FakeTime:
@@ -58,14 +71,16 @@ def make_config(primary: Any, secondary: Any) -> Callable[..., dict]:
 
 @pytest.fixture
 def make_sender(make_config: Callable[..., dict], fake_time: FakeTime) -> Iterator[Callable[..., PairedSender]]:
-    """A PairedSender on fake time (backoff 4 s between primary attempts unless given); closed after the
-    test."""
+    """A PairedSender on fake time (backoff 4 s between primary attempts unless given); its pairing's ping task
+    only pings when the test calls ``run_pings_once`` (``ping_wait=fake_time.wait`` lets it follow the fake
+    clock); closed after the test."""
     made: list[PairedSender] = []
 
-    def make(backoff: Any = None, config: dict | None = None, **send_availability: Any) -> PairedSender:
+    def make(backoff: Any = None, config: dict | None = None, ping_wait: Any = None,
+             **send_availability: Any) -> PairedSender:
         sender = PairedSender.from_config(
             config or make_config(**send_availability), clock=fake_time.clock, sleep=fake_time.sleep,
-            backoff=backoff or ConstantBackoff(4.0),
+            backoff=backoff or ConstantBackoff(4.0), ping_wait=ping_wait or fake_time.idle,
         )
         made.append(sender)
         return sender

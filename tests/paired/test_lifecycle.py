@@ -80,7 +80,8 @@ def test_close_leaves_no_threads_or_sockets_and_is_idempotent(emulator, make_con
     threads_before = set(threading.enumerate())
     sockets_before = _sockets()
     sender = PairedSender.from_config(make_config(failover_interval="0s", ping_primary_interval="1s"),
-                                      clock=fake_time.clock, sleep=fake_time.sleep)
+                                      clock=fake_time.clock, sleep=fake_time.sleep,
+                                      ping_wait=fake_time.idle)
     assert sender.send(q, ServiceBusMessage("primary")).primary == 1
     emulator.fault("primary", "quota", entity=q)
     assert sender.send(q, ServiceBusMessage("backlog")).backlog == 1

@@ -248,7 +248,8 @@ class _FaultAfterPing(PairedSender):
 def test_a_failure_right_after_failback_fails_over_at_once(emulator, make_config, make_queue, fake_time) -> None:
     q = make_queue()
     config = make_config(failover_interval="30s", ping_primary_interval="5s")
-    with _FaultAfterPing.from_config(config, clock=fake_time.clock, sleep=fake_time.sleep) as sender:
+    with _FaultAfterPing.from_config(config, clock=fake_time.clock, sleep=fake_time.sleep,
+                                     ping_wait=fake_time.idle) as sender:
         sender.emulator = emulator
         emulator.fault("primary", "quota", entity=q)
         assert sender.send(q, ServiceBusMessage("a")).backlog == 1  # after the 30 s interval
