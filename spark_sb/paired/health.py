@@ -17,7 +17,8 @@ States of one entity::
   without a new interval. (behaviour.md says "a failure right after failing back"; "right after" is defined
   as "before the first successful primary send after failback".)
 * while failed over a ping is due every ``ping_primary_interval``, counted from the failover or the last ping;
-  :meth:`HealthBoard.claim_ping` hands it to exactly one caller.
+  :meth:`HealthBoard.claim_ping` hands it to exactly one caller (the board's ping task, :attr:`HealthBoard.pings`,
+  or a send). A ping refused for configuration is kept (:meth:`HealthBoard.refused`) until a later ping.
 
 The board also keeps the backlog rotation of the process: the backlog queue each entity uses (chosen at random,
 kept until it fails) and the queues cooling down after a failed send.
