@@ -570,8 +570,8 @@ def writer_killed(stage: Stage) -> None:
 
 
 def emulator_killed(stage: Stage) -> None:
-    """kill -9 the emulator pair (both namespaces: batches fail until it is back) while batch 2 sends, restart
-    it 2 s later on the same ports and data dir."""
+    """kill -9 the emulator pair (both namespaces: the batch fails until it is back) 0.5 s into batch 2 (a big
+    batch: 1,500 more keys), restart it 2 s later on the same ports and data dir."""
 
     def restart() -> None:
         stage.emu = stage.emu.restart()
@@ -579,18 +579,18 @@ def emulator_killed(stage: Stage) -> None:
 
     def kill() -> None:
         stage.emu.kill()
-        stage.note("emulator killed (-9)")
+        stage.note(f"emulator killed (-9) {'during' if FAULT_AT not in stage.finished else 'AFTER'} batch {FAULT_AT}")
         _later(2.0, restart, stage, "emulator restart")
 
-    stage.write_source()
-    stage.run_writer({FAULT_AT: lambda: _later(0.2, kill, stage, "emulator kill")}, attempts=10)
+    stage.write_source(big={FAULT_AT: 1500})
+    stage.run_writer({FAULT_AT: lambda: _later(0.5, kill, stage, "emulator kill")}, attempts=10)
     stage.run_syphon()
 
 
 def syphon_killed(stage: Stage) -> None:
     """The writer parks most rows (the primary down from batch 1 to the end), then ``jobs/syphon.py`` in its
-    own process (50 messages a batch) is SIGKILLed after its first batch log line while a batch runs, and
-    restarted on the same checkpoint and ledger until the backlog is empty."""
+    own process (50 messages a batch) is SIGKILLed after its first batch log line, 1.5 s into a later batch
+    (while it republishes), and restarted on the same checkpoint and ledger until the backlog is empty."""
     stage.config["syphon"]["receive_batch"] = 50
     stage.write_source()
     stage.run_writer({1: lambda: fault(stage.primary_admin, "down")})
@@ -603,9 +603,12 @@ def syphon_killed(stage: Stage) -> None:
     try:
         while first.poll() is None and time.monotonic() < deadline:
             if "syphon batch " in (stage.work / "syphon-1.log").read_text(errors="replace"):
-                wait = time.monotonic() + 5
-                while killed_in is None and time.monotonic() < wait:
-                    killed_in = stage.in_flight(checkpoint)
+                wait = time.monotonic() + 10
+                while killed_in is None and time.monotonic() < wait and first.poll() is None:
+                    running = stage.in_flight(checkpoint)
+                    if running is not None and running >= 1:  # the log line came from batch 0
+                        time.sleep(1.5)
+                        killed_in = running
                     time.sleep(0.02)
                 break
             time.sleep(0.1)
