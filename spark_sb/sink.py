@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from azure.servicebus import ServiceBusMessage
+from azure.servicebus._pyamqp.utils import amqp_long_value
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -566,6 +567,20 @@ def _utc(value: datetime.datetime) -> datetime.datetime:
     return value.replace(tzinfo=datetime.UTC) if value.tzinfo is None else value
 
 
+_INT32 = range(-(2**31), 2**31)
+
+
+def _property_value(value: Any) -> Any:
+    """An application property value as the SDK must send it: timestamps as UTC; a Spark ``bigint`` outside
+    the 32-bit range as an AMQP long (the SDK's encoder sends a Python ``int`` as a 32-bit int and refuses a
+    larger one); a null as a null."""
+    if isinstance(value, datetime.datetime):
+        return _utc(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT32:
+        return amqp_long_value(value)
+    return value
+
+
 def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
     """The message for one row (values as pyarrow hands them over)."""
     kwargs: dict[str, Any] = {"message_id": message_id}
@@ -585,9 +600,7 @@ def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
     properties = row.get("application_properties")
     if properties is not None:
         pairs = properties.items() if isinstance(properties, Mapping) else properties
-        kwargs["application_properties"] = {
-            str(k): (_utc(v) if isinstance(v, datetime.datetime) else v) for k, v in pairs if v is not None
-        }
+        kwargs["application_properties"] = {str(k): _property_value(v) for k, v in pairs}
     message = ServiceBusMessage(row["body"], **kwargs)
     if ttl is not None:  # in milliseconds: the SDK's own setter keeps whole seconds only
         from .messages import set_time_to_live

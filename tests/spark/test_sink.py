@@ -271,3 +271,60 @@ def test_a_batch_that_fails_part_way_is_replayed_without_duplicates_where_detect
     # `other` after the heal, and they are sent again by the replay (same ids); at most batch 0's 10 rows twice
     again = collections.Counter(str(m.message_id) for m in receive_all(primary.connection_string, other))
     assert len(again) == 20 and sum(again.values()) <= 30
+
+
+_POISON_SCHEMA = "key string, body string, application_properties map<string, binary>, time_to_live double"
+_POISON = [("k0", "fine", {"b": b"ok"}, None), ("k1", "bad bytes", {"b": b"\xff\xfe"}, None),
+           ("k2", "negative ttl", None, -1.0), ("k3", "ttl over the limit", None, 1e12),
+           ("k4", "and a half", None, 30.5)]
+
+
+def test_values_the_sdk_cannot_encode_are_rejected_naming_the_field(
+    spark, primary, secondary, make_queue, tmp_path
+) -> None:
+    q = make_queue()
+    rejects = str(tmp_path / "rejects")
+    sink = PairedSink.from_config(sink_config(primary, secondary, entity=q, key_column="key", reject_table=rejects))
+    summary = sink(spark.createDataFrame(_POISON, _POISON_SCHEMA).coalesce(1), 4)
+    assert (summary.rows, summary.primary, summary.rejected) == (5, 2, 3)
+    received = {str(m.message_id): m for m in receive_all(primary.connection_string, q)}
+    assert sorted(received) == ["k0", "k4"]
+    assert received["k4"].time_to_live == datetime.timedelta(seconds=30.5)  # not truncated to 30 s
+    reasons = {r["message_id"]: r["reason"] for r in spark.read.format("delta").load(rejects).collect()}
+    assert sorted(reasons) == ["k1", "k2", "k3"]
+    assert "application property 'b'" in reasons["k1"] and "UTF-8" in reasons["k1"]
+    assert "time_to_live" in reasons["k2"] and "time_to_live" in reasons["k3"]
+    # without a reject table the batch fails with an error naming batch, entity, message and field
+    plain = PairedSink.from_config(sink_config(primary, secondary, entity=q, key_column="key"))
+    with pytest.raises(Exception, match=rf"batch 5, entity '{q}', message 'k1': .*application property 'b'"):
+        plain(spark.createDataFrame(_POISON[:2], _POISON_SCHEMA).coalesce(1), 5)
+
+
+def test_bad_rows_while_failed_over_are_rejected_and_leave_the_backlog_in_the_rotation(
+    spark, emulator, primary, secondary, make_queue, tmp_path
+) -> None:
+    q, other = make_queue(), make_queue()
+    rejects = str(tmp_path / "rejects")
+    config = sink_config(primary, secondary, entity=q, key_column="key", reject_table=rejects,
+                         send_availability={"failover_interval": "0s"})
+    sink = PairedSink.from_config(config)
+    emulator.fault("primary", "down")
+    try:
+        summary = sink(spark.createDataFrame(_POISON, _POISON_SCHEMA).coalesce(1), 0)
+        assert (summary.backlog_total, summary.rejected) == (2, 3)
+        # valid rows for another entity still find a backlog queue
+        good = spark.createDataFrame([("g0", "ok", other)], "key string, body string, entity string")
+        assert sink(good, 1).backlog_total == 1
+        assert sender_for(sink.config).board.cooling() == []
+    finally:
+        emulator.heal("primary")
+
+
+def test_application_properties_keep_bigints_and_nulls(spark, primary, secondary, make_queue) -> None:
+    q = make_queue()
+    sink = PairedSink.from_config(sink_config(primary, secondary, entity=q, key_column="key"))
+    rows = [("k0", "b", {"big": 3_000_000_000, "small": 7, "none": None})]
+    assert sink(spark.createDataFrame(rows, "key string, body string, application_properties map<string, bigint>"),
+                0).primary == 1
+    (message,) = receive_all(primary.connection_string, q)
+    assert dict(message.application_properties) == {b"big": 3_000_000_000, b"small": 7, b"none": None}
