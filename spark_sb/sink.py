@@ -78,6 +78,7 @@ from pyspark.sql import types as T
 from .config import SparkSbConfig, load_config
 from .errors import BadInputError, BadMessageError, EntityNotFoundError
 from .paired import PRIMARY, PairedSender
+from .paired.sender import pairing_key
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -101,6 +102,14 @@ def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedS
     with _SENDERS_LOCK:
         sender = _SENDERS.get(key)
         if sender is None:
+            # a worker outlives a query: a sender of the same pairing built from an older configuration (other
+            # intervals) would make the new one refuse to share the pairing's health; the new one replaces it
+            for old_key, old in list(_SENDERS.items()):
+                if pairing_key(old.config) == pairing_key(config):
+                    _LOGGER.info("process %d: a new configuration of %s replaces the paired sender of the old one",
+                                 os.getpid(), old.config.send_availability.backlog_prefix)
+                    del _SENDERS[old_key]
+                    old.close()
             sender = PairedSender(config)
             usable = sender.pair()
             _LOGGER.info("process %d: paired sender ready (%d backlog queues)", os.getpid(), usable)

@@ -68,7 +68,7 @@ from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, S
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["PRIMARY", "PairedSender", "SendResult"]
+__all__ = ["PRIMARY", "PairedSender", "SendResult", "pairing_key"]
 
 #: the destination name of the primary entity in a :class:`SendResult`
 PRIMARY = "primary"
@@ -299,6 +299,13 @@ def _check_encodable(item: ServiceBusMessage, entity: str) -> None:
         raise _unencodable(item, entity, exc) from exc
 
 
+def pairing_key(config: SparkSbConfig) -> tuple[str, str, str]:
+    """What identifies a pairing in a process: its senders share one health board (primary, secondary,
+    backlog prefix)."""
+    return (config.primary.fully_qualified_namespace.lower(), config.secondary.fully_qualified_namespace.lower(),
+            config.send_availability.backlog_prefix)
+
+
 class PairedSender:
     """Send to an entity of the primary namespace, failing over to backlog queues on the secondary.
 
@@ -331,8 +338,7 @@ class PairedSender:
         self._secondary = _Side("secondary", config.secondary,
                                 {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()}, clock,
                                 self._spawn_closer)
-        key = (config.primary.fully_qualified_namespace.lower(), config.secondary.fully_qualified_namespace.lower(),
-               sa.backlog_prefix)
+        key = pairing_key(config)
         settings = {"failover_interval": sa.failover_interval.total_seconds(),
                     "ping_primary_interval": sa.ping_primary_interval.total_seconds(),
                     "backlog_cooldown": sa.backlog_cooldown.total_seconds()}

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from azure.servicebus import ServiceBusClient
+from azure.servicebus import ServiceBusClient, ServiceBusMessage
 from chispa import assert_df_equality
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from spark_sb.config import load_config
 from spark_sb.errors import BadInputError
 from spark_sb.sink import PairedSink, sender_for
 
@@ -328,3 +329,14 @@ def test_application_properties_keep_bigints_and_nulls(spark, primary, secondary
                 0).primary == 1
     (message,) = receive_all(primary.connection_string, q)
     assert dict(message.application_properties) == {b"big": 3_000_000_000, b"small": 7, b"none": None}
+
+
+def test_a_new_configuration_of_a_pairing_replaces_the_worker_sender(primary, secondary, make_queue) -> None:
+    # a Python worker outlives a query: rerunning with other intervals must not be refused by the old sender
+    first = sink_config(primary, secondary, entity="q")
+    second = {**first, "send_availability": {**first["send_availability"], "failover_interval": "7s"}}
+    old = sender_for(load_config(first))
+    new = sender_for(load_config(second))
+    assert new is not old and new.board.failover_interval == 7.0
+    with pytest.raises(RuntimeError, match="closed"):
+        old.send("q", ServiceBusMessage("x"))
