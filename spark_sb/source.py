@@ -59,7 +59,7 @@ from pyspark.sql.types import (
 )
 
 from . import messages as msgs
-from .config import SparkSbConfig, from_options, load_config
+from .config import MAX_RECEIVE_BATCH, SparkSbConfig, from_options, load_config
 from .errors import ConfigError, redact
 from .receivers import backlog_receiver
 
@@ -111,7 +111,8 @@ def _option(options: Mapping[str, str], name: str) -> str | None:
     return None
 
 
-def _positive(options: Mapping[str, str], name: str, default: float, kind: type = int) -> Any:
+def _positive(options: Mapping[str, str], name: str, default: float, kind: type = int, most: float | None = None
+              ) -> Any:
     text = _option(options, name)
     if text is None:
         return default
@@ -119,8 +120,10 @@ def _positive(options: Mapping[str, str], name: str, default: float, kind: type 
         value = kind(text)
     except ValueError:
         raise ConfigError(name, f"must be a positive {'integer' if kind is int else 'number'}", text) from None
-    if value <= 0:
+    if value <= 0 or value != value:
         raise ConfigError(name, "must be positive", text)
+    if most is not None and value > most:
+        raise ConfigError(name, f"must be at most {most:g}", text)
     return value
 
 
@@ -303,8 +306,8 @@ class BacklogStreamReader(DataSourceStreamReader):
         self.options = dict(options)
         self.config = _options_config(self.options)
         self.max_per_trigger = int(_positive(self.options, "maxMessagesPerTrigger",
-                                             self.config.syphon.receive_batch))
-        self.receive_timeout = float(_positive(self.options, "receiveTimeout", 1.0, float))
+                                             self.config.syphon.receive_batch, most=MAX_RECEIVE_BATCH))
+        self.receive_timeout = float(_positive(self.options, "receiveTimeout", 1.0, float, most=300))
         depth = (_option(self.options, "reportBacklogDepth") or "true").lower()
         self.report_depth = depth in ("true", "1", "yes")
         self.queues = self.config.send_availability.backlog_queue_names()

@@ -497,3 +497,18 @@ def test_column_names_are_not_taken_for_secrets() -> None:
 )
 def test_counts_have_an_upper_bound(sections: dict[str, object], message: str) -> None:
     assert error_of(minimal(**sections)).startswith(message)
+
+
+@pytest.mark.parametrize(("option", "value", "message"), [
+    ("maxMessagesPerTrigger", "1000000000", "maxMessagesPerTrigger: must be at most 10000, got 1000000000"),
+    ("maxMessagesPerTrigger", "0", "maxMessagesPerTrigger: must be positive, got 0"),
+    ("receiveTimeout", "1e9", "receiveTimeout: must be at most 300, got 1e9"),
+])
+def test_backlog_source_options_are_bounded(tmp_path: Path, option: str, value: str, message: str) -> None:
+    from spark_sb.source import BacklogStreamReader
+
+    conf = tmp_path / "conf.yaml"
+    conf.write_text(f"primary: {{connection_string: '{PRIMARY}'}}\nsecondary: {{connection_string: '{SECONDARY}'}}\n")
+    with pytest.raises(ConfigError) as caught:
+        BacklogStreamReader({"conf": str(conf), option: value})
+    assert str(caught.value) == message
