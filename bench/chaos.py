@@ -58,6 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from paired_send import _free_ports  # noqa: E402
 
 from spark_sb import messages  # noqa: E402
+from spark_sb.admin import admin_client  # noqa: E402
 from spark_sb.emulator import EmulatorProcess, fault, heal  # noqa: E402
 from spark_sb.paired import PairedSender  # noqa: E402
 
@@ -589,35 +590,42 @@ def emulator_killed(stage: Stage) -> None:
 
 def syphon_killed(stage: Stage) -> None:
     """The writer parks most rows (the primary down from batch 1 to the end), then ``jobs/syphon.py`` in its
-    own process (50 messages a batch) is SIGKILLed after its first batch log line, 0.3 s into the next batch
-    (a warm batch of 50 takes ~1 s: republish 0.3, ledger 0.5, settle 0.1), and restarted on the same
-    checkpoint and ledger until the backlog is empty."""
+    own process (50 messages a batch) is SIGKILLed after its first batch log line, in a later batch as soon as
+    that batch's copies reach the primary (before its ledger append), and restarted on the same checkpoint
+    and ledger until the backlog is empty."""
     stage.config["syphon"]["receive_batch"] = 50
     stage.write_source()
     stage.run_writer({1: lambda: fault(stage.primary_admin, "down")})
     heal(stage.primary_admin)
     checkpoint = Path(stage.config["syphon"]["checkpoint_location"])
     args = ["--conf", str(stage.writer_conf()), "--until-empty"]
+    primary = stage.emu["primary"]
+    admin = admin_client(primary.connection_string, admin_endpoint=primary.admin_url)
+
+    def arrived() -> int:
+        return admin.get_queue_runtime_properties(PLAIN).active_message_count
+
     first = stage.spawn("syphon.py", args, "syphon-1.log")
     deadline = time.monotonic() + SYPHON_TIMEOUT
-    killed_in = None
+    killed_in, base = None, None
     try:
         while first.poll() is None and time.monotonic() < deadline and killed_in is None:
-            logged = "syphon batch " in (stage.work / "syphon-1.log").read_text(errors="replace")
-            running = stage.in_flight(checkpoint) if logged else None
-            if running is not None and running >= 1:  # the first log line came from batch 0
-                time.sleep(0.3)
+            if base is None and "syphon batch " in (stage.work / "syphon-1.log").read_text(errors="replace"):
+                base = arrived()  # batch 0 is done
+            if base is not None and arrived() > base:  # a later batch is republishing
                 killed_in = stage.in_flight(checkpoint)
                 break
-            time.sleep(0.02)
+            time.sleep(0.01)
     finally:
         _kill_group(first)
     ledger = Path(stage.config["syphon"]["ledger"])
     recorded = len(_delta_rows(ledger, ["message_id"])) if (ledger / "_delta_log").exists() else 0
-    if killed_in is None and first.returncode != -signal.SIGKILL:
-        stage.result.flag("crashed", f"the first syphon exited with {first.returncode}: {stage.tail('syphon-1.log')}")
-    stage.note(f"syphon SIGKILLed {'in batch ' + str(killed_in) if killed_in is not None else 'between batches'} "
-               f"({recorded} ledger rows)")
+    if killed_in is None:
+        stage.result.flag("crashed", f"the first syphon was not killed mid-batch (exit {first.returncode}): "
+                                     f"{stage.tail('syphon-1.log')}")
+    else:
+        stage.note(f"syphon SIGKILLed in batch {killed_in} once {PLAIN} had {arrived() - base} of its copies "
+                   f"({recorded} ledger rows)")
     _supervise(stage, "syphon.py", args, "syphon", None, SYPHON_TIMEOUT + 100)  # + a dead attempt's locks (60 s)
 
 
