@@ -425,14 +425,13 @@ def _stop(query: Any, stage: Stage) -> None:
 
 
 def _first_line(error: Any) -> str:
+    """The line of an error worth a table note: the innermost ``module.SomeError: message`` line (Spark wraps
+    the Python worker's error in its own), else the first line."""
     if error is None:
         return "stopped without an error"
-    text = str(error).strip()
-    for line in text.splitlines():
-        # Spark wraps the Python error: show the Python exception's line when there is one
-        if re.search(r"(Error|Exception): ", line) and "Traceback" not in line:
-            return line.strip()[:240]
-    return text.splitlines()[0][:240] if text else type(error).__name__
+    lines = [line.strip() for line in str(error).strip().splitlines()]
+    named = [line for line in lines if re.match(r"^[A-Za-z_][\w.]*(Error|Exception): ", line)]
+    return (named[-1] if named else lines[0] if lines else type(error).__name__)[:240]
 
 
 def _peek_all(conn_str: str, queue: str, sub_queue: Any = None) -> list[Any]:
@@ -868,6 +867,7 @@ def main() -> int:
         parser.error("--batches must be at least 6")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("spark_sb.syphon").setLevel(logging.INFO)  # one line per syphon batch, with step timings
+    logging.getLogger("py4j").setLevel(logging.CRITICAL)  # a failed batch's traceback: the note has its error
     work = Path(tempfile.mkdtemp(prefix="spark-sb-chaos-"))
     say(f"work folder {work}")
     bench = Bench(work, args.rows, args.batches, args.verbose)
