@@ -43,6 +43,9 @@ def build_session(app_name: str = "spark-sb-paired-writer", master: str | None =
 
     if master or "PYSPARK_GATEWAY_PORT" not in os.environ:  # not under spark-submit: a local session
         builder = builder.master(master or os.environ.get("SPARK_MASTER", "local[2]"))
+        if (master or os.environ.get("SPARK_MASTER", "local")).startswith("local"):
+            # a local session talks to itself over loopback (Spark would take the host's address otherwise)
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     builder = (builder.config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
                .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
                .config("spark.ui.enabled", "false")

@@ -16,6 +16,7 @@ not record (the primary's duplicate detection suppresses a copy sent twice) and 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 import time
@@ -65,15 +66,27 @@ def _flat_options(config: Any) -> dict[str, str]:
     return out
 
 
+def _backlog_depth(progress: Any) -> int | None:
+    """The backlog depth the source reported in this progress (``None`` when it reported none)."""
+    try:
+        offset = progress["sources"][0].get("latestOffset")
+        return int((json.loads(offset) if isinstance(offset, str) else offset)["backlogDepth"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
 def await_until_empty(query: Any, idle_batches: int = 2, timeout: float = 300.0, poll: float = 0.5) -> None:
-    """Stop the query once ``idle_batches`` consecutive triggers found nothing (or after ``timeout``)."""
+    """Stop the query once ``idle_batches`` consecutive triggers found nothing and the backlog depth is 0 (or
+    after ``timeout``). The depth counts messages still locked by a run that died (they come back when their
+    lock expires, up to the queue's lock duration later), which a trigger alone does not see."""
     deadline = time.monotonic() + timeout
     idle, last = 0, None
     while query.isActive and time.monotonic() < deadline:
         progress = query.lastProgress
         if progress is not None and progress.get("timestamp") != last:
             last = progress.get("timestamp")
-            idle = idle + 1 if progress.get("numInputRows", 0) == 0 else 0
+            empty = progress.get("numInputRows", 0) == 0 and _backlog_depth(progress) in (None, 0)
+            idle = idle + 1 if empty else 0
             if idle >= idle_batches:
                 break
         query.awaitTermination(poll)

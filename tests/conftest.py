@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,8 @@ from spark_sb.emulator import Emulator, NamespaceInfo, NamespaceOptions
 from spark_sb.emulator.model import QueueSpec, SubscriptionSpec, TopicSpec
 
 _counter = itertools.count()
+# Spark (the session of tests/spark and the jobs the tests start) talks to itself over loopback only
+os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 
 class FakeClock:

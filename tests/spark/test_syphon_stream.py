@@ -96,6 +96,26 @@ def _ledger(spark: Any, config: dict) -> Any:
     return spark.read.format("delta").load(config["syphon"]["ledger"])
 
 
+def test_until_empty_waits_for_messages_a_dead_run_still_holds_locked(spark, emulator, setup, primary,
+                                                                     secondary) -> None:
+    # a run killed between receiving and deferring leaves its messages locked until the lock expires: the
+    # backlog is not empty, and "until empty" must not stop before they come back and are moved
+    queues, entity = setup["queues"], setup["entity"]
+    server = emulator.server("secondary")
+    locked_queue = queues[0]
+    server.call(lambda: server.broker.delete_entity("queue", locked_queue))
+    server.call(lambda: server.broker.create_entity(QueueSpec(name=locked_queue, max_delivery_count=2**31 - 1,
+                                                              lock_duration=30.0)))
+    _park(secondary, locked_queue, entity, ["held", "free"])
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(locked_queue, prefetch_count=0) as dead_run:
+            [held] = dead_run.receive_messages(max_message_count=1, max_wait_time=5)  # never settled
+    assert str(held.message_id) == "held"
+    _run(spark, setup["config"])
+    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, expected=2)]
+    assert sorted(arrived) == ["free", "held"]
+
+
 def test_the_job_refuses_a_configuration_without_checkpoint_or_ledger(spark, setup) -> None:
     config = {**setup["config"], "syphon": {"ledger": "/tmp/x"}}
     with pytest.raises(ConfigError, match="syphon.checkpoint_location"):
