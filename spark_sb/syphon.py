@@ -148,6 +148,16 @@ def _add(counts: dict[str, int], key: str, n: int = 1) -> None:
     counts[key] = counts.get(key, 0) + n
 
 
+def _drop_sender(senders: dict[str, Any], path: str) -> None:
+    """Forget and close the cached SDK sender of ``path`` (rebuilt on next use)."""
+    sdk_sender = senders.pop(path, None)
+    if sdk_sender is not None:
+        try:
+            sdk_sender.close()
+        except Exception as exc:  # a broken handler: nothing left to do but say so
+            _LOGGER.debug("closing the sender of %r failed: %s", path, type(exc).__name__)
+
+
 class _DestinationDown(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(type(error).__name__)
@@ -217,12 +227,7 @@ class Syphon:
         return sdk_sender
 
     def _reset_primary(self, entity: str) -> None:
-        sdk_sender = self._primary_senders.pop(entity, None)
-        if sdk_sender is not None:
-            try:
-                sdk_sender.close()
-            except Exception as exc:  # a broken handler: nothing left to do but say so
-                _LOGGER.debug("closing the sender of %r failed: %s", entity, type(exc).__name__)
+        _drop_sender(self._primary_senders, entity)
 
     def close(self) -> None:
         """Close every client (idempotent)."""
@@ -454,12 +459,7 @@ class Syphon:
         return sdk_sender
 
     def _reset_backlog_sender(self, queue: str) -> None:
-        sdk_sender = self._backlog_senders.pop(queue, None)
-        if sdk_sender is not None:
-            try:
-                sdk_sender.close()
-            except Exception as exc:  # a broken handler: nothing left to do but say so
-                _LOGGER.debug("closing the sender of %r failed: %s", queue, type(exc).__name__)
+        _drop_sender(self._backlog_senders, queue)
 
     @staticmethod
     def _dead_letter(receiver: Any | None, message: Any, reason: str, description: str | None,
