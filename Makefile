@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench chaos
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
@@ -22,3 +22,6 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/emulator_ingest.py
+
+chaos: $(VENV)/.installed
+	$(PY) bench/chaos.py
