@@ -65,6 +65,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -398,6 +399,8 @@ def _quote(column: str) -> str:
 # --- the executor side -------------------------------------------------------------------------------------
 
 _REJECT_FLUSH = 1000
+#: the sender counters each worker's last partition summary reported (per paired sender of the registry)
+_REPORTED: weakref.WeakKeyDictionary[PairedSender, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 class _Rejected(Exception):
@@ -430,7 +433,9 @@ class _PartitionRun:
         self.partition = partition
         self.reject = reject
         self.sender = sender_for(config, fingerprint)
-        self.before = self.sender.stats()
+        # counted from this worker's last summary, so that what happened between two tasks (a failback by the
+        # background ping task) is reported by the next one
+        self.before = _REPORTED.get(self.sender, {})
         for entity in failed_over:
             self.sender.board.assume_failed_over(entity)
         self.started = time.monotonic()
@@ -558,6 +563,7 @@ class _PartitionRun:
 
     def _summary(self) -> pa.RecordBatch:
         after = self.sender.stats()
+        _REPORTED[self.sender] = after
         delta = {name: after.get(name, 0) - self.before.get(name, 0) for name in after}
         counts = {"rows": self.rows, "primary": self.primary, "rejected": self.rejected,
                   "failovers": delta.get("failovers", 0), "failbacks": delta.get("failbacks", 0),
