@@ -56,7 +56,15 @@ from azure.servicebus.exceptions import MessageAlreadySettled, MessageLockLostEr
 
 from . import messages as msgs
 from .config import SparkSbConfig, load_config
-from .errors import CredentialRejectedError, ErrorClass, SparkSbError, classify, redact
+from .errors import (
+    ENCODING_ERRORS,
+    BadMessageError,
+    CredentialRejectedError,
+    ErrorClass,
+    SparkSbError,
+    classify,
+    redact,
+)
 from .paired import PairedSender
 
 _LOGGER = logging.getLogger(__name__)
@@ -68,7 +76,7 @@ __all__ = ["REJECTED_BY_DESTINATION", "X_MS_REPARKED_FROM", "MoveSummary", "Outc
 REJECTED_BY_DESTINATION = "RejectedByDestination"
 #: the application property of a re-parked copy: ``"<backlog queue>:<sequence number of the original>"``
 #: (:func:`spark_sb.messages.from_backlog` strips it with every ``x-ms-*`` property)
-X_MS_REPARKED_FROM: str = getattr(msgs, "X_MS_REPARKED_FROM", "x-ms-reparked-from")
+X_MS_REPARKED_FROM = msgs.X_MS_REPARKED_FROM
 _MAX_DESCRIPTION = 1024
 
 
@@ -428,6 +436,10 @@ class Syphon:
                 if properties is None:
                     properties = copy.application_properties = {}
                 properties[X_MS_REPARKED_FROM] = _marker(queue, message)
+            except BadMessageError as bad:  # the SDK cannot encode it
+                self._dead_letter(receiver, message, _cannot_encode(bad),
+                                  f"cannot be re-parked in {queue!r}: {bad.reason}", summary, entity)
+                continue
             except Exception as exc:  # a shape to_backlog cannot copy: never wedge on it
                 self._dead_letter(receiver, message, REJECTED_BY_DESTINATION,
                                   f"cannot be re-parked in {queue!r}: {type(exc).__name__}: {exc}", summary, entity)
@@ -498,22 +510,26 @@ def _batches(sdk_sender: Any, items: list[tuple[Any, ServiceBusMessage]], entity
         yield batch
 
 
+def _cannot_encode(bad: BadMessageError) -> str:
+    """The dead-letter reason for a message the SDK cannot encode: the field, e.g. ``application property 'n'
+    cannot be encoded`` (the description carries the value and the SDK's words)."""
+    return f"{bad.reason.split(':', 1)[0]:.100} cannot be encoded"
+
+
 def _fits(batch: Any, item: tuple[Any, ServiceBusMessage], entity: str) -> bool:
     """Add the message to the batch; False when it does not fit; :class:`_BadMessage` when it cannot be
-    encoded at all (the reason names the application property the SDK cannot encode, when it is one)."""
+    encoded at all (the reason names the field the SDK cannot encode: :func:`messages.check_encodable`)."""
     try:
         batch.add_message(item[1])
     except MessageSizeExceededError:
         return False
-    except (TypeError, ValueError) as exc:
-        error = f"{type(exc).__name__}: {exc}"[:200]
-        name = _unencodable_property(item[1])
-        if name is None:
-            raise _BadMessage(item[0], f"cannot be encoded for {entity!r}: {error}") from exc
-        value = _property(item[1], name)
-        raise _BadMessage(item[0], f"the SDK cannot encode application property {name!r} "
-                                   f"({type(value).__name__} {value!r:.80}) for {entity!r}: {error}",
-                          f"application property {name:.100} cannot be encoded") from exc
+    except ENCODING_ERRORS as exc:
+        try:
+            msgs.check_encodable(item[1], entity)
+        except BadMessageError as bad:
+            raise _BadMessage(item[0], f"the SDK cannot encode the message for {entity!r}: {bad.reason}",
+                              _cannot_encode(bad)) from exc
+        raise _BadMessage(item[0], f"cannot be encoded for {entity!r}: {type(exc).__name__}: {exc}"[:300]) from exc
     return True
 
 
@@ -525,16 +541,6 @@ def _property(message: ServiceBusMessage, name: str) -> Any:
     for key, value in (message.application_properties or {}).items():
         if _text(key) == name:
             return value
-    return None
-
-
-def _unencodable_property(message: ServiceBusMessage) -> str | None:
-    """The name of the first application property the SDK cannot encode (None: they all encode)."""
-    for key, value in (message.application_properties or {}).items():
-        try:
-            msgs.message_size(ServiceBusMessage(b"", application_properties={key: value}))
-        except (TypeError, ValueError):
-            return _text(key)
     return None
 
 

@@ -270,14 +270,12 @@ def _message_id(message: ServiceBusMessage) -> object:
 
 
 def _unencodable(item: ServiceBusMessage, entity: str, exc: BaseException) -> BadMessageError:
-    """The error for a message the SDK raised ``exc`` encoding: the precise one of
-    ``messages.check_encodable`` (naming the field) when that exists, else one quoting the SDK's words."""
-    check = getattr(msgs, "check_encodable", None)
-    if check is not None:
-        try:
-            check(item, entity)
-        except BadMessageError as precise:
-            return precise
+    """The error for a message the SDK raised ``exc`` encoding: the one of ``messages.check_encodable``, which
+    names the field, else one quoting the SDK's words."""
+    try:
+        msgs.check_encodable(item, entity)
+    except BadMessageError as precise:
+        return precise
     return encoding_error(exc, _message_id(item), entity)
 
 
@@ -287,14 +285,6 @@ def _add(batch: Any, item: ServiceBusMessage, entity: str) -> None:
         batch.add_message(item)
     except MessageSizeExceededError:
         raise
-    except ENCODING_ERRORS as exc:
-        raise _unencodable(item, entity, exc) from exc
-
-
-def _check_encodable(item: ServiceBusMessage, entity: str) -> None:
-    """Raise :class:`BadMessageError` when the SDK cannot encode ``item`` (encodes it once, sends nothing)."""
-    try:
-        msgs.message_size(item)
     except ENCODING_ERRORS as exc:
         raise _unencodable(item, entity, exc) from exc
 
@@ -658,7 +648,7 @@ class PairedSender:
         for item in items:
             # what the primary could never accept is a bad message here too (the backlog rewrite would hide a
             # TTL out of range in an int64 property), never the backlog queue's fault
-            _check_encodable(item, entity)
+            msgs.check_encodable(item, entity)
         rewritten = [msgs.to_backlog(item, entity) for item in items]
         counts: dict[str, int] = {}
         tried: list[str] = []
