@@ -54,6 +54,9 @@ from azure.core.exceptions import (
     ServiceResponseError,
 )
 from azure.servicebus.exceptions import (
+    MessageAlreadySettled,
+    MessageLockLostError,
+    MessageNotFoundError,
     MessageSizeExceededError,
     MessagingEntityNotFoundError,
     ServiceBusAuthenticationError,
@@ -79,6 +82,9 @@ __all__ = [
     "classify",
     "encoding_error",
     "redact",
+    "is_lock_lost",
+    "is_message_not_found",
+    "is_too_large",
 ]
 
 
@@ -435,3 +441,22 @@ def as_spark_sb_error(
     if error_class is ErrorClass.BAD_MESSAGE:
         return BadMessageError(message_id, entity, detail)
     return None
+
+
+# --- answers that are not failures: what the syphon and the sources read about one message -------------------
+
+def is_message_not_found(exc: BaseException) -> bool:
+    """The service answered that a message asked for by sequence number is not there (gone, or locked by
+    someone else): an answer about that message, not a broken link."""
+    return isinstance(exc, MessageNotFoundError)
+
+
+def is_lock_lost(exc: BaseException) -> bool:
+    """A settlement found the message's lock lost or the message already settled: the broker decides what
+    happens to it (it comes back, or it was settled by someone else)."""
+    return isinstance(exc, MessageLockLostError | MessageAlreadySettled)
+
+
+def is_too_large(exc: BaseException) -> bool:
+    """A message does not fit a batch (or a send) because of its size."""
+    return isinstance(exc, MessageSizeExceededError)
