@@ -44,7 +44,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from azure.servicebus import ServiceBusMessage
+from azure.servicebus import ServiceBusMessage, ServiceBusReceivedMessage
 from azure.servicebus._pyamqp._encode import (
     _ENCODE_MAP,
     describe_performative,
@@ -81,8 +81,10 @@ __all__ = [
     "check_encodable",
     "encoded_body",
     "from_backlog",
+    "from_received_bytes",
     "is_ping",
     "message_size",
+    "received_bytes",
     "ping_message",
     "set_time_to_live",
     "to_backlog",
@@ -846,6 +848,39 @@ def encoded_body(message: ServiceBusMessage | AmqpAnnotatedMessage) -> bytes:
 
 
 # --- what the SDK can send -------------------------------------------------------------------------------
+
+
+def received_bytes(message: ServiceBusReceivedMessage) -> bytes:
+    """A received (or peeked) message as the AMQP bytes the service sent it in (sections and broker
+    annotations, sequence number included): what :func:`from_received_bytes` reads back. The syphon source's
+    rows carry it, so that the republisher sends without fetching the message again."""
+    wire = message._message  # noqa: SLF001 (the SDK keeps the decoded AMQP message there)
+    wire = wire._replace(message_annotations=_reencodable(wire.message_annotations),
+                         application_properties=_reencodable(wire.application_properties),
+                         value=_reencodable(wire.value), sequence=_reencodable(wire.sequence))
+    return bytes(encode_payload(bytearray(), wire))
+
+
+_INT32 = range(-(2**31), 2**31)
+_INT64 = range(-(2**63), 2**63)
+
+
+def _reencodable(value: Any) -> Any:
+    """A value the SDK decoded, typed so that its encoder takes it back and its decoder gives the same value:
+    the decoder turns timestamps and longs into plain ints, which the encoder would write as 32-bit ints."""
+    if isinstance(value, dict):
+        return {_reencodable(k): _reencodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_reencodable(v) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value not in _INT32:
+        return amqp_long_value(value) if value in _INT64 else {TYPE: AMQPTypes.ulong, VALUE: value}
+    return value
+
+
+def from_received_bytes(data: bytes) -> ServiceBusReceivedMessage:
+    """The message :func:`received_bytes` encoded, as the SDK's own received message (it belongs to no
+    receiver: it cannot be settled through this object)."""
+    return ServiceBusReceivedMessage.from_bytes(data)
 
 
 def set_time_to_live(message: ServiceBusMessage, ttl: datetime.timedelta) -> None:

@@ -564,3 +564,24 @@ def test_a_500_ms_ttl_reaches_the_wire_and_expires(emulator_with_clock: Any, fak
     fake_clock.advance(1)
     received = _receive_one(connection_string, queue)
     assert received.message_id == "long" and received.time_to_live == dt.timedelta(minutes=1)
+
+
+def test_a_peeked_backlog_message_restores_the_same_from_its_received_bytes(
+        client: Any, make_queue: Any) -> None:
+    """The syphon source's rows carry a peeked message as bytes (received_bytes); the republisher restores from
+    them what it would have restored from the peeked message itself, sequence number included."""
+    from spark_sb.messages import from_received_bytes, received_bytes
+
+    queue = make_queue()
+    original = full_message(application_properties=dict(EVERY_PROPERTY_TYPE))
+    with client.get_queue_sender(queue) as sender:
+        sender.send_messages(to_backlog(original, "orders"))
+    with client.get_queue_receiver(queue) as receiver:
+        (peeked,) = receiver.peek_messages(max_message_count=1)
+    copy = from_received_bytes(received_bytes(peeked))
+    assert copy.sequence_number == peeked.sequence_number and copy.enqueued_time_utc == peeked.enqueued_time_utc
+    direct, via_bytes = from_backlog(peeked, now=ENQUEUED), from_backlog(copy, now=ENQUEUED)
+    assert direct.ok and via_bytes.ok and direct.entity == via_bytes.entity == "orders"
+    assert typed(on_the_wire(via_bytes.message).properties) == typed(on_the_wire(direct.message).properties)
+    assert typed(on_the_wire(via_bytes.message).body) == typed(on_the_wire(direct.message).body)
+    assert seen_by_consumer(receive(via_bytes.message)) == seen_by_consumer(receive(direct.message))
