@@ -1,6 +1,6 @@
 """A local Azure Service Bus that the unmodified azure-servicebus SDK talks to.
 
-Imports nothing from the rest of spark_sb.
+Imports nothing from the rest of spark_sb but the leaf :mod:`spark_sb.durations`.
 """
 
 from __future__ import annotations

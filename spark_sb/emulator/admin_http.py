@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
 import select
 import socket
 import threading
@@ -37,6 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol, TypeVar
 from xml.sax.saxutils import escape, quoteattr
 
+from ..durations import DurationError, iso_duration, parse_seconds
 from . import model, sas
 from .broker import Broker, BrokerError, Cond, RuntimeCounts
 from .model import QUEUE, SUBSCRIPTION, TOPIC, QueueSpec, RuleSpec, SubscriptionSpec, TopicSpec
@@ -54,7 +54,6 @@ XSD_NS = "http://www.w3.org/2001/XMLSchema"
 MAX_TIMESPAN = "P10675199DT2H48M5.4775807S"  # TimeSpan.MaxValue as the service writes it
 DEFAULT_API_VERSION = "2021-05"
 MAX_BODY_BYTES = 1024 * 1024
-FAULT_KINDS = ("down", "timeout", "busy", "disabled", "notfound", "quota", "unauthorized")
 
 _CT_ENTRY = "application/atom+xml;type=entry;charset=utf-8"
 _CT_FEED = "application/atom+xml;type=feed;charset=utf-8"
@@ -77,37 +76,19 @@ class _HttpError(Exception):
 
 # --------------------------------------------------------------------------- durations and times
 
-_ISO_DURATION_RE = re.compile(
-    r"^P(?:(?P<w>\d+(?:\.\d+)?)W)?(?:(?P<d>\d+(?:\.\d+)?)D)?"
-    r"(?:T(?:(?P<h>\d+(?:\.\d+)?)H)?(?:(?P<m>\d+(?:\.\d+)?)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?$"
-)
-
-
 def format_duration(seconds: float | None) -> str:
     """ISO 8601 as .NET writes a TimeSpan: ``PT1M``, ``P1DT2H``, ``PT0.5S``; None (or beyond) = MaxValue."""
     if seconds is None or seconds >= model.MAX_TTL_SECONDS:
         return MAX_TIMESPAN
-    micros = max(0, round(seconds * 1_000_000))
-    days, rest = divmod(micros, 86_400_000_000)
-    hours, rest = divmod(rest, 3_600_000_000)
-    minutes, rest = divmod(rest, 60_000_000)
-    secs, frac = divmod(rest, 1_000_000)
-    out = "P" + (f"{days}D" if days else "")
-    clock = (f"{hours}H" if hours else "") + (f"{minutes}M" if minutes else "")
-    if secs or frac:
-        clock += f"{secs}.{frac:06d}".rstrip("0").rstrip(".") + "S"
-    if clock:
-        out += "T" + clock
-    return out if out != "P" else "PT0S"
+    return iso_duration(seconds)
 
 
 def parse_duration(text: str, field: str) -> float:
-    """Seconds from an ISO 8601 duration (days, hours, minutes, seconds; weeks tolerated)."""
-    m = _ISO_DURATION_RE.match(text.strip())
-    if not m or not any(m.groupdict().values()) or text.strip().endswith("T"):
-        raise _HttpError(400, f"{field}: expected an ISO 8601 duration such as PT1M, got {text!r}")
-    g = {k: float(v) if v else 0.0 for k, v in m.groupdict().items()}
-    return g["w"] * 604800 + g["d"] * 86400 + g["h"] * 3600 + g["m"] * 60 + g["s"]
+    """Seconds from an ISO 8601 duration (weeks, days, hours, minutes, seconds)."""
+    try:
+        return parse_seconds(text, iso_only=True)
+    except DurationError:
+        raise _HttpError(400, f"{field}: expected an ISO 8601 duration such as PT1M, got {text!r}") from None
 
 
 def _format_time(epoch: float) -> str:

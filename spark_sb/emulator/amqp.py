@@ -35,6 +35,7 @@ SESSION_FILTER = symbol("com.microsoft:session-filter")
 LOCKED_UNTIL_UTC = symbol("com.microsoft:locked-until-utc")
 LINK_TIMEOUT = symbol("com.microsoft:timeout")
 DOTNET_EPOCH_TICKS = 621355968000000000
+#: the injectable faults: the one definition (the control API in server.py and the CLI use it)
 FAULT_KINDS = ("down", "timeout", "busy", "disabled", "notfound", "quota", "unauthorized")
 _FAULT_CONDITIONS = {
     "busy": (Cond.BUSY, "The server is busy. Please retry the operation after 10 seconds. (injected fault)"),

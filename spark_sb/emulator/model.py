@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..durations import DurationError, parse_seconds
+
 MAX_TTL_SECONDS = 10_675_199 * 86400.0  # TimeSpan.MaxValue in whole days, as the service reports it
 
 QUEUE = "queue"
@@ -188,28 +190,17 @@ def validate_rule(label: str, rule: RuleSpec) -> None:
 
 # --------------------------------------------------------------------------- serialisation
 
-_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*$")
-_ISO_RE = re.compile(r"^P(?:(\d+)D)?(?:T(?:(\d+)H)?(?:(\d+)M)?(?:(\d+(?:\.\d+)?)S)?)?$")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
-
-
 def parse_duration(value: Any, label: str) -> float | None:
-    """Seconds from a number (seconds), '500ms'/'60s'/'5m'/'1h'/'2d', ISO 8601 'PT1M', or None/'max'."""
+    """Seconds from a number (seconds), '500ms'/'60s'/'5m'/'1h'/'2d', ISO 8601 'PT1M' (the spellings of
+    :mod:`spark_sb.durations`), or None/'max'."""
     if value is None or (isinstance(value, str) and value.lower() in ("max", "none", "")):
         return None
     if isinstance(value, bool):
         raise EntityConfigError(f"{label}: expected a duration, got {value!r}")
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        m = _DURATION_RE.match(value)
-        if m:
-            return float(m.group(1)) * _UNITS[m.group(2)]
-        m = _ISO_RE.match(value.strip())
-        if m and any(m.groups()):
-            d, h, mi, s = (float(x) if x else 0.0 for x in m.groups())
-            return d * 86400 + h * 3600 + mi * 60 + s
-    raise EntityConfigError(f"{label}: expected a duration such as 30s, 5m or PT1M, got {value!r}")
+    try:
+        return parse_seconds(value)
+    except DurationError:
+        raise EntityConfigError(f"{label}: expected a duration such as 30s, 5m or PT1M, got {value!r}") from None
 
 
 _DURATION_FIELDS = {
