@@ -1,7 +1,8 @@
-"""The spark-sb configuration: one typed, frozen, validated object, parsed once.
+"""The spark-sb configuration: one typed, frozen, validated object (pydantic models), parsed once.
 
-Built by :func:`load_config` from a YAML file or a dict, or by :func:`from_options` from Spark's flat,
-case-insensitive string options. Shape (defaults shown)::
+Built by :func:`load_config` from a YAML file or a dict, by :func:`from_options` from Spark's flat,
+case-insensitive string options, or by :func:`load_reference` from what :meth:`SparkSbConfig.reference`
+gave. Shape (defaults shown)::
 
     primary:   {connection_string: "${SB_PRIMARY}"}        # or fully_qualified_namespace + credential
     secondary: {connection_string: "${SB_SECONDARY}"}
@@ -31,38 +32,61 @@ case-insensitive string options. Shape (defaults shown)::
       trigger: null                   # processing-time trigger, e.g. 2s; null: as fast as possible
       max_batches: null               # writer job: stop after this many batches
 
-Strings may use ``${ENV_VAR}`` or ``${ENV_VAR:-default}`` (``$${`` is a literal ``${``); an unset variable
-without a default is an error naming the variable and the option.
+An option set to null is unset (its default applies). Strings may use ``${ENV_VAR}`` or
+``${ENV_VAR:-default}`` (``$${`` is a literal ``${``); an unset variable without a default is an error naming
+the variable and the option.
 
 Credentials are either a ``connection_string`` (Endpoint, SharedAccessKeyName + SharedAccessKey or
 SharedAccessSignature, optional EntityPath and UseDevelopmentEmulator), or a ``fully_qualified_namespace``
 plus ``credential: {type: default|client_secret|managed_identity, tenant_id, client_id, client_secret}``
 (``DefaultAzureCredential`` when omitted). azure.identity is imported only when a credential is built.
 
-Every error is a :class:`~spark_sb.errors.ConfigError` naming the option path and the bad value; secrets
-never appear in an error, a log line, ``repr()`` or ``str()``.
+Every error is a :class:`~spark_sb.errors.ConfigError` naming the option path and the bad value; secrets are
+:class:`Secret` values and never appear in an error, a log line, ``repr()``, ``str()``, ``model_dump()`` or a
+pickle (where they travel masked).
 """
 
 from __future__ import annotations
 
-import dataclasses
+import base64
 import difflib
 import hashlib
 import ipaddress
 import json
 import logging
-import math
 import os
 import re
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import FrozenInstanceError
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 from urllib.parse import urlparse
 
 import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    GetCoreSchemaHandler,
+    PlainSerializer,
+    PrivateAttr,
+    SecretStr,
+    SerializationInfo,
+    SerializerFunctionWrapHandler,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic.fields import FieldInfo
+from pydantic_core import core_schema
 
+from .durations import Duration, DurationError, duration_text, format_duration
+from .durations import parse_duration as _parse_duration
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -74,8 +98,10 @@ _LOGGER = logging.getLogger(__name__)
 __all__ = [
     "ConnectionString",
     "CredentialConfig",
+    "Duration",
     "FrozenMap",
     "NamespaceConfig",
+    "Secret",
     "SendAvailabilityConfig",
     "SinkConfig",
     "SinkSourceConfig",
@@ -84,7 +110,9 @@ __all__ = [
     "default_backlog_prefix",
     "format_duration",
     "from_options",
+    "is_secret_name",
     "load_config",
+    "load_reference",
     "parse_duration",
     "redact_connection_string",
 ]
@@ -95,124 +123,203 @@ _MAX_ENTITY_PATH = 260
 #: and its sequence numbers are written into a Spark offset
 MAX_BACKLOG_QUEUES = 100
 MAX_RECEIVE_BATCH = 10_000
+_MAX_CHUNK = 100_000
 _REDACTED = "***"
-
-
-# --- durations -------------------------------------------------------------------------------------------
-
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-_DURATION_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|sec|min|s|m|h|d)", re.IGNORECASE)
-_ISO_DURATION = re.compile(
-    r"^P(?:(?P<d>\d+(?:\.\d+)?)D)?"
-    r"(?:T(?:(?P<h>\d+(?:\.\d+)?)H)?(?:(?P<m>\d+(?:\.\d+)?)M)?(?:(?P<s>\d+(?:\.\d+)?)S)?)?$",
-    re.IGNORECASE,
-)
-_NUMBER = re.compile(r"^[+-]?\d+(?:\.\d+)?$")
-_DURATION_HELP = "not a duration (write 500ms, 60s, 5m, 1h, 1h30m, a number of seconds, or ISO 8601 such as PT1M)"
+_UNSET: Any = object()
+MS, SECOND, MINUTE, DAY = timedelta(milliseconds=1), timedelta(seconds=1), timedelta(minutes=1), timedelta(days=1)
 
 
 def parse_duration(value: object, option: str) -> timedelta:
-    """Parse ``500ms``, ``60s``, ``5m``, ``1h30m``, ``PT1M``, a number of seconds, or a timedelta."""
-    if isinstance(value, timedelta):
-        return value
+    """:func:`spark_sb.durations.parse_duration`, raising a :class:`ConfigError` naming ``option``."""
+    try:
+        return _parse_duration(value)
+    except DurationError as err:
+        raise ConfigError(option, err.problem, err.value) from None
+
+
+class _Invalid(ValueError):
+    """A validator's verdict: the problem, the value as it may be shown, and the option below the validated
+    one that it concerns (``field``), if any. Turned into a :class:`ConfigError` with the full option path."""
+
+    def __init__(self, problem: str, value: object = _UNSET, field: str | None = None) -> None:
+        super().__init__(problem)
+        self.problem, self.value, self.field = problem, value, field
+
+
+def _error(option: str, problem: str, value: object = _UNSET) -> ConfigError:
+    return ConfigError(option, problem) if value is _UNSET else ConfigError(option, problem, value)
+
+
+# --- secrets ---------------------------------------------------------------------------------------------
+
+_PAD = hashlib.sha256(b"spark-sb: a secret in a pickle").digest()
+
+
+def _xor(data: bytes) -> bytes:
+    return bytes(b ^ _PAD[i % len(_PAD)] for i, b in enumerate(data))
+
+
+def _unmask(blob: bytes) -> Secret:
+    return Secret(_xor(base64.b64decode(blob)).decode("utf-8"))
+
+
+class Secret(SecretStr):
+    """A :class:`pydantic.SecretStr` that a pickle does not show either: its value travels masked (obfuscated
+    so that it cannot be read in a dump of the bytes; not encrypted: whoever holds the pickle can load it)."""
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return _unmask, (base64.b64encode(_xor(self.get_secret_value().encode("utf-8"))),)
+
+
+def _with_secrets(info: SerializationInfo) -> bool:
+    return bool(isinstance(info.context, Mapping) and info.context.get("secrets"))
+
+
+def _dump_secret(value: Secret, info: SerializationInfo) -> str:
+    return value.get_secret_value() if _with_secrets(info) else _REDACTED
+
+
+#: a secret option: ``***`` in every dump unless ``to_dict(secrets=True)``
+SecretText = Annotated[Secret, PlainSerializer(_dump_secret, return_type=str)]
+
+# Option names whose values are secrets. Names are split into words (at ``.``, ``_``, ``-`` and camelCase), so
+# that Hadoop-style names are caught too: ``fs.azure.account.key.<account>``, ``fs.s3a.access.key``,
+# ``fs.azure.sas.<container>.<account>``, ``...oauth2.client.secret``, ``apiKey``; column names such as
+# ``partition_key`` are not.
+_SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwd", "pwd", "token", "signature", "sig", "sas",
+                           "sasl", "jaas", "credential", "credentials", "connectionstring", "accesskey",
+                           "accountkey", "apikey", "privatekey", "sharedaccesskey", "secretkey"})
+#: ``<word> key`` is a secret after these words
+_SECRET_KEY_QUALIFIERS = frozenset({"access", "account", "private", "api", "shared", "secret", "storage",
+                                    "encryption", "master", "signing", "client", "auth", "subscription", "sas"})
+_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
+
+
+def is_secret_name(name: object) -> bool:
+    """True when an option named ``name`` holds a secret (its value is never shown)."""
+    words = [w.lower() for w in _WORD.findall(str(name))]
+    if any(w in _SECRET_WORDS for w in words) or "connectionstring" in "".join(words):
+        return True
+    return any(w == "key" and i > 0 and words[i - 1] in _SECRET_KEY_QUALIFIERS for i, w in enumerate(words))
+
+
+def _redacted_tree(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: (_REDACTED if is_secret_name(k) else _redacted_tree(v)) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_redacted_tree(v) for v in value]
+    return value
+
+
+class FrozenMap(Mapping[str, Any]):
+    """A read-only, hashable, picklable mapping (nested mappings and lists are frozen too). Its repr and its
+    dumps hide the values of secret-looking keys."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, data: Mapping[Any, Any] | None = None) -> None:
+        self._data: dict[str, Any] = {str(k): _freeze(v) for k, v in (data or {}).items()}
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __hash__(self) -> int:
+        return hash(tuple(sorted(self._data.items(), key=lambda kv: kv[0])))
+
+    def __eq__(self, other: object) -> bool:
+        return dict(self.items()) == dict(other.items()) if isinstance(other, Mapping) else NotImplemented
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"_data": self._data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._data = state["_data"]
+
+    def __repr__(self) -> str:
+        return f"FrozenMap({_redacted_tree(self._data)!r})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return _thaw(self)
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
+        def validate(value: Any) -> FrozenMap:
+            if not isinstance(value, Mapping):
+                raise _Invalid("must be a mapping", type(value).__name__)
+            return value if isinstance(value, FrozenMap) else cls(value)
+
+        def dump(value: FrozenMap, info: SerializationInfo) -> dict[str, Any]:
+            return value.to_dict() if _with_secrets(info) else _redacted_tree(value.to_dict())
+
+        return core_schema.no_info_plain_validator_function(
+            validate, serialization=core_schema.plain_serializer_function_ser_schema(dump, info_arg=True))
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return FrozenMap(value)
+    return tuple(_freeze(v) for v in value) if isinstance(value, list | tuple) else value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, FrozenMap):
+        return {k: _thaw(v) for k, v in value.items()}
+    return [_thaw(v) for v in value] if isinstance(value, tuple) else value
+
+
+# --- the models' common ground ---------------------------------------------------------------------------
+
+
+class _Frozen(BaseModel):
+    """Frozen (assigning raises :class:`~dataclasses.FrozenInstanceError`, like a frozen dataclass), unknown
+    options refused, null meaning unset, numbers accepted where a string is expected."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, populate_by_name=True,
+                              hide_input_in_errors=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in type(self).__private_attributes__:
+            return super().__setattr__(name, value)
+        raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            return cls._prepare({k: v for k, v in data.items() if v is not None})
+        return data
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """The input mapping, nulls removed, before the fields are validated (for cross-option rules)."""
+        return data
+
+
+def _whole(value: Any) -> Any:
     if isinstance(value, bool):
-        raise ConfigError(option, _DURATION_HELP, repr(value))
-    if isinstance(value, int | float):
-        if not math.isfinite(value):
-            raise ConfigError(option, _DURATION_HELP, repr(value))
-        return timedelta(seconds=value)
-    if not isinstance(value, str):
-        raise ConfigError(option, _DURATION_HELP, repr(value))
-    text = value.strip()
-    if _NUMBER.match(text):
-        return timedelta(seconds=float(text))
-    iso = _ISO_DURATION.match(text)
-    if iso and text.upper() not in ("P", "PT") and any(iso.groupdict().values()):
-        parts = {k: float(v) for k, v in iso.groupdict().items() if v}
-        return timedelta(
-            days=parts.get("d", 0.0), hours=parts.get("h", 0.0), minutes=parts.get("m", 0.0), seconds=parts.get("s", 0.0)
-        )
-    total = 0.0
-    position = 0
-    for match in _DURATION_PART.finditer(text):
-        if match.start() != position:
-            break
-        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2).lower()]
-        position = match.end()
-    if position == 0 or text[position:].strip():
-        raise ConfigError(option, _DURATION_HELP, repr(value))
-    return timedelta(seconds=total)
+        raise _Invalid("must be a whole number", repr(value))
+    return value
 
 
-def format_duration(value: timedelta) -> str:
-    """``timedelta`` as people write it in errors: ``2 h``, ``60 min``, ``90 s``, ``1.5 s``, ``500 ms``."""
-    micros = round(value / timedelta(microseconds=1))
-    if micros == 0:
-        return "0 s"
-    sign = "-" if micros < 0 else ""
-    micros = abs(micros)
-    if micros % 3_600_000_000 == 0 and micros >= 7_200_000_000:  # 60 min stays "60 min", 2 h is "2 h"
-        return f"{sign}{micros // 3_600_000_000} h"
-    for unit, size in (("min", 60_000_000), ("s", 1_000_000)):
-        if micros % size == 0:
-            return f"{sign}{micros // size} {unit}"
-    if micros >= 1_000_000:
-        return f"{sign}{micros / 1_000_000:g} s"
-    return f"{sign}{micros / 1000:g} ms"
-
-
-def _duration_text(value: timedelta) -> str:
-    """A duration as a config value that parses back exactly (``1m``, ``800ms``)."""
-    micros = round(value / timedelta(microseconds=1))
-    for unit, size in (("h", 3_600_000_000), ("m", 60_000_000), ("s", 1_000_000), ("ms", 1_000)):
-        if micros % size == 0:
-            return f"{micros // size}{unit}"
-    return f"{micros / 1_000_000}"
-
-
-def _check_duration(option: str, value: timedelta, low: timedelta, high: timedelta | None) -> None:
-    if not isinstance(value, timedelta):
-        raise ConfigError(option, "must be a duration", repr(value))
-    if high is None:
-        if value < low:
-            raise ConfigError(option, f"must be at least {format_duration(low)}", format_duration(value))
-    elif not low <= value <= high:
-        raise ConfigError(
-            option, f"must be between {format_duration(low)} and {format_duration(high)}", format_duration(value)
-        )
-
-
-def _parse_int(value: object, option: str) -> int:
-    if isinstance(value, bool):
-        raise ConfigError(option, "must be a whole number", repr(value))
-    if isinstance(value, int):
-        return value
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
-        return int(value)
-    raise ConfigError(option, "must be a whole number", repr(value))
-
-
-def _check_int(option: str, value: int, low: int, high: int | None = None) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(option, "must be a whole number", repr(value))
-    if high is None:
-        if value < low:
-            raise ConfigError(option, f"must be at least {low}", value)
-    elif not low <= value <= high:
-        raise ConfigError(option, f"must be between {low} and {high}", value)
+#: a whole number (``"4"`` and ``4.0`` are accepted, ``True`` and ``4.5`` are not)
+Count = Annotated[int, BeforeValidator(_whole)]
+#: a non-empty string (surrounding blanks removed)
+Text = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
 
 # --- connection strings ----------------------------------------------------------------------------------
 
 _SECRET_CS_KEYS = {"sharedaccesskey": "SharedAccessKey", "sharedaccesssignature": "SharedAccessSignature"}
-_PLAIN_CS_KEYS = {
-    "endpoint": "Endpoint",
-    "sharedaccesskeyname": "SharedAccessKeyName",
-    "entitypath": "EntityPath",
-    "usedevelopmentemulator": "UseDevelopmentEmulator",
-}
+_PLAIN_CS_KEYS = {"endpoint", "sharedaccesskeyname", "entitypath", "usedevelopmentemulator"}
 
 
 def redact_connection_string(text: str) -> str:
@@ -231,78 +338,89 @@ def redact_connection_string(text: str) -> str:
     return ";".join(shown)
 
 
-@dataclass(frozen=True, repr=False)
-class ConnectionString:
-    """A parsed Service Bus connection string. ``repr``/``str`` show it redacted; :meth:`reveal` gives the
-    full string for the SDK only."""
+class ConnectionString(_Frozen):
+    """A parsed Service Bus connection string. ``repr``/``str``/dumps show it redacted; :meth:`reveal` gives
+    the full string for the SDK only. The key and the signature are :class:`Secret` values (``key``,
+    ``signature``); :attr:`shared_access_key` and :attr:`shared_access_signature` reveal them."""
 
     endpoint: str
     host: str
     port: int | None = None
     shared_access_key_name: str | None = None
-    shared_access_key: str | None = None
-    shared_access_signature: str | None = None
+    key: SecretText | None = None
+    signature: SecretText | None = None
     entity_path: str | None = None
     use_development_emulator: bool = False
 
     @classmethod
-    def parse(cls, text: object, option: str) -> ConnectionString:
+    def parse(cls, text: object, option: str = "connection_string") -> ConnectionString:
+        try:
+            return cls._parse(text)
+        except _Invalid as err:
+            raise _error(option, err.problem, err.value) from None
+
+    @classmethod
+    def _parse(cls, text: object) -> ConnectionString:
         if not isinstance(text, str) or not text.strip():
             shown = "an empty string" if isinstance(text, str) else type(text).__name__
-            raise ConfigError(option, "must be a Service Bus connection string", shown)
+            raise _Invalid("must be a Service Bus connection string", shown)
         redacted = redact_connection_string(text)
         settings: dict[str, str] = {}
         for segment in text.strip().rstrip(";").split(";"):
             key, sep, value = segment.partition("=")
             if not sep or not key.strip():
-                raise ConfigError(option, "malformed: expected Key=Value pairs separated by ';'", redacted)
+                raise _Invalid("malformed: expected Key=Value pairs separated by ';'", redacted)
             settings[key.strip().lower()] = value.strip()
         endpoint = settings.get("endpoint")
         if not endpoint:
-            raise ConfigError(option, "missing Endpoint", redacted)
+            raise _Invalid("missing Endpoint", redacted)
         try:
             parsed = urlparse(endpoint)
             port = parsed.port
         except ValueError as err:
-            raise ConfigError(option, f"Endpoint is not a valid address ({err})", redacted) from err
+            raise _Invalid(f"Endpoint is not a valid address ({err})", redacted) from None
         if not parsed.netloc or not parsed.hostname:
-            raise ConfigError(option, "Endpoint must look like sb://<namespace>.servicebus.windows.net/", redacted)
+            raise _Invalid("Endpoint must look like sb://<namespace>.servicebus.windows.net/", redacted)
         name = settings.get("sharedaccesskeyname") or None
         access_key = settings.get("sharedaccesskey") or None
         signature = settings.get("sharedaccesssignature") or None
         if bool(name) != bool(access_key):
-            raise ConfigError(option, "SharedAccessKeyName and SharedAccessKey must be given together", redacted)
+            raise _Invalid("SharedAccessKeyName and SharedAccessKey must be given together", redacted)
         if access_key and signature:
-            raise ConfigError(option, "give either SharedAccessKey or SharedAccessSignature, not both", redacted)
+            raise _Invalid("give either SharedAccessKey or SharedAccessSignature, not both", redacted)
         if not access_key and not signature:
-            raise ConfigError(option, "missing SharedAccessKey (with SharedAccessKeyName) or SharedAccessSignature", redacted)
-        emulator_text = settings.get("usedevelopmentemulator", "false").lower()
-        if emulator_text not in ("true", "false"):
-            raise ConfigError(option, "UseDevelopmentEmulator must be true or false", redacted)
-        return cls(
-            endpoint=endpoint,
-            host=parsed.hostname.lower(),
-            port=port,
-            shared_access_key_name=name,
-            shared_access_key=access_key,
-            shared_access_signature=signature,
-            entity_path=settings.get("entitypath") or None,
-            use_development_emulator=emulator_text == "true",
-        )
+            raise _Invalid("missing SharedAccessKey (with SharedAccessKeyName) or SharedAccessSignature", redacted)
+        emulator = settings.get("usedevelopmentemulator", "false").lower()
+        if emulator not in ("true", "false"):
+            raise _Invalid("UseDevelopmentEmulator must be true or false", redacted)
+        return cls(endpoint=endpoint, host=parsed.hostname.lower(), port=port, shared_access_key_name=name,
+                   key=Secret(access_key) if access_key else None,
+                   signature=Secret(signature) if signature else None,
+                   entity_path=settings.get("entitypath") or None, use_development_emulator=emulator == "true")
+
+    @property
+    def shared_access_key(self) -> str | None:
+        return self.key.get_secret_value() if self.key is not None else None
+
+    @property
+    def shared_access_signature(self) -> str | None:
+        return self.signature.get_secret_value() if self.signature is not None else None
+
+    @property
+    def address(self) -> str:
+        """The host as the SDK wants it; an emulator endpoint keeps its port (``localhost:5672``)."""
+        keep_port = self.use_development_emulator and self.port is not None
+        return f"{self.host}:{self.port}" if keep_port else self.host
 
     def _segments(self, reveal: bool) -> list[str]:
-        parts = [f"Endpoint={self.endpoint}"]
-        if self.shared_access_key_name:
-            parts.append(f"SharedAccessKeyName={self.shared_access_key_name}")
-        if self.shared_access_key:
-            parts.append(f"SharedAccessKey={self.shared_access_key if reveal else _REDACTED}")
-        if self.shared_access_signature:
-            parts.append(f"SharedAccessSignature={self.shared_access_signature if reveal else _REDACTED}")
-        if self.entity_path:
-            parts.append(f"EntityPath={self.entity_path}")
-        if self.use_development_emulator:
-            parts.append("UseDevelopmentEmulator=true")
-        return parts
+        secrets = (("SharedAccessKey", self.key), ("SharedAccessSignature", self.signature))
+        return [
+            f"Endpoint={self.endpoint}",
+            *([f"SharedAccessKeyName={self.shared_access_key_name}"] if self.shared_access_key_name else []),
+            *(f"{k}={v.get_secret_value() if reveal else _REDACTED}" for k, v in secrets if v is not None),
+            *([f"EntityPath={self.entity_path}"] if self.entity_path else []),
+            *(["UseDevelopmentEmulator=true"] if self.use_development_emulator else []),
+        ]
 
     def redacted(self) -> str:
         return ";".join(self._segments(reveal=False))
@@ -311,6 +429,10 @@ class ConnectionString:
         """The canonical connection string WITH its secret, for ``ServiceBusClient.from_connection_string``."""
         return ";".join(self._segments(reveal=True))
 
+    @model_serializer
+    def _dump(self, info: SerializationInfo) -> str:
+        return self.reveal() if _with_secrets(info) else self.redacted()
+
     def __repr__(self) -> str:
         return f"ConnectionString({self.redacted()!r})"
 
@@ -318,13 +440,20 @@ class ConnectionString:
         return self.redacted()
 
 
-# --- credentials -----------------------------------------------------------------------------------------
+# --- credentials and namespaces --------------------------------------------------------------------------
 
 CREDENTIAL_TYPES = ("default", "client_secret", "managed_identity")
 
 
-@dataclass(frozen=True, repr=False)
-class CredentialConfig:
+class _Compact(_Frozen):
+    """Dumped without its unset (None) options."""
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class CredentialConfig(_Compact):
     """How to build an azure.identity credential for a ``fully_qualified_namespace``.
 
     * ``default``: ``DefaultAzureCredential`` (``client_id`` selects a user-assigned managed identity);
@@ -332,35 +461,30 @@ class CredentialConfig:
     * ``managed_identity``: ``ManagedIdentityCredential`` (``client_id`` for a user-assigned identity).
     """
 
-    type: str = "default"
+    type: Literal["default", "client_secret", "managed_identity"] = "default"
     tenant_id: str | None = None
     client_id: str | None = None
-    client_secret: str | None = None
+    client_secret: SecretText | None = None
 
-    def __post_init__(self) -> None:
-        self.validate("credential")
-
-    def validate(self, option: str) -> None:
-        if self.type not in CREDENTIAL_TYPES:
-            raise ConfigError(f"{option}.type", _one_of(CREDENTIAL_TYPES, self.type), repr(self.type))
+    @model_validator(mode="after")
+    def _fits_the_type(self) -> CredentialConfig:
         if self.type == "client_secret":
             for name in ("tenant_id", "client_id", "client_secret"):
                 if not getattr(self, name):
-                    raise ConfigError(f"{option}.{name}", "required when type is client_secret")
-        else:
-            if self.client_secret is not None:
-                raise ConfigError(f"{option}.client_secret", "only used with type client_secret", _REDACTED)
-            if self.tenant_id is not None:
-                raise ConfigError(f"{option}.tenant_id", "only used with type client_secret", repr(self.tenant_id))
+                    raise _Invalid("required when type is client_secret", field=name)
+        elif self.client_secret is not None:
+            raise _Invalid("only used with type client_secret", _REDACTED, field="client_secret")
+        elif self.tenant_id is not None:
+            raise _Invalid("only used with type client_secret", repr(self.tenant_id), field="tenant_id")
+        return self
 
     def build(self) -> TokenCredential:
         """A new credential object (each call builds one; keep it for the client's life)."""
         import azure.identity as identity  # imported only when a credential is needed
 
         if self.type == "client_secret":
-            return identity.ClientSecretCredential(
-                str(self.tenant_id), str(self.client_id), str(self.client_secret)
-            )
+            secret = self.client_secret.get_secret_value() if self.client_secret else ""
+            return identity.ClientSecretCredential(str(self.tenant_id), str(self.client_id), secret)
         if self.type == "managed_identity":
             if self.client_id:
                 return identity.ManagedIdentityCredential(client_id=self.client_id)
@@ -369,31 +493,78 @@ class CredentialConfig:
             return identity.DefaultAzureCredential(managed_identity_client_id=self.client_id)
         return identity.DefaultAzureCredential()
 
-    def __repr__(self) -> str:
-        secret = _REDACTED if self.client_secret else None
-        return (
-            f"CredentialConfig(type={self.type!r}, tenant_id={self.tenant_id!r}, client_id={self.client_id!r}, "
-            f"client_secret={secret!r})"
-        )
+
+def _namespace_address(value: Any) -> str:
+    """``host[:port]``, lower case, from ``contoso.servicebus.windows.net``, ``sb://host:port/`` ..."""
+    if not isinstance(value, str) or not value.strip():
+        raise _Invalid("must be a host name", repr(value))
+    text = value.strip()
+    parsed = urlparse(text if "//" in text else f"//{text}")
+    try:
+        port = parsed.port
+    except ValueError:
+        raise _Invalid("has an invalid port", repr(value)) from None
+    if not parsed.hostname or not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+", parsed.hostname):
+        raise _Invalid("must look like <namespace>.servicebus.windows.net", repr(value))
+    return parsed.hostname.lower() + (f":{port}" if port is not None else "")
 
 
-# --- namespaces ------------------------------------------------------------------------------------------
+def _admin_endpoint(value: Any) -> str:
+    """``http://host:port`` (scheme optional, ``http`` assumed), normalised."""
+    text = value.strip() if isinstance(value, str) else ""
+    parsed = urlparse(text if "://" in text else f"http://{text}")
+    try:
+        parsed.port  # noqa: B018 -- validates the port
+    except ValueError:
+        raise _Invalid("has an invalid port", repr(value)) from None
+    if not text or parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path.strip("/") \
+            or parsed.query:
+        raise _Invalid("must look like http://host:port", repr(value))
+    return f"{parsed.scheme}://{parsed.netloc}"
 
 
-@dataclass(frozen=True)
-class NamespaceConfig:
-    """One Service Bus namespace: a connection string, or a fully qualified namespace plus a credential.
+_EMULATOR_ONLY = "only used with an emulator connection string (UseDevelopmentEmulator=true)"
+
+
+class NamespaceConfig(_Compact):
+    """One Service Bus namespace: a connection string, or a fully qualified namespace plus a credential
+    (option ``credential``, attribute ``credential_config``).
 
     ``fully_qualified_namespace`` is the host as the SDK wants it (``contoso.servicebus.windows.net``; for a
     development emulator endpoint the port is kept: ``localhost:5672``).
     """
 
-    fully_qualified_namespace: str
+    fully_qualified_namespace: Annotated[str, BeforeValidator(_namespace_address)]
     connection_string: ConnectionString | None = None
-    credential_config: CredentialConfig | None = None
+    credential_config: CredentialConfig | None = Field(default=None, alias="credential")
     #: the emulator's admin REST endpoint (``http://host:port``) for provisioning; only with an emulator
     #: connection string (``UseDevelopmentEmulator=true``). ``None``: ``http://<Endpoint host>:5300``.
-    admin_endpoint: str | None = None
+    admin_endpoint: Annotated[str, BeforeValidator(_admin_endpoint)] | None = None
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if set(data) - {*cls.model_fields, "credential"}:
+            return data  # pydantic names the unknown option
+        credential = data.pop("credential", data.pop("credential_config", None))
+        raw = data.get("connection_string")
+        admin = data.get("admin_endpoint")
+        if raw is None:
+            if admin is not None:
+                raise _Invalid(_EMULATOR_ONLY, repr(admin), field="admin_endpoint")
+            if "fully_qualified_namespace" not in data:
+                raise _Invalid("needs connection_string, or fully_qualified_namespace with an optional credential")
+            return {**data, "credential": credential if credential is not None else {}}
+        if "fully_qualified_namespace" in data and not isinstance(raw, ConnectionString):
+            raise _Invalid("give either connection_string or fully_qualified_namespace (with credential), not both")
+        if credential is not None:
+            raise _Invalid("only used with fully_qualified_namespace, not with connection_string", field="credential")
+        try:
+            cs = raw if isinstance(raw, ConnectionString) else ConnectionString._parse(raw)
+        except _Invalid as err:
+            raise _Invalid(err.problem, err.value, field="connection_string") from None
+        if admin is not None and not cs.use_development_emulator:
+            raise _Invalid(_EMULATOR_ONLY, repr(admin), field="admin_endpoint")
+        return {**data, "connection_string": cs, "fully_qualified_namespace": cs.address}
 
     @property
     def host(self) -> str:
@@ -427,6 +598,13 @@ class NamespaceConfig:
             return ServiceBusClient.from_connection_string(self.connection_string.reveal(), **sdk_kwargs)
         return ServiceBusClient(self.fully_qualified_namespace, self.credential(), **sdk_kwargs)  # type: ignore[arg-type]
 
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = {k: v for k, v in handler(self).items() if v is not None}
+        if self.connection_string is not None:
+            del out["fully_qualified_namespace"]
+        return out
+
 
 def _split_host_port(address: str) -> tuple[str, int | None]:
     parsed = urlparse(f"//{address}")
@@ -450,27 +628,20 @@ def default_backlog_prefix(namespace: NamespaceConfig) -> str:
     (``localhost``) or an IP address, ``-<port>`` is appended: ``localhost:5672`` -> ``localhost-5672``,
     ``127.0.0.1:5673`` -> ``127-0-0-1-5673``.
     """
-    host = namespace.host.lower()
-    port = namespace.port
+    host, port = namespace.host.lower(), namespace.port
     if _is_ip(host):
-        label = re.sub(r"[^0-9a-z]+", "-", host).strip("-")
-        local = True
+        label, local = re.sub(r"[^0-9a-z]+", "-", host).strip("-"), True
     else:
-        label = host.split(".", 1)[0]
-        local = "." not in host
-    if port is not None and (namespace.is_emulator or local):
-        label = f"{label}-{port}"
-    return label
+        label, local = host.split(".", 1)[0], "." not in host
+    return f"{label}-{port}" if port is not None and (namespace.is_emulator or local) else label
 
 
 # --- send availability and syphon ------------------------------------------------------------------------
 
 _PREFIX_SEGMENT = r"[A-Za-z0-9](?:[A-Za-z0-9._-]*[A-Za-z0-9])?"
-_PREFIX = re.compile(rf"^{_PREFIX_SEGMENT}(?:/{_PREFIX_SEGMENT})*$")
 
 
-@dataclass(frozen=True)
-class SendAvailabilityConfig:
+class SendAvailabilityConfig(_Frozen):
     """The paired sender's options (behaviour.md "Defaults").
 
     The ``primary_*`` options configure the SDK clients of the primary namespace so that the failover
@@ -479,67 +650,38 @@ class SendAvailabilityConfig:
     attempt (``primary_try_timeout`` 5 s). The secondary's clients keep the SDK defaults.
     """
 
-    backlog_prefix: str
-    backlog_queue_count: int = 10
-    failover_interval: timedelta = timedelta(seconds=60)
-    ping_primary_interval: timedelta = timedelta(seconds=60)
-    server_busy_backoff: timedelta = timedelta(seconds=10)
+    backlog_prefix: str = Field(
+        pattern=rf"^{_PREFIX_SEGMENT}(?:/{_PREFIX_SEGMENT})*$",
+        description="letters, digits, '.', '-' or '_' (segments separated by '/'), starting and ending with a "
+        "letter or digit")
+    backlog_queue_count: Count = Field(default=10, ge=1, le=MAX_BACKLOG_QUEUES)
+    failover_interval: Duration = Field(default=60 * SECOND, ge=0 * SECOND, le=60 * MINUTE)
+    ping_primary_interval: Duration = Field(default=60 * SECOND, ge=SECOND, le=30 * MINUTE)
+    server_busy_backoff: Duration = Field(default=10 * SECOND, ge=10 * SECOND)
     #: how long a backlog queue whose send failed stays out of the rotation for every sender in the process
-    backlog_cooldown: timedelta = timedelta(seconds=30)
+    backlog_cooldown: Duration = Field(default=30 * SECOND, ge=0 * SECOND, le=60 * MINUTE)
     #: how many times each backlog queue creation is tried (1 = no retry); behaviour.md: up to 3 times
-    provision_retries: int = 3
-    provision_retry_spacing: timedelta = timedelta(seconds=1)
+    provision_retries: Count = Field(default=3, ge=1, le=10)
+    provision_retry_spacing: Duration = Field(default=SECOND, ge=0 * SECOND, le=5 * MINUTE)
     #: SDK ``retry_total`` of the primary's clients
-    primary_retry_total: int = 0
+    primary_retry_total: Count = Field(default=0, ge=0, le=10)
     #: SDK ``retry_backoff_factor`` of the primary's clients
-    primary_retry_backoff: timedelta = timedelta(milliseconds=800)
-    #: SDK ``retry_backoff_max`` of the primary's clients
-    primary_retry_backoff_max: timedelta = timedelta(seconds=5)
+    primary_retry_backoff: Duration = Field(default=800 * MS, ge=0 * SECOND, le=60 * SECOND)
+    #: SDK ``retry_backoff_max`` of the primary's clients (at least ``primary_retry_backoff``)
+    primary_retry_backoff_max: Duration = Field(default=5 * SECOND, ge=0 * SECOND, le=10 * MINUTE)
     #: SDK ``try_timeout`` of the primary's clients: bounds one attempt (link open plus send)
-    primary_try_timeout: timedelta = timedelta(seconds=5)
+    primary_try_timeout: Duration = Field(default=5 * SECOND, ge=100 * MS, le=5 * MINUTE)
 
-    SECTION = "send_availability"
-
-    def __post_init__(self) -> None:
-        s = self.SECTION
-        _check_int(f"{s}.backlog_queue_count", self.backlog_queue_count, 1, MAX_BACKLOG_QUEUES)
-        _check_duration(f"{s}.failover_interval", self.failover_interval, timedelta(0), timedelta(minutes=60))
-        _check_duration(
-            f"{s}.ping_primary_interval", self.ping_primary_interval, timedelta(seconds=1), timedelta(minutes=30)
-        )
-        _check_duration(f"{s}.server_busy_backoff", self.server_busy_backoff, timedelta(seconds=10), None)
-        _check_duration(f"{s}.backlog_cooldown", self.backlog_cooldown, timedelta(0), timedelta(minutes=60))
-        _check_int(f"{s}.provision_retries", self.provision_retries, 1, 10)
-        _check_duration(
-            f"{s}.provision_retry_spacing", self.provision_retry_spacing, timedelta(0), timedelta(minutes=5)
-        )
-        _check_int(f"{s}.primary_retry_total", self.primary_retry_total, 0, 10)
-        _check_duration(
-            f"{s}.primary_retry_backoff", self.primary_retry_backoff, timedelta(0), timedelta(seconds=60)
-        )
-        _check_duration(
-            f"{s}.primary_retry_backoff_max",
-            self.primary_retry_backoff_max,
-            self.primary_retry_backoff,
-            timedelta(minutes=10),
-        )
-        _check_duration(
-            f"{s}.primary_try_timeout", self.primary_try_timeout, timedelta(milliseconds=100), timedelta(minutes=5)
-        )
-        if not isinstance(self.backlog_prefix, str) or not _PREFIX.match(self.backlog_prefix):
-            raise ConfigError(
-                f"{s}.backlog_prefix",
-                "must be letters, digits, '.', '-' or '_' (segments separated by '/'), starting and ending "
-                "with a letter or digit",
-                repr(self.backlog_prefix),
-            )
+    @model_validator(mode="after")
+    def _consistent(self) -> SendAvailabilityConfig:
+        if self.primary_retry_backoff_max < self.primary_retry_backoff:
+            raise _Invalid(f"must be between {format_duration(self.primary_retry_backoff)} and 10 min",
+                           format_duration(self.primary_retry_backoff_max), field="primary_retry_backoff_max")
         longest = len(self.backlog_queue_name(self.backlog_queue_count - 1))
         if longest > _MAX_ENTITY_PATH:
-            raise ConfigError(
-                f"{s}.backlog_prefix",
-                f"too long: backlog queue paths would be {longest} characters, the limit is {_MAX_ENTITY_PATH}",
-                repr(self.backlog_prefix),
-            )
+            raise _Invalid(f"too long: backlog queue paths would be {longest} characters, the limit is "
+                           f"{_MAX_ENTITY_PATH}", repr(self.backlog_prefix), field="backlog_prefix")
+        return self
 
     def backlog_queue_name(self, index: int) -> str:
         """``<prefix>/x-servicebus-transfer/<index>``."""
@@ -558,32 +700,15 @@ class SendAvailabilityConfig:
         }
 
 
-@dataclass(frozen=True)
-class SyphonConfig:
-    retry_interval: timedelta = timedelta(seconds=1)
-    receive_batch: int = 100
+class SyphonConfig(_Frozen):
+    retry_interval: Duration = Field(default=SECOND, ge=SECOND, le=2 * MINUTE)
+    receive_batch: Count = Field(default=100, ge=1, le=MAX_RECEIVE_BATCH)
     #: the syphon job's Spark checkpoint (required by jobs/syphon.py)
-    checkpoint_location: str | None = None
+    checkpoint_location: Text | None = None
     #: the syphon job's Delta ledger: a path (contains ``/`` or ``:``) or a table name (required by the job)
-    ledger: str | None = None
-
-    SECTION = "syphon"
-
-    def __post_init__(self) -> None:
-        _check_duration(
-            f"{self.SECTION}.retry_interval", self.retry_interval, timedelta(seconds=1), timedelta(minutes=2)
-        )
-        _check_int(f"{self.SECTION}.receive_batch", self.receive_batch, 1, MAX_RECEIVE_BATCH)
-        for name in ("checkpoint_location", "ledger"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigError(f"{self.SECTION}.{name}", "must be a non-empty string", repr(value))
-        if self.ledger is not None and not _is_ledger_location(self.ledger):
-            raise ConfigError(
-                f"{self.SECTION}.ledger",
-                "must be a path (with '/' or a scheme) or a table name ([catalog.][schema.]table)",
-                repr(self.ledger),
-            )
+    ledger: Text | None = Field(
+        default=None, pattern=r"^(?:.*[/:].*|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*){0,2}|`[^`]+`)$",
+        description="a path (with '/' or a scheme) or a table name ([catalog.][schema.]table)")
 
     @property
     def ledger_is_path(self) -> bool:
@@ -593,221 +718,109 @@ class SyphonConfig:
         """The syphon job needs both a checkpoint and a ledger; a clear error naming the missing one."""
         for name in ("checkpoint_location", "ledger"):
             if getattr(self, name) is None:
-                raise ConfigError(f"{self.SECTION}.{name}", "is required by the syphon job (not set)")
-
-
-_TABLE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*){0,2}$|^`[^`]+`$")
-
-
-def _is_ledger_location(value: str) -> bool:
-    return "/" in value or ":" in value or bool(_TABLE_NAME.match(value))
-
-
-# --- the sink's reserved section -------------------------------------------------------------------------
-
-# Option names whose values are secrets. Names are split into words (at ``.``, ``_``, ``-`` and camelCase), so
-# that Hadoop-style names are caught too: ``fs.azure.account.key.<account>``, ``fs.s3a.access.key``,
-# ``fs.azure.sas.<container>.<account>``, ``...oauth2.client.secret``, ``apiKey``; column names such as
-# ``partition_key`` are not.
-_SECRET_WORDS = frozenset({"secret", "secrets", "password", "passwd", "pwd", "token", "signature", "sig", "sas",
-                           "sasl", "jaas", "credential", "credentials", "connectionstring", "accesskey",
-                           "accountkey", "apikey", "privatekey", "sharedaccesskey", "secretkey"})
-#: ``<word> key`` is a secret after these words
-_SECRET_KEY_QUALIFIERS = frozenset({"access", "account", "private", "api", "shared", "secret", "storage",
-                                    "encryption", "master", "signing", "client", "auth", "subscription", "sas"})
-_WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|\d+")
-
-
-def is_secret_name(name: object) -> bool:
-    """True when an option named ``name`` holds a secret (its value is never shown)."""
-    words = [w.lower() for w in _WORD.findall(str(name))]
-    if any(w in _SECRET_WORDS for w in words) or "connectionstring" in "".join(words):
-        return True
-    return any(w == "key" and i > 0 and words[i - 1] in _SECRET_KEY_QUALIFIERS for i, w in enumerate(words))
-
-
-def _freeze(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return FrozenMap(value)
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(v) for v in value)
-    return value
-
-
-def _thaw(value: Any) -> Any:
-    if isinstance(value, FrozenMap):
-        return {k: _thaw(v) for k, v in value.items()}
-    if isinstance(value, tuple):
-        return [_thaw(v) for v in value]
-    return value
-
-
-class FrozenMap(Mapping[str, Any]):
-    """A read-only, hashable, picklable mapping (nested mappings and lists are frozen too). Its repr hides
-    the values of secret-looking keys."""
-
-    __slots__ = ("_data",)
-
-    def __init__(self, data: Mapping[Any, Any] | None = None) -> None:
-        self._data: dict[str, Any] = {str(k): _freeze(v) for k, v in (data or {}).items()}
-
-    def __getitem__(self, key: str) -> Any:
-        return self._data[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._data)
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-    def __hash__(self) -> int:
-        return hash(tuple(sorted(self._data.items(), key=lambda kv: kv[0])))
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, Mapping):
-            return dict(self.items()) == dict(other.items())
-        return NotImplemented
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_data": self._data}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self._data = state["_data"]
-
-    def __repr__(self) -> str:
-        shown = {k: (_REDACTED if is_secret_name(k) else v) for k, v in self._data.items()}
-        return f"FrozenMap({shown!r})"
-
-    def to_dict(self) -> dict[str, Any]:
-        return _thaw(self)
-
-
-def _redacted_tree(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: (_REDACTED if is_secret_name(k) else _redacted_tree(v)) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return [_redacted_tree(v) for v in value]
-    return value
+                raise ConfigError(f"syphon.{name}", "is required by the syphon job (not set)")
 
 
 # --- the Spark sink --------------------------------------------------------------------------------------
 
 #: the message fields a row can fill, in the order of spark.md ("Input columns"); each one's default column
 #: has the field's name
-SINK_FIELDS = (
-    "body",
-    "message_id",
-    "entity",
-    "session_id",
-    "partition_key",
-    "subject",
-    "content_type",
-    "correlation_id",
-    "to",
-    "reply_to",
-    "time_to_live",
-    "scheduled_enqueue_time",
-    "application_properties",
-)
+SINK_FIELDS = ("body", "message_id", "entity", "session_id", "partition_key", "subject", "content_type",
+               "correlation_id", "to", "reply_to", "time_to_live", "scheduled_enqueue_time", "application_properties")
 SOURCE_FORMATS_NEED_PATH = ("parquet", "json", "csv", "orc", "text", "delta")
-_SOURCE_KEYS = ["format", "rows_per_second", "num_partitions", "table", "path", "options"]
-_MAX_CHUNK = 100_000
 
 
-@dataclass(frozen=True)
-class SinkSourceConfig:
+def _reader_options(value: Any) -> Any:
+    if not isinstance(value, Mapping):
+        raise _Invalid("must be a mapping of reader options", type(value).__name__)
+    return {str(k): str(v) for k, v in value.items()}
+
+
+class SinkSourceConfig(_Frozen):
     """Where the writer job (``jobs/paired_writer.py``) reads its rows: the ``rate`` source (the default, for
-    the demo), a table (``table``), or files or a Delta table at ``path`` in ``format``. ``options`` go to the
-    reader as given."""
+    the demo), a table (``table``), or files or a Delta table at ``path`` in ``format`` (default ``delta``).
+    ``options`` go to the reader as given."""
 
-    format: str = "rate"
-    rows_per_second: int = 10
-    num_partitions: int | None = None
-    table: str | None = None
-    path: str | None = None
-    options: FrozenMap = field(default_factory=FrozenMap)
+    format: Annotated[str, StringConstraints(to_lower=True)] = Field(
+        default="rate", pattern=r"^[A-Za-z][A-Za-z0-9_.\-]*$", description="a source format name such as rate, delta or parquet")
+    rows_per_second: Count = Field(default=10, ge=1)
+    num_partitions: Count | None = Field(default=None, ge=1)
+    table: Text | None = None
+    path: Text | None = None
+    options: Annotated[FrozenMap, BeforeValidator(_reader_options)] = Field(default_factory=FrozenMap)
 
-    def __post_init__(self) -> None:
-        option = "sink.source"
-        if not isinstance(self.options, FrozenMap):
-            object.__setattr__(self, "options", FrozenMap(self.options))
-        _check_int(f"{option}.rows_per_second", self.rows_per_second, 1)
-        if self.num_partitions is not None:
-            _check_int(f"{option}.num_partitions", self.num_partitions, 1)
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        return {"format": "delta", **data} if "path" in data else data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SinkSourceConfig:
         if self.table is not None and self.path is not None:
-            raise ConfigError(option, "give either table or path, not both", repr({"table": self.table, "path": self.path}))
+            raise _Invalid("give either table or path, not both", repr({"table": self.table, "path": self.path}))
         if self.table is None and self.format == "rate" and self.path is not None:
-            raise ConfigError(f"{option}.format", "a path needs a file format such as delta or parquet", "'rate'")
+            raise _Invalid("a path needs a file format such as delta or parquet", "'rate'", field="format")
         if self.table is None and self.path is None and self.format != "rate":
-            raise ConfigError(option, f"format {self.format} needs a path (or give a table)",
-                              repr({"format": self.format}))
+            raise _Invalid(f"format {self.format} needs a path (or give a table)", repr({"format": self.format}))
+        return self
 
     @property
     def kind(self) -> str:
         """``rate``, ``table`` or ``path``."""
         return "table" if self.table is not None else "path" if self.path is not None else "rate"
 
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        kept = {"table": ("table",), "path": ("format", "path"), "rate": ("format", "rows_per_second", "num_partitions")}
+        shown = {k: out[k] for k in kept[self.kind] if out[k] is not None}
+        return {**shown, "options": out["options"]} if self.options else shown
+
     def to_dict(self) -> dict[str, Any]:
-        if self.table is not None:
-            out: dict[str, Any] = {"table": self.table}
-        elif self.path is not None:
-            out = {"format": self.format, "path": self.path}
-        else:
-            out = {"format": "rate", "rows_per_second": self.rows_per_second}
-            if self.num_partitions is not None:
-                out["num_partitions"] = self.num_partitions
-        if self.options:
-            out["options"] = self.options.to_dict()
-        return out
+        """The section in the YAML shape (only the options of its kind of source), secrets included."""
+        return _escape_references(self.model_dump(mode="json", context={"secrets": True}))
 
 
-@dataclass(frozen=True)
-class SinkConfig:
+def _columns(value: Any) -> Any:
+    if not isinstance(value, Mapping):
+        raise _Invalid("must be a mapping of message field to column name", type(value).__name__)
+    columns = {}
+    for key, column in value.items():
+        name = _canonical(str(key), SINK_FIELDS)
+        if name not in SINK_FIELDS:
+            raise _Invalid(f"unknown message field{_did_you_mean(str(key), SINK_FIELDS)} (fields: "
+                           f"{', '.join(SINK_FIELDS)})", field=str(key))
+        if not isinstance(column, str) or not column.strip():
+            raise _Invalid("must be a column name", repr(column), field=name)
+        columns[name] = column
+    return columns
+
+
+class SinkConfig(_Frozen):
     """The Spark sink's options (``sink:`` section); see :mod:`spark_sb.sink`.
 
     ``columns`` holds only the fields mapped to a column of another name; :attr:`column_map` is the full
     mapping (a field's default column is its own name).
     """
 
-    entity: str | None = None
-    columns: FrozenMap = field(default_factory=FrozenMap)
-    key_column: str | None = None
-    chunk_size: int = 500
-    reject_table: str | None = None
-    metrics_table: str | None = None
-    checkpoint_location: str | None = None
-    source: SinkSourceConfig = field(default_factory=SinkSourceConfig)
-    trigger: timedelta | None = None
-    max_batches: int | None = None
+    entity: Text | None = Field(default=None, max_length=_MAX_ENTITY_PATH)
+    columns: Annotated[FrozenMap, BeforeValidator(_columns)] = Field(default_factory=FrozenMap)
+    key_column: Text | None = None
+    chunk_size: Count = Field(default=500, ge=1, le=_MAX_CHUNK)
+    reject_table: Text | None = None
+    metrics_table: Text | None = None
+    checkpoint_location: Text | None = None
+    source: SinkSourceConfig = Field(default_factory=lambda: SinkSourceConfig())
+    trigger: Duration | None = Field(default=None, ge=MS, le=DAY)
+    max_batches: Count | None = Field(default=None, ge=1)
 
-    SECTION = "sink"
-
-    def __post_init__(self) -> None:
-        s = self.SECTION
-        if not isinstance(self.columns, FrozenMap):
-            object.__setattr__(self, "columns", FrozenMap(self.columns))
-        for name, column in self.columns.items():
-            if name not in SINK_FIELDS:
-                raise ConfigError(f"{s}.columns.{name}", "unknown message field" + _did_you_mean(name, SINK_FIELDS)
-                                  + f" (fields: {', '.join(SINK_FIELDS)})")
-            if not isinstance(column, str) or not column.strip():
-                raise ConfigError(f"{s}.columns.{name}", "must be a column name", repr(column))
-        for name in ("entity", "key_column", "reject_table", "metrics_table", "checkpoint_location"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value.strip()):
-                raise ConfigError(f"{s}.{name}", "must be a non-empty string", repr(value))
-        if self.entity is not None and len(self.entity) > _MAX_ENTITY_PATH:
-            raise ConfigError(f"{s}.entity", f"longer than {_MAX_ENTITY_PATH} characters", repr(self.entity))
+    @model_validator(mode="after")
+    def _consistent(self) -> SinkConfig:
         if self.key_column is not None and "message_id" in self.columns:
-            raise ConfigError(f"{s}.key_column", "give either key_column or columns.message_id, not both",
-                              repr(self.key_column))
-        _check_int(f"{s}.chunk_size", self.chunk_size, 1, _MAX_CHUNK)
-        if self.trigger is not None:
-            _check_duration(f"{s}.trigger", self.trigger, timedelta(milliseconds=1), timedelta(days=1))
-        if self.max_batches is not None:
-            _check_int(f"{s}.max_batches", self.max_batches, 1)
+            raise _Invalid("give either key_column or columns.message_id, not both", repr(self.key_column),
+                           field="key_column")
         if self.reject_table is not None and self.reject_table == self.metrics_table:
-            raise ConfigError(f"{s}.metrics_table", "must differ from reject_table", repr(self.metrics_table))
+            raise _Invalid("must differ from reject_table", repr(self.metrics_table), field="metrics_table")
+        return self
 
     @property
     def column_map(self) -> dict[str, str]:
@@ -819,134 +832,76 @@ class SinkConfig:
         return mapping
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.name == "columns":
-                out[f.name] = value.to_dict()
-            elif f.name == "source":
-                out[f.name] = value.to_dict()
-            elif isinstance(value, timedelta):
-                out[f.name] = _duration_text(value)
-            else:
-                out[f.name] = value
-        return out
-
-
-def _did_you_mean(name: str, allowed: tuple[str, ...] | list[str]) -> str:
-    suggestion = _suggest(name, list(allowed))
-    return f" (did you mean {suggestion}?)" if suggestion else ""
-
-
-def _parse_sink(data: Mapping[str, Any], path: str) -> SinkConfig:
-    names = [f.name for f in dataclasses.fields(SinkConfig)]
-    _check_keys(data, names, path)
-    kwargs: dict[str, Any] = {}
-    for name in ("entity", "key_column", "reject_table", "metrics_table", "checkpoint_location"):
-        if data.get(name) is not None:
-            kwargs[name] = _optional_str(data[name], f"{path}.{name}")
-    for name in ("chunk_size", "max_batches"):
-        if data.get(name) is not None:
-            kwargs[name] = _parse_int(data[name], f"{path}.{name}")
-    if data.get("trigger") is not None:
-        kwargs["trigger"] = parse_duration(data["trigger"], f"{path}.trigger")
-    raw_columns = data.get("columns")
-    if raw_columns is not None:
-        if not isinstance(raw_columns, Mapping):
-            raise ConfigError(f"{path}.columns", "must be a mapping of message field to column name",
-                              type(raw_columns).__name__)
-        columns: dict[str, Any] = {}
-        for key, column in raw_columns.items():
-            canonical = _canonical(str(key), list(SINK_FIELDS))
-            if canonical not in SINK_FIELDS:
-                raise ConfigError(f"{path}.columns.{key}", "unknown message field"
-                                  + _did_you_mean(str(key), SINK_FIELDS) + f" (fields: {', '.join(SINK_FIELDS)})")
-            columns[canonical] = column
-        kwargs["columns"] = FrozenMap(columns)
-    raw_source = data.get("source")
-    if raw_source is not None:
-        kwargs["source"] = _parse_sink_source(raw_source, f"{path}.source")
-    return _build(SinkConfig, path, **kwargs)
-
-
-def _parse_sink_source(raw: Any, path: str) -> SinkSourceConfig:
-    if isinstance(raw, SinkSourceConfig):
-        return raw
-    if not isinstance(raw, Mapping):
-        raise ConfigError(path, "must be a mapping: {format: rate, rows_per_second: N}, {table: name} or "
-                          "{path: ..., format: ...}", type(raw).__name__)
-    _check_keys(raw, _SOURCE_KEYS, path)
-    kwargs: dict[str, Any] = {}
-    for name in ("table", "path"):
-        if raw.get(name) is not None:
-            kwargs[name] = _optional_str(raw[name], f"{path}.{name}")
-    if raw.get("format") is not None:
-        fmt = _optional_str(raw["format"], f"{path}.format")
-        if not fmt or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.\-]*", fmt):
-            raise ConfigError(f"{path}.format", "must be a source format name such as rate, delta or parquet",
-                              repr(raw["format"]))
-        kwargs["format"] = fmt.lower()
-    elif raw.get("path") is not None:
-        kwargs["format"] = "delta"
-    for name in ("rows_per_second", "num_partitions"):
-        if raw.get(name) is not None:
-            kwargs[name] = _parse_int(raw[name], f"{path}.{name}")
-    if raw.get("options") is not None:
-        if not isinstance(raw["options"], Mapping):
-            raise ConfigError(f"{path}.options", "must be a mapping of reader options", type(raw["options"]).__name__)
-        kwargs["options"] = FrozenMap({str(k): str(v) for k, v in raw["options"].items()})
-    try:
-        return SinkSourceConfig(**kwargs)
-    except ConfigError as err:
-        if err.option.startswith("sink.source") and path != "sink.source":
-            raise err.with_option(path + err.option[len("sink.source"):]) from None
-        raise
+        """The section in the YAML shape, secrets included (reader options)."""
+        return _escape_references(self.model_dump(mode="json", context={"secrets": True}))
 
 
 # --- the whole configuration -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class SparkSbConfig:
-    """The whole spark-sb configuration. Build it with :func:`load_config` or :func:`from_options`."""
+class SparkSbConfig(_Frozen):
+    """The whole spark-sb configuration. Build it with :func:`load_config`, :func:`from_options` or
+    :func:`load_reference`.
+
+    Equal, hashed and fingerprinted by its options only: where it came from (:attr:`origin_path`, the mapping
+    behind :meth:`reference`) takes no part.
+    """
 
     primary: NamespaceConfig
     secondary: NamespaceConfig
-    send_availability: SendAvailabilityConfig
-    syphon: SyphonConfig = field(default_factory=SyphonConfig)
-    sink: SinkConfig = field(default_factory=lambda: SinkConfig())
+    send_availability: SendAvailabilityConfig = Field(default_factory=dict, validate_default=True)
+    syphon: SyphonConfig = Field(default_factory=lambda: SyphonConfig())
+    sink: SinkConfig = Field(default_factory=lambda: SinkConfig())
 
-    def __post_init__(self) -> None:
-        if _address_key(self.primary) == _address_key(self.secondary):
-            raise ConfigError(
-                "secondary",
-                "must be a different namespace from the primary",
-                self.secondary.fully_qualified_namespace,
-            )
-        if self.secondary.connection_string and self.secondary.connection_string.entity_path:
-            raise ConfigError(
-                "secondary.connection_string",
-                "EntityPath is not allowed: the secondary holds the backlog queues, use a namespace-level "
-                "connection string",
-                self.secondary.connection_string.redacted(),
-            )
-        if isinstance(self.sink, Mapping):
-            object.__setattr__(self, "sink", _parse_sink(self.sink, "sink"))
-        elif not isinstance(self.sink, SinkConfig):
-            raise ConfigError("sink", "must be a mapping of options", type(self.sink).__name__)
+    _origin_path: str | None = PrivateAttr(None)
+    _reference: str | None = PrivateAttr(None)  # the raw mapping as JSON, kept only when it holds no secret
+
+    @field_validator("send_availability", mode="before")
+    @classmethod
+    def _default_prefix(cls, value: Any, info: ValidationInfo) -> Any:
+        primary = info.data.get("primary")
+        if isinstance(value, Mapping) and not value.get("backlog_prefix") and isinstance(primary, NamespaceConfig):
+            return {**value, "backlog_prefix": default_backlog_prefix(primary)}
+        return value
+
+    @model_validator(mode="after")
+    def _a_pair(self) -> SparkSbConfig:
+        if self.primary.fully_qualified_namespace.lower() == self.secondary.fully_qualified_namespace.lower():
+            raise _Invalid("must be a different namespace from the primary", self.secondary.fully_qualified_namespace,
+                           field="secondary")
+        cs = self.secondary.connection_string
+        if cs is not None and cs.entity_path:
+            raise _Invalid("EntityPath is not allowed: the secondary holds the backlog queues, use a namespace-level "
+                           "connection string", cs.redacted(), field="secondary.connection_string")
+        return self
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, SparkSbConfig):
+            return NotImplemented
+        return self.__dict__ == other.__dict__  # the fields only: the private attributes are left out
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.__dict__.values()))
+
+    @property
+    def origin_path(self) -> str | None:
+        """The absolute path of the YAML file :func:`load_config` read, or None."""
+        return self._origin_path
+
+    def reference(self) -> dict[str, Any] | None:
+        """The configuration as it was given (its ``${ENV_VAR}`` references unresolved), JSON-serialisable,
+        for :func:`load_reference` to rebuild where it runs; None when it holds a literal secret (a
+        connection string's SharedAccessKey or SharedAccessSignature, a client_secret, a secret-named reader
+        option) that is not a ``${VAR}`` reference."""
+        if self._reference is not None:
+            return dict(json.loads(self._reference))
+        given = self.to_dict(secrets=True)
+        return None if _literal_secret(given) else given
 
     def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
         """The configuration in the YAML shape; secrets as ``***`` unless ``secrets=True``, in which case
         ``load_config(config.to_dict(secrets=True)) == config``."""
-        return _escape_references(
-            {
-                "primary": _namespace_dict(self.primary, secrets),
-                "secondary": _namespace_dict(self.secondary, secrets),
-                "send_availability": _section_dict(self.send_availability),
-                "syphon": _section_dict(self.syphon),
-                "sink": self.sink.to_dict() if secrets else _redacted_tree(self.sink.to_dict()),
-            }
-        )
+        return _escape_references(self.model_dump(mode="json", by_alias=True, context={"secrets": secrets}))
 
     def fingerprint(self) -> str:
         """A stable hash of the whole configuration, secrets included in its input (a different key gives a
@@ -961,49 +916,129 @@ def _escape_references(value: Any) -> Any:
         return {k: _escape_references(v) for k, v in value.items()}
     if isinstance(value, list):
         return [_escape_references(v) for v in value]
-    if isinstance(value, str):
-        return value.replace("${", "$${")
-    return value
+    return value.replace("${", "$${") if isinstance(value, str) else value
 
 
-def _address_key(namespace: NamespaceConfig) -> str:
-    return namespace.fully_qualified_namespace.lower()
+# --- validation errors -----------------------------------------------------------------------------------
+
+_PROBLEMS = {
+    "missing": "required",
+    "int_parsing": "must be a whole number",
+    "int_from_float": "must be a whole number",
+    "int_type": "must be a whole number",
+    "string_type": "must be a string",
+    "string_too_short": "must be a non-empty string",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+}
+_MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type")
 
 
-def _namespace_dict(namespace: NamespaceConfig, secrets: bool) -> dict[str, Any]:
-    if namespace.connection_string is not None:
-        cs = namespace.connection_string
-        shown: dict[str, Any] = {"connection_string": cs.reveal() if secrets else cs.redacted()}
-        if namespace.admin_endpoint is not None:
-            shown["admin_endpoint"] = namespace.admin_endpoint
-        return shown
-    out: dict[str, Any] = {"fully_qualified_namespace": namespace.fully_qualified_namespace}
-    if namespace.credential_config is not None:
-        cred = namespace.credential_config
-        out["credential"] = {
-            k: v
-            for k, v in (
-                ("type", cred.type),
-                ("tenant_id", cred.tenant_id),
-                ("client_id", cred.client_id),
-                ("client_secret", cred.client_secret if secrets or cred.client_secret is None else _REDACTED),
-            )
-            if v is not None
-        }
-    return out
+def _fields_of(model: type[BaseModel] | None) -> dict[str, FieldInfo]:
+    return {(f.alias or name): f for name, f in model.model_fields.items()} if model else {}
 
 
-def _section_dict(section: Any) -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
-        out[f.name] = _duration_text(value) if isinstance(value, timedelta) else value
-    return out
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
+
+
+def _walk(model: type[BaseModel], loc: tuple[Any, ...]) -> tuple[type[BaseModel] | None, FieldInfo | None]:
+    """The model at ``loc`` and the field of the option at ``loc`` (None where the path leaves the models)."""
+    current: type[BaseModel] | None = model
+    field = None
+    for part in loc:
+        field = _fields_of(current).get(str(part))
+        if field is None:
+            return None, None
+        current = _model_in(field.annotation)
+    return current, field
+
+
+def _bounds(field: FieldInfo | None) -> tuple[Any, Any]:
+    low = next((m.ge for m in field.metadata if hasattr(m, "ge")), None) if field else None
+    high = next((m.le for m in field.metadata if hasattr(m, "le")), None) if field else None
+    return low, high
+
+
+def _config_error(exc: ValidationError, model: type[BaseModel] = SparkSbConfig) -> ConfigError:
+    """The first problem of ``exc`` as a :class:`ConfigError` naming the option path; unknown options first."""
+    errors = exc.errors(include_url=False)
+    unknown = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
+    if unknown:
+        parent = unknown[0][:-1]
+        names = [str(loc[-1]) for loc in unknown if loc[:-1] == parent]
+        allowed = list(_fields_of(_walk(model, parent)[0]))
+        if len(names) == 1:
+            return ConfigError(_dotted(*parent, names[0]), "unknown option" + _did_you_mean(names[0], allowed))
+        described = ", ".join(name + _did_you_mean(name, allowed) for name in names)
+        return ConfigError(_dotted(*parent) or "configuration", f"unknown options {described}")
+    error = errors[0]
+    loc, kind, value, ctx = error["loc"], error["type"], error.get("input"), error.get("ctx") or {}
+    cause = ctx.get("error")
+    if isinstance(cause, _Invalid):
+        return _error(_dotted(*loc, *([cause.field] if cause.field else [])), cause.problem, cause.value)
+    if isinstance(cause, DurationError):
+        return ConfigError(_dotted(*loc), cause.problem, cause.value)
+    option = _dotted(*loc) or "configuration"
+    if kind == "missing":
+        return ConfigError(option, "required")
+    field = _walk(model, loc)[1]
+    shown: object = _REDACTED if loc and is_secret_name(loc[-1]) else repr(value)
+    if kind in ("greater_than_equal", "less_than_equal"):
+        low, high = _bounds(field)
+        text: Callable[[Any], str]
+        if isinstance(low if low is not None else high, timedelta):
+            text, shown = format_duration, format_duration(_parse_duration(value))
+        else:
+            text, shown = str, int(value.strip()) if isinstance(value, str) else value
+        problem = (f"must be between {text(low)} and {text(high)}" if low is not None and high is not None
+                   else f"must be at least {text(low)}" if low is not None else f"must be at most {text(high)}")
+    elif kind == "literal_error":
+        problem = _one_of(re.findall(r"'([^']*)'", str(ctx.get("expected", ""))), value)
+    elif kind == "string_pattern_mismatch":
+        problem = f"must be {field.description}" if field is not None and field.description else "is not valid"
+    elif kind == "string_too_long":
+        problem = f"longer than {ctx.get('max_length')} characters"
+    elif kind in _MAPPING_ERRORS:
+        problem, shown = "must be a mapping of options", type(value).__name__
+    else:
+        problem = _PROBLEMS.get(kind, error["msg"][:1].lower() + error["msg"][1:])
+    return ConfigError(option, problem, shown)
+
+
+def _dotted(*parts: object) -> str:
+    return ".".join(str(p) for p in parts)
+
+
+def _one_of(allowed: list[str], value: object) -> str:
+    text = f"must be one of {', '.join(allowed)}"
+    close = difflib.get_close_matches(value, allowed, n=1, cutoff=0.6) if isinstance(value, str) else []
+    return text + (f" (did you mean {close[0]}?)" if close else "")
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[_\-\s]", "", name).lower()
+
+
+def _canonical(name: str, allowed: Any) -> str:
+    return next((candidate for candidate in allowed if _normal(candidate) == _normal(name)), name)
+
+
+def _did_you_mean(name: str, allowed: Any) -> str:
+    suggestion = _canonical(name, allowed)
+    if suggestion == name:
+        close = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.6)
+        suggestion = close[0] if close else ""
+    return f" (did you mean {suggestion}?)" if suggestion and suggestion != name else ""
 
 
 # --- loading ---------------------------------------------------------------------------------------------
 
 _ENV_REFERENCE = re.compile(r"\$(\$?)\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+#: a value that is only a reference: ``${NAME}`` or ``${NAME:-}`` (a non-empty default is a literal)
+_PURE_REFERENCE = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::-)?\}$")
 
 
 def _interpolate(value: Any, path: str, environ: Mapping[str, str]) -> Any:
@@ -1032,186 +1067,47 @@ def _interpolate(value: Any, path: str, environ: Mapping[str, str]) -> Any:
     return _ENV_REFERENCE.sub(substitute, value)
 
 
-def _one_of(allowed: tuple[str, ...] | list[str], value: object) -> str:
-    text = f"must be one of {', '.join(allowed)}"
-    if isinstance(value, str):
-        close = difflib.get_close_matches(value, list(allowed), n=1, cutoff=0.6)
-        if close:
-            text += f" (did you mean {close[0]}?)"
-    return text
+def _is_literal_secret(name: str, value: Any) -> bool:
+    if value is None or value == "" or not is_secret_name(name) or _PURE_REFERENCE.match(str(value).strip()):
+        return False
+    if _normal(name) != "connectionstring":
+        return True
+    segments = (segment.partition("=") for segment in str(value).split(";"))
+    return any(key.strip().lower() in _SECRET_CS_KEYS and text.strip() and not _PURE_REFERENCE.match(text.strip())
+               for key, _, text in segments)
 
 
-def _normal(name: str) -> str:
-    return re.sub(r"[_\-\s]", "", name).lower()
+def _literal_secret(value: Any, path: str = "") -> str | None:
+    """The option path of the first literal secret in a raw configuration mapping, or None."""
+    items = value.items() if isinstance(value, Mapping) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        option = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
+        found = (_literal_secret(item, option) if isinstance(item, Mapping | list)
+                 else option if _is_literal_secret(str(key), item) else None)
+        if found:
+            return found
+    return None
 
 
-def _suggest(name: str, allowed: list[str]) -> str | None:
-    for candidate in allowed:
-        if _normal(candidate) == _normal(name):
-            return candidate
-    close = difflib.get_close_matches(name, allowed, n=1, cutoff=0.6)
-    return close[0] if close else None
+def _json_default(value: Any) -> Any:
+    if isinstance(value, timedelta):
+        return duration_text(value)
+    if isinstance(value, Mapping):
+        return dict(value)
+    raise TypeError(type(value).__name__)
 
 
-def _check_keys(data: Mapping[Any, Any], allowed: list[str], path: str) -> None:
-    unknown = [str(k) for k in data if k not in allowed]
-    if not unknown:
-        return
-    described = []
-    for name in unknown:
-        suggestion = _suggest(name, allowed)
-        described.append(f"{name} (did you mean {suggestion}?)" if suggestion else name)
-    if len(unknown) == 1:
-        option = f"{path}.{unknown[0]}" if path else unknown[0]
-        raise ConfigError(option, "unknown option" + described[0][len(unknown[0]) :])
-    raise ConfigError(path or "configuration", f"unknown options {', '.join(described)}")
-
-
-def _section(data: Mapping[str, Any], name: str, required: bool = False) -> Mapping[str, Any]:
-    value = data.get(name)
-    if value is None:
-        if required:
-            raise ConfigError(name, "required")
-        return {}
-    if not isinstance(value, Mapping):
-        raise ConfigError(name, "must be a mapping of options", type(value).__name__)
-    return value
-
-
-_NAMESPACE_KEYS = ["connection_string", "fully_qualified_namespace", "credential", "admin_endpoint"]
-_CREDENTIAL_KEYS = ["type", "tenant_id", "client_id", "client_secret"]
-
-
-def _optional_str(value: Any, option: str, secret: bool = False) -> str | None:
-    if value is None:
-        return None
-    if not isinstance(value, str | int) or isinstance(value, bool):
-        raise ConfigError(option, "must be a string", _REDACTED if secret else repr(value))
-    return str(value)
-
-
-def _parse_admin_endpoint(value: Any, option: str, cs: ConnectionString) -> str | None:
-    """``http://host:port`` (scheme optional, ``http`` assumed), normalised; only for the emulator."""
-    if value is None:
-        return None
-    if not cs.use_development_emulator:
-        raise ConfigError(option, "only used with an emulator connection string (UseDevelopmentEmulator=true)",
-                          repr(value))
-    if not isinstance(value, str) or not value.strip():
-        raise ConfigError(option, "must look like http://host:port", repr(value))
-    text = value.strip()
-    parsed = urlparse(text if "://" in text else f"http://{text}")
+def _from_mapping(raw: Mapping[Any, Any], origin: str | None = None) -> SparkSbConfig:
     try:
-        port = parsed.port
-    except ValueError as err:
-        raise ConfigError(option, "has an invalid port", repr(value)) from err
-    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path.strip("/") or parsed.query:
-        raise ConfigError(option, "must look like http://host:port", repr(value))
-    del port  # validated above
-    return f"{parsed.scheme}://{parsed.netloc}"
-
-
-def _parse_namespace(data: Mapping[str, Any], path: str) -> NamespaceConfig:
-    _check_keys(data, _NAMESPACE_KEYS, path)
-    raw_cs = data.get("connection_string")
-    raw_fqns = data.get("fully_qualified_namespace")
-    if raw_cs is not None and raw_fqns is not None:
-        raise ConfigError(path, "give either connection_string or fully_qualified_namespace (with credential), not both")
-    if raw_cs is not None:
-        if data.get("credential") is not None:
-            raise ConfigError(f"{path}.credential", "only used with fully_qualified_namespace, not with connection_string")
-        cs = ConnectionString.parse(raw_cs, f"{path}.connection_string")
-        address = cs.host
-        if cs.use_development_emulator and cs.port is not None:
-            address = f"{cs.host}:{cs.port}"
-        admin_endpoint = _parse_admin_endpoint(data.get("admin_endpoint"), f"{path}.admin_endpoint", cs)
-        return NamespaceConfig(fully_qualified_namespace=address, connection_string=cs, admin_endpoint=admin_endpoint)
-    if data.get("admin_endpoint") is not None:
-        raise ConfigError(
-            f"{path}.admin_endpoint",
-            "only used with an emulator connection string (UseDevelopmentEmulator=true)",
-            repr(data.get("admin_endpoint")),
-        )
-    if raw_fqns is None:
-        raise ConfigError(path, "needs connection_string, or fully_qualified_namespace with an optional credential")
-    if not isinstance(raw_fqns, str) or not raw_fqns.strip():
-        raise ConfigError(f"{path}.fully_qualified_namespace", "must be a host name", repr(raw_fqns))
-    text = raw_fqns.strip()
-    parsed = urlparse(text if "//" in text else f"//{text}")
+        config = SparkSbConfig.model_validate(_interpolate(raw, "", os.environ))
+    except ValidationError as err:
+        raise _config_error(err) from None
+    config._origin_path = origin
     try:
-        port = parsed.port
-    except ValueError as err:
-        raise ConfigError(f"{path}.fully_qualified_namespace", "has an invalid port", repr(raw_fqns)) from err
-    if not parsed.hostname or not re.fullmatch(r"[A-Za-z0-9.\-\[\]:]+", parsed.hostname):
-        raise ConfigError(
-            f"{path}.fully_qualified_namespace", "must look like <namespace>.servicebus.windows.net", repr(raw_fqns)
-        )
-    address = parsed.hostname.lower() + (f":{port}" if port is not None else "")
-    raw_cred = data.get("credential")
-    if raw_cred is None:
-        credential = CredentialConfig()
-    else:
-        cred_path = f"{path}.credential"
-        if not isinstance(raw_cred, Mapping):
-            raise ConfigError(cred_path, "must be a mapping (type, tenant_id, client_id, client_secret)")
-        _check_keys(raw_cred, _CREDENTIAL_KEYS, cred_path)
-        cred_type = raw_cred.get("type", "default")
-        if not isinstance(cred_type, str) or cred_type not in CREDENTIAL_TYPES:
-            raise ConfigError(f"{cred_path}.type", _one_of(CREDENTIAL_TYPES, cred_type), repr(cred_type))
-        credential = _build(
-            CredentialConfig,
-            cred_path,
-            type=cred_type,
-            tenant_id=_optional_str(raw_cred.get("tenant_id"), f"{cred_path}.tenant_id"),
-            client_id=_optional_str(raw_cred.get("client_id"), f"{cred_path}.client_id"),
-            client_secret=_optional_str(raw_cred.get("client_secret"), f"{cred_path}.client_secret", secret=True),
-        )
-    return NamespaceConfig(fully_qualified_namespace=address, credential_config=credential)
-
-
-def _build(cls: Any, path: str, **kwargs: Any) -> Any:
-    """Construct a section, re-labelling its own validation errors with the real option path."""
-    try:
-        return cls(**kwargs)
-    except ConfigError as err:
-        section = getattr(cls, "SECTION", "credential")
-        if err.option.startswith(section) and path != section:
-            raise err.with_option(path + err.option[len(section) :]) from None
-        raise
-
-
-def _parse_fields(cls: Any, data: Mapping[str, Any], path: str, skip: tuple[str, ...] = ()) -> dict[str, Any]:
-    names = [f.name for f in dataclasses.fields(cls)]
-    _check_keys(data, names, path)
-    parsed: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name in skip or f.name not in data or data[f.name] is None:
-            continue
-        option = f"{path}.{f.name}"
-        if f.type == "timedelta":
-            parsed[f.name] = parse_duration(data[f.name], option)
-        elif f.type == "int":
-            parsed[f.name] = _parse_int(data[f.name], option)
-        else:
-            parsed[f.name] = _optional_str(data[f.name], option)
-    return parsed
-
-
-def _from_mapping(data: Mapping[Any, Any]) -> SparkSbConfig:
-    data = _interpolate(data, "", os.environ)
-    _check_keys(data, ["primary", "secondary", "send_availability", "syphon", "sink"], "")
-    primary = _parse_namespace(_section(data, "primary", required=True), "primary")
-    secondary = _parse_namespace(_section(data, "secondary", required=True), "secondary")
-    sa_data = _section(data, "send_availability")
-    sa_fields = _parse_fields(SendAvailabilityConfig, sa_data, "send_availability")
-    if not sa_fields.get("backlog_prefix"):
-        sa_fields["backlog_prefix"] = default_backlog_prefix(primary)
-    send_availability = SendAvailabilityConfig(**sa_fields)
-    syphon = SyphonConfig(**_parse_fields(SyphonConfig, _section(data, "syphon"), "syphon"))
-    sink = _parse_sink(_section(data, "sink"), "sink")
-    config = SparkSbConfig(
-        primary=primary, secondary=secondary, send_availability=send_availability, syphon=syphon, sink=sink
-    )
+        text = json.dumps(raw, default=_json_default)
+    except (TypeError, ValueError):
+        text = None
+    config._reference = None if text is None or _literal_secret(json.loads(text)) else text
     _LOGGER.debug("configuration loaded: %r", config)
     return config
 
@@ -1238,25 +1134,31 @@ def load_config(source: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConf
         data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(str(path), "must contain a mapping of options at the top level", type(data).__name__)
-    return _from_mapping(data)
+    return _from_mapping(data, origin=os.path.abspath(path))
+
+
+def load_reference(value: str | Mapping[str, Any]) -> SparkSbConfig:
+    """Rebuild a configuration from :meth:`SparkSbConfig.reference` (a mapping or its JSON text) where it
+    runs: its ``${ENV_VAR}`` references are resolved here, then it is validated as :func:`load_config` does.
+    A literal secret is refused (naming the option, never showing the secret)."""
+    option = "configuration reference"
+    if isinstance(value, str | bytes):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise ConfigError(option, f"not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    if not isinstance(value, Mapping):
+        raise ConfigError(option, "must be a mapping of options", type(value).__name__)
+    found = _literal_secret(value)
+    if found:
+        raise ConfigError(found, "must be a ${ENV_VAR} reference when the configuration is passed to Spark by value",
+                          _REDACTED)
+    return _from_mapping(value)
 
 
 # --- Spark options ---------------------------------------------------------------------------------------
 
-_OPTION_SECTIONS: dict[str, list[str] | None] = {
-    "primary": _NAMESPACE_KEYS,
-    "secondary": _NAMESPACE_KEYS,
-    "send_availability": [f.name for f in dataclasses.fields(SendAvailabilityConfig)],
-    "syphon": [f.name for f in dataclasses.fields(SyphonConfig)],
-    "sink": [f.name for f in dataclasses.fields(SinkConfig)],
-}
-
-
-def _canonical(name: str, allowed: list[str]) -> str:
-    for candidate in allowed:
-        if _normal(candidate) == _normal(name):
-            return candidate
-    return name
+_OPTION_SECTIONS = {name: list(_fields_of(_model_in(f.annotation))) for name, f in SparkSbConfig.model_fields.items()}
 
 
 def from_options(options: Mapping[str, str]) -> SparkSbConfig:
@@ -1271,21 +1173,19 @@ def from_options(options: Mapping[str, str]) -> SparkSbConfig:
     """
     nested: dict[str, Any] = {}
     written: dict[str, str] = {}
+    children = {"credential": list(_fields_of(CredentialConfig)), "columns": SINK_FIELDS,
+                "source": list(_fields_of(SinkSourceConfig))}
     for key, value in options.items():
         parts = str(key).split(".")
-        section = _canonical(parts[0], list(_OPTION_SECTIONS))
+        section = _canonical(parts[0], _OPTION_SECTIONS)
         if section not in _OPTION_SECTIONS or len(parts) < 2:
             continue
         if value is None or (isinstance(value, str) and not value.strip()):
             continue
-        allowed = _OPTION_SECTIONS[section]
         target = nested.setdefault(section, {})
-        names = [_canonical(parts[1], allowed or [])]
-        if names[0] == "credential" and len(parts) > 2:
-            names.append(_canonical(parts[2], _CREDENTIAL_KEYS))
-            names.extend(parts[3:])
-        elif section == "sink" and names[0] in ("columns", "source") and len(parts) > 2:
-            names.append(_canonical(parts[2], list(SINK_FIELDS) if names[0] == "columns" else _SOURCE_KEYS))
+        names = [_canonical(parts[1], _OPTION_SECTIONS[section])]
+        if names[0] in children and len(parts) > 2:
+            names.append(_canonical(parts[2], children[names[0]]))
             names.extend(parts[3:])
         else:
             names.extend(parts[2:])
