@@ -10,7 +10,6 @@ to that endpoint instead.
 from __future__ import annotations
 
 import logging
-import socket
 import urllib.parse
 from typing import Any
 
@@ -27,7 +26,6 @@ __all__ = [
     "admin_client",
     "admin_endpoint_of",
     "emulator_admin_endpoint",
-    "unreachable_reason",
 ]
 
 
@@ -167,25 +165,3 @@ def admin_endpoint_of(connection_string: str | None, fully_qualified_namespace: 
         except ValueError:
             pass
     return f"https://{fully_qualified_namespace}"
-
-
-def unreachable_reason(exc: BaseException) -> str | None:
-    """"connection refused", "host not found" or "connection timed out" when ``exc`` (or a cause in its chain:
-    ``inner_exception``, ``__cause__``, ``__context__``) shows the endpoint could not be reached; else None."""
-    seen: set[int] = set()
-    stack: list[BaseException] = [exc]
-    while stack and len(seen) < 32:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, ConnectionRefusedError):
-            return "connection refused"
-        if isinstance(current, socket.gaierror):
-            return "host not found"
-        if isinstance(current, TimeoutError):
-            return "connection timed out"
-        for linked in (getattr(current, "inner_exception", None), current.__cause__, current.__context__):
-            if isinstance(linked, BaseException):
-                stack.append(linked)
-    return None

@@ -5,8 +5,10 @@ each class carries its behaviour as flags (``error_class``, ``retryable``) and t
 acts on the flags, never on message text.
 
 :func:`classify` implements the "Error classes" table of ``behaviour.md``: it maps an exception raised by
-azure-servicebus (after the SDK's own retry policy has run) to an :class:`ErrorClass`. No other module
-inspects SDK exception types.
+azure-servicebus (after the SDK's own retry policy has run) to an :class:`ErrorClass`. Its predicates
+(:func:`is_connection_lost`, :func:`needs_session`, :func:`already_exists`, :func:`unreachable_reason`,
+:func:`is_message_not_found`, :func:`is_lock_lost`, :func:`is_too_large`) answer the other questions callers
+ask about an exception. No other module inspects SDK exception types or their message text.
 
 Credential rejected versus connection broken
 --------------------------------------------
@@ -44,11 +46,13 @@ from __future__ import annotations
 import enum
 import logging
 import re
+import socket
 from collections.abc import Iterator
 
 from azure.core.exceptions import (
     ClientAuthenticationError,
     HttpResponseError,
+    ResourceExistsError,
     ResourceNotFoundError,
     ServiceRequestError,
     ServiceResponseError,
@@ -61,6 +65,7 @@ from azure.servicebus.exceptions import (
     MessagingEntityNotFoundError,
     ServiceBusAuthenticationError,
     ServiceBusAuthorizationError,
+    ServiceBusConnectionError,
     ServiceBusError,
     ServiceBusServerBusyError,
 )
@@ -82,9 +87,13 @@ __all__ = [
     "classify",
     "encoding_error",
     "redact",
+    "already_exists",
+    "is_connection_lost",
     "is_lock_lost",
     "is_message_not_found",
     "is_too_large",
+    "needs_session",
+    "unreachable_reason",
 ]
 
 
@@ -460,3 +469,35 @@ def is_lock_lost(exc: BaseException) -> bool:
 def is_too_large(exc: BaseException) -> bool:
     """A message does not fit a batch (or a send) because of its size."""
     return isinstance(exc, MessageSizeExceededError)
+
+
+# --- what the paired sender, the bus and provisioning read about a failure -----------------------------------
+
+def is_connection_lost(exc: BaseException) -> bool:
+    """The SDK shut the AMQP connection down (``ServiceBusConnectionError``): the client and every handle it
+    opened are unusable and must be rebuilt."""
+    return isinstance(exc, ServiceBusConnectionError)
+
+
+def needs_session(exc: BaseException) -> bool:
+    """The entity requires sessions and the message had no session id (the service names the missing
+    ``SessionId``): the same message with a session id would be accepted."""
+    return isinstance(exc, ServiceBusError) and "sessionid" in str(exc).lower()
+
+
+def already_exists(exc: BaseException) -> bool:
+    """An administration request to create an entity found it already there (``ResourceExistsError``)."""
+    return isinstance(exc, ResourceExistsError)
+
+
+def unreachable_reason(exc: BaseException) -> str | None:
+    """"connection refused", "host not found" or "connection timed out" when ``exc`` (or a cause in its chain:
+    ``inner_exception``, ``__cause__``, ``__context__``) shows the endpoint could not be reached; else None."""
+    for link in _causes(exc):
+        if isinstance(link, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(link, socket.gaierror):
+            return "host not found"
+        if isinstance(link, TimeoutError):
+            return "connection timed out"
+    return None

@@ -46,7 +46,7 @@ message ids.
 
 **Health**: every summary carries the state of the entities its partition sent to; an entity that some
 partition left failed over, and none left healthy, is passed to the next batch's partitions, whose workers then
-start it failed over (:meth:`~spark_sb.paired.health.HealthBoard.assume_failed_over`, with a ping due at once)
+start it failed over (:meth:`~spark_sb.bus.health.HealthBoard.assume_failed_over`, with a ping due at once)
 instead of each waiting out the failover interval.
 
 Under Spark Connect the callable runs in one server-side Python process for the query's life: ``latest`` and
@@ -58,12 +58,10 @@ The registry closes its senders at interpreter exit (``atexit``). PySpark's fork
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import hashlib
 import logging
 import os
-import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -76,8 +74,9 @@ from azure.servicebus._pyamqp.utils import amqp_long_value
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from . import bus
 from .config import SparkSbConfig, load_config
-from .errors import BadInputError, BadMessageError, EntityNotFoundError
+from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
 from .paired import PRIMARY, PairedSender
 from .paired.sender import pairing_key
 
@@ -90,44 +89,42 @@ __all__ = ["METRICS_SCHEMA", "PARTITION_OUTPUT", "BatchSummary", "PairedSink", "
 
 # --- the per-process registry of paired senders -----------------------------------------------------------
 
-_SENDERS: dict[str, PairedSender] = {}
-_SENDERS_LOCK = threading.Lock()
-_ATEXIT_REGISTERED = False
+#: the kind of the paired senders in the process registry (:func:`spark_sb.bus.shared`), keyed by pairing
+SENDER_KIND = "paired-sender"
 
 
 def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedSender:
-    """The paired sender of this process for ``config`` (keyed by its fingerprint): created and paired on
-    first use, then reused by every task and batch this process runs; closed at interpreter exit."""
-    global _ATEXIT_REGISTERED
+    """The paired sender of this process for ``config`` (whose fingerprint is ``fingerprint``): created and
+    paired on first use, then reused by every task and batch this process runs; closed at interpreter exit.
+
+    A worker outlives a query: a sender of the same pairing built from an older configuration (other
+    intervals) would make the new one refuse to share the pairing's health, so one sender per pairing is kept
+    and a new configuration replaces (and closes) the sender of the old one."""
     key = fingerprint or config.fingerprint()
-    with _SENDERS_LOCK:
-        sender = _SENDERS.get(key)
-        if sender is None:
-            # a worker outlives a query: a sender of the same pairing built from an older configuration (other
-            # intervals) would make the new one refuse to share the pairing's health; the new one replaces it
-            for old_key, old in list(_SENDERS.items()):
-                if pairing_key(old.config) == pairing_key(config):
-                    _LOGGER.info("process %d: a new configuration of %s replaces the paired sender of the old one",
-                                 os.getpid(), old.config.send_availability.backlog_prefix)
-                    del _SENDERS[old_key]
-                    old.close()
-            sender = PairedSender(config)
+
+    def build() -> PairedSender:
+        sender = PairedSender(config)
+        try:
             usable = sender.pair()
-            _LOGGER.info("process %d: paired sender ready (%d backlog queues)", os.getpid(), usable)
-            _SENDERS[key] = sender
-            if not _ATEXIT_REGISTERED:
-                atexit.register(close_senders)
-                _ATEXIT_REGISTERED = True
+        except BaseException:
+            sender.close()
+            raise
+        _LOGGER.info("process %d: paired sender ready (%d backlog queues)", os.getpid(), usable)
         return sender
+
+    def outdated(old: PairedSender) -> bool:
+        if old.config.fingerprint() == key:
+            return False
+        _LOGGER.info("process %d: a new configuration of %s replaces the paired sender of the old one",
+                     os.getpid(), old.config.send_availability.backlog_prefix)
+        return True
+
+    return bus.shared(SENDER_KIND, pairing_key(config), build, replace_if=outdated)
 
 
 def close_senders() -> None:
     """Close every sender of the registry (idempotent)."""
-    with _SENDERS_LOCK:
-        senders = list(_SENDERS.values())
-        _SENDERS.clear()
-    for sender in senders:
-        sender.close()
+    bus.close_all(SENDER_KIND)
 
 
 # --- summaries ---------------------------------------------------------------------------------------------
@@ -495,7 +492,7 @@ class _PartitionRun:
             return
         try:
             message = _to_message(row, message_id)
-        except (TypeError, ValueError) as err:
+        except ENCODING_ERRORS as err:
             self._reject(message_id, entity, f"cannot build the message: {err}", body)
             return
         pending = self.pending.setdefault(entity, [])

@@ -12,7 +12,12 @@ import logging
 from collections.abc import Iterator
 
 import pytest
-from azure.core.exceptions import ClientAuthenticationError, HttpResponseError, ResourceNotFoundError
+from azure.core.exceptions import (
+    ClientAuthenticationError,
+    HttpResponseError,
+    ResourceExistsError,
+    ResourceNotFoundError,
+)
 from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusMessageBatch
 from azure.servicebus._pyamqp.error import (
     AMQPConnectionError,
@@ -37,6 +42,7 @@ from azure.servicebus.exceptions import (
     ServiceBusServerBusyError,
 )
 
+from spark_sb.admin import admin_client
 from spark_sb.errors import (
     ENCODING_ERRORS,
     BacklogUnavailableError,
@@ -47,10 +53,14 @@ from spark_sb.errors import (
     ErrorClass,
     PairingError,
     SparkSbError,
+    already_exists,
     as_spark_sb_error,
     classify,
     encoding_error,
+    is_connection_lost,
+    needs_session,
     redact,
+    unreachable_reason,
 )
 
 SECRET = "c2VjcmV0LWtleS12YWx1ZQ=="
@@ -284,3 +294,56 @@ def test_secrets_never_reach_an_error_message() -> None:
     assert "SharedAccessKey=***" in cleaned
     assert SECRET not in str(CredentialRejectedError("contoso", text))
     assert SECRET not in str(ConfigError("primary.connection_string", "bad", CONNECTION_STRING))
+
+
+@pytest.mark.parametrize(
+    ("cause", "lost"),
+    [
+        (AMQPConnectionError(ErrorCondition.SocketError, description="reset by peer"), True),
+        (AMQPLinkError(ErrorCondition.LinkDetachForced, description="idle"), True),
+        (AMQPConnectionError(ErrorCondition.NotFound, description="no such host"), False),
+        (AMQPLinkError(b"com.microsoft:server-busy", description="busy"), False),
+        (TokenAuthFailure(401, b"InvalidSignature"), False),
+    ],
+    ids=["socket-error", "link-detach-forced", "host-not-found", "server-busy", "cbs-401"],
+)
+def test_a_connection_the_sdk_shut_down_is_told_apart(client: ServiceBusClient, cause: BaseException,
+                                                      lost: bool) -> None:
+    assert is_connection_lost(raised_by_sdk(client, cause)) is lost
+
+
+def _schedule_refused(description: str) -> ServiceBusError:
+    with pytest.raises(ServiceBusError) as caught:  # how the SDK reports a refused schedule_messages
+        PyamqpTransport.handle_amqp_mgmt_error(
+            logging.getLogger("test"), "Service request failed.", b"amqp:invalid-field", description, 400)
+    return caught.value
+
+
+def test_a_refusal_for_a_missing_session_id_is_told_apart() -> None:
+    refused = _schedule_refused("The SessionId was not set on message 'p', and it cannot be sent to 'orders'")
+    assert needs_session(refused)
+    assert classify(refused) is ErrorClass.BAD_MESSAGE  # without the session id it can never be sent
+    assert not needs_session(_schedule_refused("The message body is invalid"))
+    assert not needs_session(ValueError("sessionid"))  # not an answer of the service
+
+
+def test_an_entity_that_already_exists_is_told_apart() -> None:
+    assert already_exists(ResourceExistsError("Queue 'contoso/x-servicebus-transfer/0' already exists"))
+    assert not already_exists(_http_error(409))
+    assert not already_exists(ResourceNotFoundError("Queue 'orders' does not exist"))
+
+
+def test_an_unreachable_endpoint_is_named_with_its_reason() -> None:
+    emulator = "Endpoint=sb://127.0.0.1;SharedAccessKeyName=k;SharedAccessKey=x;UseDevelopmentEmulator=true"
+    with admin_client(emulator, admin_endpoint="http://127.0.0.1:1", retry_total=0) as closed_port:
+        with pytest.raises(Exception) as caught:  # noqa: PT011 - what azure-core raises, read by errors.py
+            list(closed_port.list_queues())
+    assert unreachable_reason(caught.value) == "connection refused"
+    try:
+        try:
+            raise TimeoutError("timed out")
+        except TimeoutError as exc:
+            raise ConnectionError("could not connect") from exc
+    except ConnectionError as wrapped:
+        assert unreachable_reason(wrapped) == "connection timed out"
+    assert unreachable_reason(_http_error(503)) is None

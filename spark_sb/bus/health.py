@@ -45,8 +45,8 @@ from datetime import timedelta
 
 from ..config import format_duration
 from ..errors import ConfigError
-from .pings import PingTask, Wait
-from .retry import Clock
+from ._registry import entries, shared
+from .pings import Clock, PingTask, Wait
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ class HealthBoard:
         self._cooling: dict[str, float] = {}  # backlog queue -> back in the rotation at
         self._counters: dict[str, int] = {"failovers": 0, "failbacks": 0, "assumed_failovers": 0}
         self._open = 0  # senders of this board not closed yet (join / leave)
-        #: the background pings of this board (see :mod:`spark_sb.paired.pings`); ``wait`` is its wait
+        #: the background pings of this board (see :mod:`spark_sb.bus.pings`); ``wait`` is its wait
         self.pings = PingTask(self, wait)
 
     def settings(self) -> dict[str, float]:
@@ -356,17 +356,13 @@ class HealthBoard:
             return {name: record.state.value for name, record in sorted(self._entities.items())}
 
 
-_BOARDS: dict[tuple[str, ...], HealthBoard] = {}
-_BOARDS_LOCK = threading.Lock()
+#: the kind of the boards in the process registry (:func:`spark_sb.bus.shared`)
+BOARD_KIND = "health-board"
 
 
 def shared_board(key: tuple[str, ...], factory: Callable[[], HealthBoard]) -> HealthBoard:
     """The process-wide board for ``key``, created by ``factory`` on first use."""
-    with _BOARDS_LOCK:
-        board = _BOARDS.get(key)
-        if board is None:
-            board = _BOARDS[key] = factory()
-        return board
+    return shared(BOARD_KIND, key, factory)
 
 
 def join_board(key: tuple[str, ...], settings: dict[str, float], clock: Clock, pairing: str,
@@ -382,5 +378,4 @@ def join_board(key: tuple[str, ...], settings: dict[str, float], clock: Clock, p
 
 
 def all_boards() -> dict[tuple[str, ...], HealthBoard]:
-    with _BOARDS_LOCK:
-        return dict(_BOARDS)
+    return entries(BOARD_KIND)

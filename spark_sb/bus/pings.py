@@ -1,5 +1,5 @@
 """The ping task: one background thread per pairing in the process (per
-:class:`~spark_sb.paired.health.HealthBoard`) that pings every failed-over entity when its ping is due and so
+:class:`~spark_sb.bus.health.HealthBoard`) that pings every failed-over entity when its ping is due and so
 fails it back without waiting for a send (behaviour.md, "the ping task").
 
 * **lifecycle**: the first sender of the board that sends (or calls ``run_pings_once``) attaches itself and
@@ -7,7 +7,7 @@ fails it back without waiting for a send (behaviour.md, "the ping task").
   the last one to detach stops the thread and joins it (within ``timeout``), so no thread is left behind. A
   forked child (a Spark Python worker) starts its own thread on first use.
 * **one ping at a time per entity**: each round claims each due ping through
-  :meth:`~spark_sb.paired.health.HealthBoard.claim_ping`, as the send path does, so the task and a send never
+  :meth:`~spark_sb.bus.health.HealthBoard.claim_ping`, as the send path does, so the task and a send never
   ping the same entity at once. The ping itself (an SDK client of the primary) belongs to a sender: the task
   uses the most recently attached sender that is still open.
 * **time**: a round (:meth:`PingTask.run_once`, also what tests call) returns the seconds until the next ping is
@@ -28,13 +28,15 @@ if TYPE_CHECKING:
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["MIN_WAIT", "THREAD_NAME", "PingTask", "Pinger", "Wait", "real_wait"]
+__all__ = ["MIN_WAIT", "THREAD_NAME", "Clock", "PingTask", "Pinger", "Wait", "real_wait"]
 
 #: the name of the ping thread
 THREAD_NAME = "spark-sb-ping"
 #: the shortest wait between rounds (a due ping another caller is running is looked at again after it)
 MIN_WAIT = 0.05
 
+#: the board's time (seconds, monotonic)
+Clock = Callable[[], float]
 #: ``wait(stop, seconds)``: return when ``stop`` is set or ``seconds`` have passed on the board's clock
 Wait = Callable[[threading.Event, float], object]
 

@@ -1,9 +1,9 @@
-"""The send-availability core: the paired sender, its shared health state and its retry policy. No Spark
-import anywhere below this package."""
+"""The send-availability core: the paired sender and its retry policy (its shared health state lives in
+:mod:`spark_sb.bus.health`, re-exported here). No Spark import anywhere below this package."""
 
 from __future__ import annotations
 
-from .health import EntityState, HealthBoard
+from ..bus import EntityState, HealthBoard
 from .retry import ConstantBackoff, ExponentialBackoff, NoBackoff, Retry
 from .sender import PRIMARY, PairedSender, SendResult
 

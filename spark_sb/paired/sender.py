@@ -4,13 +4,14 @@ send to a backlog queue on the secondary until a ping shows the primary accepts 
 
 Choices where behaviour.md is silent (also in the report):
 
-* the SDK senders are cached per entity (opening one costs a round trip); one lock per (namespace, entity)
-  serialises their use, because an SDK sender is not thread-safe;
+* the SDK handles are the sender's own two :class:`spark_sb.bus.Namespace` (primary, secondary): senders
+  cached per entity (opening one costs a round trip), one lock per (namespace, entity) serialising their use,
+  because an SDK sender is not thread-safe; what an SDK error means is read from :mod:`spark_sb.errors`;
 * messages are sent in ``ServiceBusMessageBatch``es built before anything is sent: a message that does not
   fit an empty batch (or, rewritten, a backlog batch), or that the SDK cannot encode (``add_message`` raises
   ``ValueError``/``TypeError``/``OverflowError``), is rejected with :class:`BadMessageError` and nothing of
   that call is sent; such a message never counts toward failover nor against a backlog queue;
-* pings run in the background ping task of the pairing (:mod:`spark_sb.paired.pings`, one thread per process
+* pings run in the background ping task of the pairing (:mod:`spark_sb.bus.pings`, one thread per process
   and pairing, started by the first send, stopped by the last close()) and on the send path when a send finds
   one due; :meth:`HealthBoard.claim_ping` hands each due ping to one of them. A ping refused for a rejected
   credential or an unknown entity makes every send of that entity raise that configuration error until a
@@ -28,25 +29,23 @@ Choices where behaviour.md is silent (also in the report):
 
 from __future__ import annotations
 
-import datetime
 import gc
 import logging
 import os
 import random
 import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from azure.core.exceptions import ResourceExistsError
 from azure.servicebus import ServiceBusMessage
-from azure.servicebus.exceptions import MessageSizeExceededError, ServiceBusConnectionError, ServiceBusError
 
+from .. import bus
 from .. import messages as msgs
+from ..bus import EntityState, HealthBoard, Namespace, join_board
+from ..bus.pings import Wait
 from ..config import NamespaceConfig, SparkSbConfig, load_config
 from ..errors import (
     ENCODING_ERRORS,
@@ -57,13 +56,15 @@ from ..errors import (
     ErrorClass,
     PairingError,
     SparkSbError,
+    already_exists,
     as_spark_sb_error,
     classify,
     encoding_error,
+    is_connection_lost,
+    is_too_large,
     redact,
+    unreachable_reason,
 )
-from .health import EntityState, HealthBoard, join_board
-from .pings import Wait
 from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, Sleep
 
 _LOGGER = logging.getLogger(__name__)
@@ -73,15 +74,6 @@ __all__ = ["PRIMARY", "PairedSender", "SendResult", "pairing_key"]
 #: the destination name of the primary entity in a :class:`SendResult`
 PRIMARY = "primary"
 CLOSE_TIMEOUT = 5.0
-# The SDK's keep-alive thread makes a failed sender's close() wait up to 1 s (it sleeps in 1 s steps), which
-# delays every outage signal by about half a second. Senders here run without it; a connection the service
-# dropped while idle is caught by the stale-connection rule below instead.
-SENDER_KWARGS = {"keep_alive": 0}
-# A connection error on the first attempt after this long without a successful operation on that side is
-# taken for a stale connection: retried at once on a new one, not counted toward failover.
-STALE_AFTER = 30.0
-#: a ping is scheduled this far ahead and cancelled at once: nobody can ever receive it
-PING_SCHEDULE_AHEAD = timedelta(days=365)
 #: TimeSpan.MaxValue, "the maximum" for DefaultMessageTimeToLive and AutoDeleteOnIdle
 MAX_TIMESPAN = timedelta(days=10675199, hours=2, minutes=48, seconds=5, microseconds=477580)
 BACKLOG_QUEUE_PROPERTIES: Mapping[str, Any] = {
@@ -133,135 +125,6 @@ class _Partial(Exception):
         self.error = error
 
 
-class _Handles:
-    """One generation of a side's SDK handles: a client and the senders it opened. Closed once, by whoever
-    finds it detached with no send holding it (``users``); ``done`` is set once it is closed."""
-
-    def __init__(self) -> None:
-        self.client: Any = None
-        self.senders: dict[str, Any] = {}
-        self.users = 0
-        self.detached = False
-        self.taken = False
-        self.done = threading.Event()
-
-    def take(self) -> list[Any]:
-        """What must be closed (senders first, then the client), handed out once."""
-        if self.taken:
-            return []
-        self.taken = True
-        handles = list(self.senders.values())
-        if self.client is not None:
-            handles.append(self.client)
-        self.senders = {}
-        self.client = None
-        if not handles:
-            self.done.set()
-        return handles
-
-
-class _Side:
-    """One namespace's ``ServiceBusClient`` and its cached SDK senders (built lazily, rebuilt after detach).
-
-    A detach (after a connection error, or close) never pulls a handle from under a send: the detached
-    generation is closed as soon as no send holds it (by the last one to let go), and sends starting after the
-    detach open a new generation."""
-
-    def __init__(self, name: str, namespace: NamespaceConfig, client_kwargs: Mapping[str, Any],
-                 clock: Callable[[], float], spawn: Callable[[Callable[[], None]], None]) -> None:
-        self.name = name
-        self.namespace = namespace
-        self._client_kwargs = dict(client_kwargs)
-        self._clock = clock
-        self._spawn = spawn  # runs a closing function in a helper thread
-        self.last_ok: float | None = None  # when an operation on this side last succeeded
-        self._lock = threading.Lock()
-        self._current = _Handles()
-        self._detached: list[_Handles] = []  # detached generations not closed yet
-        self._entity_locks: dict[str, threading.Lock] = {}
-        self.closed = False
-
-    @contextmanager
-    def sender(self, entity: str) -> Iterator[Any]:
-        with self._lock:
-            entity_lock = self._entity_locks.setdefault(entity, threading.Lock())
-        with entity_lock:
-            with self._lock:
-                if self.closed:
-                    raise RuntimeError("this PairedSender is closed")
-                generation = self._current
-                sdk_sender = generation.senders.get(entity)
-                if sdk_sender is None:
-                    if generation.client is None:
-                        _LOGGER.debug("opening a client for the %s namespace %s", self.name,
-                                      self.namespace.fully_qualified_namespace)
-                        generation.client = self.namespace.client(**self._client_kwargs)
-                    sdk_sender = generation.client.get_queue_sender(entity, **SENDER_KWARGS)
-                    generation.senders[entity] = sdk_sender
-                generation.users += 1
-            try:
-                yield sdk_sender
-                self.last_ok = self._clock()
-            finally:
-                self._release(generation)
-
-    def _release(self, generation: _Handles) -> None:
-        with self._lock:
-            generation.users -= 1
-            handles = generation.take() if generation.detached and generation.users == 0 else []
-        if handles:
-            self._spawn(lambda: _close_all(handles, generation.done))
-
-    def stale(self) -> bool:
-        """True when the connection has been idle long enough that the service may have dropped it."""
-        last = self.last_ok
-        return last is not None and self._clock() - last >= STALE_AFTER
-
-    def detach(self, *, final: bool = False) -> bool:
-        """Forget the client and senders: they are closed (in a helper thread) now, or by the last send still
-        holding them; the next send opens new ones. ``final``: no client is built any more (a send racing with
-        close() fails instead of reopening). Returns True when there was a client."""
-        with self._lock:
-            self.closed = self.closed or final
-            generation, self._current = self._current, _Handles()
-            had_client = generation.client is not None
-            generation.detached = True
-            self._detached = [g for g in self._detached if not g.done.is_set()]
-            handles = generation.take() if generation.users == 0 else []
-            if not generation.done.is_set():
-                self._detached.append(generation)
-        if handles:
-            self._spawn(lambda: _close_all(handles, generation.done))
-        return had_client
-
-    def wait_closed(self, deadline: float) -> bool:
-        """Wait (real time) until every detached generation is closed; True when all are."""
-        with self._lock:
-            pending = [g for g in self._detached if not g.done.is_set()]
-        for generation in pending:
-            generation.done.wait(max(0.0, deadline - time.monotonic()))
-        return all(g.done.is_set() for g in pending)
-
-    def force_close(self) -> None:
-        """Close what sends still hold (close() ran out of time waiting for them)."""
-        with self._lock:
-            taken = [(g.take(), g) for g in self._detached if not g.done.is_set()]
-        for handles, generation in taken:
-            _close_all(handles, generation.done)
-
-
-def _close_all(handles: Sequence[Any], done: threading.Event | None = None) -> None:
-    try:
-        for handle in handles:
-            try:
-                handle.close()
-            except Exception as exc:  # closing a broken handler: nothing left to do but say so
-                _LOGGER.debug("closing %s failed: %s", type(handle).__name__, redact(str(exc)))
-    finally:
-        if done is not None:
-            done.set()
-
-
 def _message_id(message: ServiceBusMessage) -> object:
     try:
         return message.message_id
@@ -283,9 +146,9 @@ def _add(batch: Any, item: ServiceBusMessage, entity: str) -> None:
     """``batch.add_message(item)``; an encoding error there is a bad message (behaviour.md, "Error classes")."""
     try:
         batch.add_message(item)
-    except MessageSizeExceededError:
-        raise
     except ENCODING_ERRORS as exc:
+        if is_too_large(exc):  # the SDK's size error is a ValueError too: the caller decides (a new batch)
+            raise
         raise _unencodable(item, entity, exc) from exc
 
 
@@ -301,7 +164,7 @@ class PairedSender:
 
     Build it with :meth:`from_config`; use it as a context manager or call :meth:`close`. Thread-safe: one
     instance may be shared by every thread of the process, and every instance of the same pairing in the
-    process shares the entity states (see :mod:`spark_sb.paired.health`).
+    process shares the entity states (see :mod:`spark_sb.bus.health`).
     """
 
     def __init__(
@@ -323,11 +186,12 @@ class PairedSender:
         #: the wait between primary attempts inside the failover interval
         self._backoff = backoff if backoff is not None else ExponentialBackoff(0.5, 10.0)
         self._busy_backoff = sa.server_busy_backoff.total_seconds()
-        self._primary = _Side("primary", config.primary, sa.primary_client_kwargs(), clock, self._spawn_closer)
+        # this sender's own handles (close() closes them), not the process-wide ones of bus.shared_namespace
+        self._primary = Namespace("primary", config.primary, sa.primary_client_kwargs(), clock=clock)
         # the rotation, not the SDK, retries a failed backlog send: no SDK retries on the secondary either
-        self._secondary = _Side("secondary", config.secondary,
-                                {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()}, clock,
-                                self._spawn_closer)
+        self._secondary = Namespace("secondary", config.secondary,
+                                    {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()},
+                                    clock=clock)
         key = pairing_key(config)
         settings = {"failover_interval": sa.failover_interval.total_seconds(),
                     "ping_primary_interval": sa.ping_primary_interval.total_seconds(),
@@ -337,8 +201,6 @@ class PairedSender:
         self._usable: tuple[str, ...] | None = None
         self._pair_lock = threading.Lock()
         self._state_lock = threading.Lock()
-        self._session_entities: set[str] = set()
-        self._closers: list[threading.Thread] = []
         self._closed = False
         self._saw_connection_error = False
         self._counters: dict[str, int] = {"sent_primary": 0, "sent_backlog": 0, "busy_waits": 0}
@@ -361,7 +223,7 @@ class PairedSender:
         first :meth:`send`; a wrong option raises :class:`~spark_sb.errors.ConfigError` here.
 
         ``clock`` and ``sleep`` are the sender's time (the failover timer, backoff waits); ``ping_wait`` is the
-        wait of the pairing's background ping task (see :mod:`spark_sb.paired.pings`; default: real time).
+        wait of the pairing's background ping task (see :mod:`spark_sb.bus.pings`; default: real time).
         The first sender of a pairing in the process sets the clock and ``ping_wait`` of its shared state."""
         return cls(load_config(source), clock=clock, sleep=sleep, rng=rng, backoff=backoff, ping_wait=ping_wait)
 
@@ -389,14 +251,9 @@ class PairedSender:
         return len(self.backlog_queues)
 
     def admin_client(self, namespace: NamespaceConfig | None = None) -> Any:
-        """A ``ServiceBusAdministrationClient`` for ``namespace`` (default: the secondary). Close it."""
-        from ..admin import admin_client
-
-        ns = namespace or self.config.secondary
-        if ns.connection_string is not None:
-            return admin_client(ns.connection_string.reveal(), admin_endpoint=ns.admin_endpoint, retry_total=0)
-        return admin_client(fully_qualified_namespace=ns.fully_qualified_namespace, credential=ns.credential(),
-                            retry_total=0)
+        """A ``ServiceBusAdministrationClient`` for ``namespace`` (default: the secondary), without SDK retries
+        (provisioning retries by itself). Close it."""
+        return bus.admin_client(namespace or self.config.secondary, retry_total=0)
 
     def pair(self) -> int:
         """Provision the backlog queues on the secondary (behaviour.md, "Backlog queue provisioning") and
@@ -455,8 +312,9 @@ class PairedSender:
                 def create(name: str = name) -> bool:
                     try:
                         client.create_queue(name, **BACKLOG_QUEUE_PROPERTIES)
-                    except ResourceExistsError:
-                        return True
+                    except Exception as exc:
+                        if not already_exists(exc):
+                            raise
                     return True
 
                 try:
@@ -486,7 +344,7 @@ class PairedSender:
         reached (e.g. a wrong ``admin_endpoint``); no secret."""
         if error is None:
             return ""
-        from ..admin import admin_endpoint_of, unreachable_reason
+        from ..admin import admin_endpoint_of
 
         ns = self.config.secondary
         endpoint = admin_endpoint_of(ns.connection_string.reveal() if ns.connection_string is not None else None,
@@ -564,7 +422,7 @@ class PairedSender:
             error_class = classify(error)
             if error_class is ErrorClass.OUTAGE:
                 self._after_connection_error(error)
-                if stale and isinstance(error, ServiceBusConnectionError):
+                if stale and is_connection_lost(error):
                     _LOGGER.info("the idle connection to the primary was gone; retrying %r on a new one", entity)
                     failures = -1  # one immediate retry, not counted; the next error counts
                     continue
@@ -596,13 +454,13 @@ class PairedSender:
     def stats(self) -> dict[str, int]:
         """Counters for monitoring: ``sent_primary``, ``sent_backlog`` and ``busy_waits`` (server-busy waits)
         of this sender, plus the ``failovers``, ``failbacks`` and ``assumed_failovers`` of its shared
-        :class:`~spark_sb.paired.health.HealthBoard` (every sender of the pairing in this process)."""
+        :class:`~spark_sb.bus.health.HealthBoard` (every sender of the pairing in this process)."""
         with self._state_lock:
             counters = dict(self._counters)
         counters.update(self.board.stats())
         return counters
 
-    def _send_batches(self, side: _Side, path: str, items: Sequence[ServiceBusMessage], entity: str) -> None:
+    def _send_batches(self, side: Namespace, path: str, items: Sequence[ServiceBusMessage], entity: str) -> None:
         """Send ``items`` to ``path`` on ``side`` in as few batches as fit; raises :class:`_Partial` with the
         count sent before a failure, or :class:`BadMessageError` for a message that fits no batch."""
         sent = 0
@@ -611,18 +469,11 @@ class PairedSender:
                 batches = []
                 current = sdk_sender.create_message_batch()
                 for item in items:
-                    try:
-                        _add(current, item, entity)
+                    if self._fits(current, item, path, entity, first=len(current) == 0):
                         continue
-                    except MessageSizeExceededError:
-                        if len(current) == 0:
-                            raise self._too_big(item, path, entity, current.max_size_in_bytes) from None
                     batches.append(current)
                     current = sdk_sender.create_message_batch()
-                    try:
-                        _add(current, item, entity)
-                    except MessageSizeExceededError:
-                        raise self._too_big(item, path, entity, current.max_size_in_bytes) from None
+                    self._fits(current, item, path, entity, first=True)
                 batches.append(current)
                 for one in batches:
                     sdk_sender.send_messages(one)
@@ -635,6 +486,19 @@ class PairedSender:
                 message_id = _message_id(bad) if bad is not None else None
                 raise BadMessageError(message_id, entity, redact(str(exc))) from exc
             raise _Partial(sent, exc) from exc
+
+    def _fits(self, batch: Any, item: ServiceBusMessage, path: str, entity: str, *, first: bool) -> bool:
+        """Add ``item`` to ``batch``; False when it does not fit there. A message that does not fit an empty
+        batch (``first``) is a :class:`BadMessageError`."""
+        try:
+            _add(batch, item, entity)
+        except Exception as exc:
+            if not is_too_large(exc):
+                raise
+            if first:
+                raise self._too_big(item, path, entity, batch.max_size_in_bytes) from None
+            return False
+        return True
 
     @staticmethod
     def _too_big(item: ServiceBusMessage, path: str, entity: str, limit: int) -> BadMessageError:
@@ -748,50 +612,23 @@ class PairedSender:
         return EntityNotFoundError(namespace, entity, detail)
 
     def ping(self, entity: str) -> None:
-        """Prove the primary entity accepts a message without anyone receiving it: schedule a ping message
-        far in the future and cancel it at once (with a random session id when the entity requires
-        sessions). Raises the SDK's error when the primary does not accept it."""
-        with self._state_lock:
-            needs_session = entity in self._session_entities
-        try:
-            self._schedule_and_cancel(entity, needs_session)
-        except ServiceBusError as exc:
-            if needs_session or "sessionid" not in str(exc).lower():
-                raise
-            with self._state_lock:
-                self._session_entities.add(entity)
-            self._schedule_and_cancel(entity, True)
-
-    def _schedule_and_cancel(self, entity: str, with_session: bool) -> None:
-        ping = msgs.ping_message(str(uuid.uuid4()) if with_session else None)
-        when = datetime.datetime.now(datetime.UTC) + PING_SCHEDULE_AHEAD
-        with self._primary.sender(entity) as sdk_sender:
-            sequence_numbers = sdk_sender.schedule_messages(ping, when)
-            try:
-                sdk_sender.cancel_scheduled_messages(sequence_numbers)
-            except Exception as exc:  # accepted: the ping proved the point; it expires unseen (TTL 1 s)
-                _LOGGER.warning("cancelling ping %s on %r failed: %s", sequence_numbers, entity,
-                                type(exc).__name__)
+        """Prove the primary entity accepts a message without anyone receiving it (:meth:`Namespace.ping
+        <spark_sb.bus.Namespace.ping>`: a ping scheduled far ahead and cancelled at once, with a random session
+        id when the entity requires sessions). Raises the SDK's error when the primary does not accept it."""
+        self._primary.ping(entity)
 
     # --- faults and closing --------------------------------------------------------------------------------
 
     def _after_connection_error(self, error: BaseException) -> None:
         """An SDK connection shut down: close both sides' clients (in helper threads, joined by close(); a
         handle a send still holds is closed when that send lets go) and rebuild both on next use."""
-        if not isinstance(error, ServiceBusConnectionError):
+        if not is_connection_lost(error):
             return
         self._saw_connection_error = True
         primary = self._primary.detach()
         secondary = self._secondary.detach()
         if primary or secondary:
             _LOGGER.info("connection lost (%s); closing both namespaces' clients", type(error).__name__)
-
-    def _spawn_closer(self, close: Callable[[], None]) -> None:
-        closer = threading.Thread(target=close, name="spark-sb-close", daemon=True)
-        with self._state_lock:
-            self._closers = [t for t in self._closers if t.is_alive()]
-            self._closers.append(closer)
-        closer.start()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -810,17 +647,11 @@ class PairedSender:
         sides = (self._primary, self._secondary)
         for side in sides:
             side.detach(final=True)
-        for side in sides:
+        for side in sides:  # one deadline for both
             if not side.wait_closed(deadline):
                 _LOGGER.warning("sends still held the %s namespace's clients after %.0f s; closing them anyway",
                                 side.name, CLOSE_TIMEOUT)
                 side.force_close()
-        with self._state_lock:
-            closers = list(self._closers)
-        for thread in closers:
-            thread.join(max(0.0, deadline - time.monotonic()))
-            if thread.is_alive():
-                _LOGGER.warning("closing the Service Bus clients took longer than %.0f s", CLOSE_TIMEOUT)
         if self._saw_connection_error:
             # the SDK keeps the socket of a connection that failed while opening in a reference cycle (its
             # exception's traceback); collect it now so that close() leaves no socket behind

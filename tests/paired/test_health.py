@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import threading
 
-from spark_sb.paired import EntityState, HealthBoard
+from spark_sb.bus import EntityState, HealthBoard
 from spark_sb.paired.retry import ConstantBackoff, ExponentialBackoff, Retry
 
 

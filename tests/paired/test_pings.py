@@ -9,9 +9,9 @@ import time
 import pytest
 from azure.servicebus import ServiceBusMessage
 
+from spark_sb.bus.pings import THREAD_NAME
 from spark_sb.errors import CredentialRejectedError, EntityNotFoundError
 from spark_sb.paired import PairedSender
-from spark_sb.paired.pings import THREAD_NAME
 
 
 def backlog_total(admin, sender) -> int:

@@ -1,0 +1,308 @@
+"""One namespace's SDK handles: a ``ServiceBusClient`` and the senders and receivers it opened, cached per
+entity, built lazily and rebuilt after a detach.
+
+**Generations.** The handles of one client belong to a generation. :meth:`Namespace.detach` (after a
+connection error, or on close) starts a new generation for later uses and never pulls a handle from under a
+use in progress: the detached generation is closed (senders and receivers first, then the client) as soon as
+no ``with`` block holds any of its handles, by the last block to let go, in a helper thread.
+
+**One user per handle.** An SDK sender or receiver is not thread-safe: one lock per entity (senders) or per
+(queue, receive mode) (receivers) serialises their use.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any, Literal
+
+from azure.servicebus import ServiceBusReceiveMode, ServiceBusReceiver, ServiceBusSender
+
+from .. import messages as msgs
+from ..admin import admin_client as build_admin_client
+from ..config import NamespaceConfig, SparkSbConfig
+from ..errors import is_message_not_found, needs_session
+from ._registry import close_quietly, shared
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = ["NAMESPACE_KIND", "PING_SCHEDULE_AHEAD", "SENDER_KWARGS", "STALE_AFTER", "Namespace", "admin_client",
+           "shared_namespace"]
+
+# The SDK's keep-alive thread makes a failed sender's close() wait up to 1 s (it sleeps in 1 s steps), which
+# delays every outage signal by about half a second. Senders here run without it; a connection the service
+# dropped while idle is caught by the stale-connection rule (:meth:`Namespace.stale`) instead.
+SENDER_KWARGS: Mapping[str, Any] = {"keep_alive": 0}
+# A connection error on the first attempt after this long without a successful operation on a namespace is
+# taken for a stale connection: the caller may retry at once on a new one.
+STALE_AFTER = 30.0
+#: a ping is scheduled this far ahead and cancelled at once: nobody can ever receive it
+PING_SCHEDULE_AHEAD = timedelta(days=365)
+
+#: the kind of the shared namespaces in the process registry (:func:`spark_sb.bus.shared`)
+NAMESPACE_KIND = "namespace"
+
+Spawn = Callable[[Callable[[], None]], None]
+
+
+class _Generation:
+    """One generation of a namespace's SDK handles: a client and the senders and receivers it opened. Closed
+    once, by whoever finds it detached with no ``with`` block holding it (``users``); ``done`` is set once it is
+    closed."""
+
+    def __init__(self) -> None:
+        self.client: Any = None
+        self.senders: dict[str, Any] = {}
+        self.receivers: dict[tuple[str, bool], Any] = {}
+        self.users = 0
+        self.detached = False
+        self.taken = False
+        self.done = threading.Event()
+
+    def take(self) -> list[Any]:
+        """What must be closed (senders and receivers first, then the client), handed out once."""
+        if self.taken:
+            return []
+        self.taken = True
+        handles = [*self.senders.values(), *self.receivers.values()]
+        if self.client is not None:
+            handles.append(self.client)
+        self.senders, self.receivers, self.client = {}, {}, None
+        if not handles:
+            self.done.set()
+        return handles
+
+
+def _close_handles(handles: Sequence[Any], done: threading.Event) -> None:
+    try:
+        for handle in handles:
+            close_quietly(handle)
+    finally:
+        done.set()
+
+
+class Namespace:
+    """The SDK handles of one namespace (``name`` is what logs and errors call it: ``primary``,
+    ``secondary``). ``client_kwargs`` go to every ``ServiceBusClient`` it builds (retry policy, timeouts);
+    ``clock`` dates :attr:`last_ok` (for :meth:`stale`); ``spawn(close)`` runs the closing of a detached
+    generation in a helper thread (default: a daemon thread that :meth:`wait_closed` joins). Thread-safe."""
+
+    def __init__(self, name: str, namespace: NamespaceConfig, client_kwargs: Mapping[str, Any] = {}, *,
+                 clock: Callable[[], float] = time.monotonic, spawn: Spawn | None = None) -> None:
+        self.name = name
+        self.namespace = namespace
+        self._client_kwargs = dict(client_kwargs)
+        self._clock = clock
+        self._spawn = spawn or self._spawn_thread
+        #: when a ``with`` block of this namespace last ended without an exception
+        self.last_ok: float | None = None
+        self._lock = threading.Lock()
+        self._current = _Generation()
+        self._detached: list[_Generation] = []  # detached generations not closed yet
+        self._handle_locks: dict[object, threading.RLock] = {}
+        self._session_entities: set[str] = set()  # entities whose pings need a session id
+        self._closers: list[threading.Thread] = []
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"Namespace({self.name!r}, {self.namespace.fully_qualified_namespace!r})"
+
+    # --- handles ---------------------------------------------------------------------------------------
+
+    def _handle_lock(self, key: object) -> threading.RLock:
+        with self._lock:
+            return self._handle_locks.setdefault(key, threading.RLock())
+
+    @contextmanager
+    def _use(self, cache: Callable[[_Generation], dict[Any, Any]], key: object,
+             open_handle: Callable[[Any], Any]) -> Iterator[tuple[_Generation, Any]]:
+        """The cached handle ``cache(generation)[key]`` of the current generation, opened with
+        ``open_handle(client)`` when missing, held (``users``) for the ``with`` block."""
+        with self._lock:
+            if self.closed:
+                raise RuntimeError(f"the {self.name} namespace's handles are closed")
+            generation = self._current
+            handles = cache(generation)
+            handle = handles.get(key)
+            if handle is None:
+                if generation.client is None:
+                    _LOGGER.debug("opening a client for the %s namespace %s", self.name,
+                                  self.namespace.fully_qualified_namespace)
+                    generation.client = self.namespace.client(**self._client_kwargs)
+                handle = handles[key] = open_handle(generation.client)
+            generation.users += 1
+        try:
+            yield generation, handle
+            self.last_ok = self._clock()
+        finally:
+            self._release(generation)
+
+    @contextmanager
+    def sender(self, entity: str) -> Iterator[ServiceBusSender]:
+        """This namespace's SDK sender of ``entity`` (a queue or topic: an AMQP sender only needs the path),
+        held exclusively for the ``with`` block."""
+        with self._handle_lock(entity), self._use(
+                lambda g: g.senders, entity, lambda client: client.get_queue_sender(entity, **SENDER_KWARGS)
+        ) as (_, sdk_sender):
+            yield sdk_sender
+
+    def drop_sender(self, entity: str) -> None:
+        """Close and forget the sender of ``entity`` (after a failed send): the next use opens a new one. Waits
+        for a ``with`` block of another thread holding it."""
+        with self._handle_lock(entity):
+            with self._lock:
+                sdk_sender = self._current.senders.pop(entity, None)
+            if sdk_sender is not None:
+                close_quietly(sdk_sender, f"the sender of {entity!r}")
+
+    @contextmanager
+    def receiver(self, queue: str, *, delete: bool = False) -> Iterator[ServiceBusReceiver]:
+        """This namespace's receiver of ``queue`` (prefetch 0; peek-lock, or receive-and-delete when
+        ``delete``), held exclusively for the ``with`` block. An exception in the block other than "message not
+        found" (:func:`~spark_sb.errors.is_message_not_found`: an answer, not a broken link) closes and forgets
+        the receiver, the next use opens a new one, and the exception is re-raised."""
+        key = (queue, delete)
+        mode = ServiceBusReceiveMode.RECEIVE_AND_DELETE if delete else ServiceBusReceiveMode.PEEK_LOCK
+        with self._handle_lock(("receiver", *key)), self._use(
+                lambda g: g.receivers, key,
+                lambda client: client.get_queue_receiver(queue, prefetch_count=0, receive_mode=mode),
+        ) as (generation, sdk_receiver):
+            try:
+                yield sdk_receiver
+            except Exception as exc:
+                if not is_message_not_found(exc):
+                    with self._lock:
+                        if generation.receivers.get(key) is sdk_receiver:
+                            del generation.receivers[key]
+                    close_quietly(sdk_receiver, f"the receiver of {queue!r}")
+                raise
+
+    # --- pings -----------------------------------------------------------------------------------------
+
+    def ping(self, entity: str) -> None:
+        """Prove ``entity`` accepts a message without anyone receiving it: schedule a ping message far in the
+        future and cancel it at once (with a random session id when the entity requires sessions, remembered
+        per entity). Raises the SDK's error when it is refused."""
+        with self._lock:
+            with_session = entity in self._session_entities
+        try:
+            self._schedule_and_cancel(entity, with_session)
+        except Exception as exc:
+            if with_session or not needs_session(exc):
+                raise
+            with self._lock:
+                self._session_entities.add(entity)
+            self._schedule_and_cancel(entity, True)
+
+    def _schedule_and_cancel(self, entity: str, with_session: bool) -> None:
+        ping = msgs.ping_message(str(uuid.uuid4()) if with_session else None)
+        when = datetime.datetime.now(datetime.UTC) + PING_SCHEDULE_AHEAD
+        with self.sender(entity) as sdk_sender:
+            sequence_numbers = sdk_sender.schedule_messages(ping, when)
+            try:
+                sdk_sender.cancel_scheduled_messages(sequence_numbers)
+            except Exception as exc:  # accepted: the ping proved the point; it expires unseen (TTL 1 s)
+                _LOGGER.warning("cancelling ping %s on %r failed: %s", sequence_numbers, entity,
+                                type(exc).__name__)
+
+    # --- generations and closing -----------------------------------------------------------------------
+
+    def _spawn_thread(self, close: Callable[[], None]) -> None:
+        closer = threading.Thread(target=close, name="spark-sb-close", daemon=True)
+        with self._lock:
+            self._closers = [t for t in self._closers if t.is_alive()]
+            self._closers.append(closer)
+        closer.start()
+
+    def _release(self, generation: _Generation) -> None:
+        with self._lock:
+            generation.users -= 1
+            handles = generation.take() if generation.detached and generation.users == 0 else []
+        if handles:
+            self._spawn(lambda: _close_handles(handles, generation.done))
+
+    def stale(self) -> bool:
+        """True when the connection has been idle long enough (:data:`STALE_AFTER`) that the service may have
+        dropped it."""
+        last = self.last_ok
+        return last is not None and self._clock() - last >= STALE_AFTER
+
+    def detach(self, *, final: bool = False) -> bool:
+        """Forget the client and its handles: they are closed (in a helper thread) now, or by the last ``with``
+        block still holding one; the next use opens new ones. ``final``: no client is built any more (a use
+        racing with close() fails instead of reopening). Returns True when there was a client."""
+        with self._lock:
+            self.closed = self.closed or final
+            generation, self._current = self._current, _Generation()
+            had_client = generation.client is not None
+            generation.detached = True
+            self._detached = [g for g in self._detached if not g.done.is_set()]
+            handles = generation.take() if generation.users == 0 else []
+            if not generation.done.is_set():
+                self._detached.append(generation)
+        if handles:
+            self._spawn(lambda: _close_handles(handles, generation.done))
+        return had_client
+
+    def wait_closed(self, deadline: float) -> bool:
+        """Wait until ``deadline`` (``time.monotonic()``) for every detached generation to be closed (and for
+        the closing threads of the default ``spawn``); True when all are."""
+        with self._lock:
+            pending = [g for g in self._detached if not g.done.is_set()]
+            closers = list(self._closers)
+        for generation in pending:
+            generation.done.wait(max(0.0, deadline - time.monotonic()))
+        for thread in closers:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return all(g.done.is_set() for g in pending) and not any(t.is_alive() for t in closers)
+
+    def force_close(self) -> None:
+        """Close what ``with`` blocks still hold (a close ran out of time waiting for them)."""
+        with self._lock:
+            taken = [(g.take(), g) for g in self._detached if not g.done.is_set()]
+        for handles, generation in taken:
+            _close_handles(handles, generation.done)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Close every handle within ``timeout`` seconds (:meth:`detach` ``final``, wait, then force);
+        idempotent. Any later use raises ``RuntimeError``."""
+        self.detach(final=True)
+        if not self.wait_closed(time.monotonic() + timeout):
+            _LOGGER.warning("uses still held the %s namespace's handles after %.0f s; closing them anyway",
+                            self.name, timeout)
+            self.force_close()
+
+
+def admin_client(namespace: NamespaceConfig, **kwargs: Any) -> Any:
+    """A ``ServiceBusAdministrationClient`` for ``namespace`` (its connection string, or its namespace and
+    credential), built by :func:`spark_sb.admin.admin_client`; ``kwargs`` go to the SDK. Close it."""
+    if namespace.connection_string is not None:
+        return build_admin_client(namespace.connection_string.reveal(), admin_endpoint=namespace.admin_endpoint, **kwargs)
+    return build_admin_client(fully_qualified_namespace=namespace.fully_qualified_namespace, credential=namespace.credential(),
+                 **kwargs)
+
+
+def shared_namespace(config: SparkSbConfig, side: Literal["primary", "secondary"], *,
+                     retries: bool = True) -> Namespace:
+    """The process-wide :class:`Namespace` of ``config``'s ``side`` for ``(config.fingerprint(), side,
+    retries)``. The primary's clients are built with ``send_availability.primary_client_kwargs()`` (the
+    failover interval, not the SDK, decides); the secondary's with the SDK's default retry policy.
+    ``retries=False`` adds ``retry_total=0``: for requests whose failure is an answer, e.g. fetching deferred
+    messages by sequence number, which the SDK would otherwise retry with backoff. Closed (for good) by
+    :func:`close_all` and at interpreter exit: look it up at each use rather than keeping it."""
+    if side == "primary":
+        namespace, kwargs = config.primary, dict(config.send_availability.primary_client_kwargs())
+    elif side == "secondary":
+        namespace, kwargs = config.secondary, {}
+    else:
+        raise ValueError(f"side must be 'primary' or 'secondary', got {side!r}")
+    if not retries:
+        kwargs["retry_total"] = 0
+    key = (config.fingerprint(), side, retries)
+    return shared(NAMESPACE_KIND, key, lambda: Namespace(side, namespace, kwargs))

@@ -1,0 +1,196 @@
+"""The bus layer against the emulator pair: cached senders and receivers that survive a detach and a broken
+use, the process-wide namespaces of a configuration, and close_all."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
+from pairing import pair_config
+
+from spark_sb import bus
+from spark_sb.config import SparkSbConfig, load_config
+from spark_sb.errors import is_message_not_found
+
+
+@pytest.fixture
+def config(primary: Any, secondary: Any) -> SparkSbConfig:
+    return load_config(pair_config(primary, secondary, "bus", backlog_queue_count=1))
+
+
+@pytest.fixture
+def namespace(config: SparkSbConfig) -> Iterator[bus.Namespace]:
+    ns = bus.Namespace("primary", config.primary, {"retry_total": 0})
+    yield ns
+    ns.close()
+
+
+def _drain(connection_string: str, queue: str, expected: int, wait: float = 5.0) -> list[str]:
+    bodies: list[str] = []
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client, \
+            client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+        deadline = time.monotonic() + wait
+        while len(bodies) < expected and time.monotonic() < deadline:
+            bodies.extend(str(m) for m in receiver.receive_messages(max_message_count=50, max_wait_time=0.5))
+    return bodies
+
+
+def test_a_detach_never_closes_a_sender_under_a_running_send(namespace, make_queue, primary) -> None:
+    q = make_queue()
+    with namespace.sender(q) as old:
+        assert namespace.detach() is True  # e.g. another thread saw the connection drop
+        old.send_messages(ServiceBusMessage("sent through the detached generation"))
+        assert namespace.wait_closed(time.monotonic() + 0.2) is False  # still held: not closed
+    assert namespace.wait_closed(time.monotonic() + 5) is True  # closed once the send let go
+    with namespace.sender(q) as new:
+        assert new is not old
+        new.send_messages(ServiceBusMessage("sent through the new generation"))
+    assert sorted(_drain(primary.connection_string, q, 2)) == [
+        "sent through the detached generation", "sent through the new generation"]
+
+
+def test_a_dropped_sender_is_replaced_on_next_use(namespace, make_queue, primary) -> None:
+    q = make_queue()
+    with namespace.sender(q) as first:
+        first.send_messages(ServiceBusMessage("one"))
+    namespace.drop_sender(q)
+    with namespace.sender(q) as second:
+        assert second is not first
+        second.send_messages(ServiceBusMessage("two"))
+    with namespace.sender(q) as again:
+        assert again is second  # cached until dropped
+    assert sorted(_drain(primary.connection_string, q, 2)) == ["one", "two"]
+
+
+def test_a_receiver_that_failed_is_replaced_and_the_next_use_receives(namespace, make_queue, primary) -> None:
+    q = make_queue()
+    with ServiceBusClient.from_connection_string(primary.connection_string) as client, \
+            client.get_queue_sender(q) as sender:
+        sender.send_messages(ServiceBusMessage("waiting"))
+    with pytest.raises(RuntimeError, match="broken link"):
+        with namespace.receiver(q) as first:
+            raise RuntimeError("broken link")
+    with namespace.receiver(q) as second:
+        assert second is not first
+        received = second.receive_messages(max_message_count=1, max_wait_time=5)
+        assert [str(m) for m in received] == ["waiting"]
+        second.complete_message(received[0])
+    with namespace.receiver(q) as again:
+        assert again is second  # cached while it works
+
+
+def test_message_not_found_keeps_the_receiver_and_fails_fast_without_retries(config, make_queue) -> None:
+    q = make_queue("secondary")
+    ns = bus.shared_namespace(config, "secondary", retries=False)
+    started = time.monotonic()
+    with pytest.raises(Exception) as info:  # noqa: PT011 - the SDK's error, read through errors.py
+        with ns.receiver(q) as first:
+            first.receive_deferred_messages([123456])
+    assert is_message_not_found(info.value)
+    assert time.monotonic() - started < 3  # no SDK retries with backoff
+    with ns.receiver(q) as again:
+        assert again is first  # an answer about a message, not a broken link
+
+
+def test_a_receive_and_delete_receiver_is_its_own_and_removes_what_it_receives(namespace, make_queue,
+                                                                               primary) -> None:
+    q = make_queue()
+    with namespace.sender(q) as sender:
+        sender.send_messages([ServiceBusMessage("a"), ServiceBusMessage("b")])
+    got: list[str] = []
+    with namespace.receiver(q, delete=True) as deleting, namespace.receiver(q) as locking:
+        assert deleting is not locking
+        deadline = time.monotonic() + 5
+        while len(got) < 2 and time.monotonic() < deadline:
+            got += [str(m) for m in deleting.receive_messages(max_message_count=2, max_wait_time=1)]
+    assert sorted(got) == ["a", "b"]
+    assert _drain(primary.connection_string, q, 1, wait=1.0) == []  # received and deleted: nothing came back
+
+
+def test_one_user_at_a_time_per_entity(namespace, make_queue, primary) -> None:
+    q = make_queue()
+    inside = threading.Event()
+    release = threading.Event()
+    order: list[str] = []
+
+    def hold() -> None:
+        with namespace.sender(q) as sdk_sender:
+            inside.set()
+            release.wait(5)
+            sdk_sender.send_messages(ServiceBusMessage("first"))
+            order.append("first")
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert inside.wait(5)
+    second = threading.Thread(target=lambda: (namespace.ping(q), order.append("ping")))
+    second.start()
+    second.join(0.3)
+    assert order == []  # the ping waits for the sender
+    release.set()
+    holder.join(5)
+    second.join(5)
+    assert order == ["first", "ping"]
+    assert _drain(primary.connection_string, q, 2, wait=1.0) == ["first"]  # the ping never reaches anyone
+
+
+def test_shared_namespace_is_one_per_configuration_side_and_retry_policy(primary, secondary) -> None:
+    settings = pair_config(primary, secondary, "bus", backlog_queue_count=1)
+    first, second = load_config(settings), load_config(dict(settings))
+    shared = bus.shared_namespace(first, "primary")
+    assert bus.shared_namespace(second, "primary") is shared  # equal configurations share the handles
+    assert bus.shared_namespace(first, "primary", retries=False) is not shared
+    assert bus.shared_namespace(first, "secondary") is not shared
+    assert bus.shared_namespace(first, "secondary").namespace == first.secondary
+    other = load_config({**settings, "send_availability": {**settings["send_availability"],
+                                                           "failover_interval": "2s"}})
+    assert bus.shared_namespace(other, "primary") is not shared
+
+
+class _Closable:
+    def __init__(self) -> None:
+        self.closed = 0
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def test_close_all_closes_every_handle_and_the_next_use_opens_new_ones(config, make_queue, primary) -> None:
+    q = make_queue()
+    ns = bus.shared_namespace(config, "primary")
+    with ns.sender(q) as sdk_sender:
+        sdk_sender.send_messages(ServiceBusMessage("before"))
+    thing = bus.shared("test-thing", "k", _Closable)
+    assert bus.shared("test-thing", "k", _Closable) is thing
+    board = bus.shared_board(("test-board",), lambda: bus.HealthBoard(
+        failover_interval=1, ping_interval=1, backlog_cooldown=1, clock=time.monotonic))
+
+    bus.close_all()
+
+    assert thing.closed == 1
+    with pytest.raises(RuntimeError, match="closed"):
+        with ns.sender(q):
+            pass
+    assert ns.wait_closed(time.monotonic() + 1)  # nothing left open
+    assert bus.shared_board(("test-board",), lambda: pytest.fail("entity health is kept")) is board
+    again = bus.shared_namespace(config, "primary")
+    assert again is not ns
+    with again.sender(q) as sdk_sender:
+        sdk_sender.send_messages(ServiceBusMessage("after"))
+    assert sorted(_drain(primary.connection_string, q, 2)) == ["after", "before"]
+    assert bus.shared("test-thing", "k", _Closable) is not thing
+    bus.close_all("test-thing")
+    assert thing.closed == 1  # closed once
+
+
+def test_a_new_object_replaces_an_outdated_one_and_closes_it() -> None:
+    old = bus.shared("test-replace", "k", _Closable)
+    assert bus.shared("test-replace", "k", _Closable, replace_if=lambda current: False) is old
+    new = bus.shared("test-replace", "k", _Closable, replace_if=lambda current: current is old)
+    assert new is not old and old.closed == 1 and new.closed == 0
+    bus.close_all("test-replace")
+    assert new.closed == 1
