@@ -235,11 +235,11 @@ class FrozenMap(Mapping[str, Any]):
     def __eq__(self, other: object) -> bool:
         return dict(self.items()) == dict(other.items()) if isinstance(other, Mapping) else NotImplemented
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"_data": self._data}
+    def __getstate__(self) -> dict[str, Any]:  # the values of secret-looking keys travel masked
+        return {"_data": {k: Secret(v) if is_secret_name(k) and isinstance(v, str) else v for k, v in self._data.items()}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._data = state["_data"]
+        self._data = {k: v.get_secret_value() if isinstance(v, Secret) else v for k, v in state["_data"].items()}
 
     def __repr__(self) -> str:
         return f"FrozenMap({_redacted_tree(self._data)!r})"
@@ -281,7 +281,7 @@ class _Frozen(BaseModel):
     options refused, null meaning unset, numbers accepted where a string is expected."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", coerce_numbers_to_str=True, populate_by_name=True,
-                              hide_input_in_errors=True)
+                              hide_input_in_errors=True, defer_build=True)
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in type(self).__private_attributes__:

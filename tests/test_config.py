@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import pickle
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +17,7 @@ from spark_sb.config import (
     format_duration,
     from_options,
     load_config,
+    load_reference,
     parse_duration,
     redact_connection_string,
 )
@@ -512,3 +514,169 @@ def test_backlog_source_options_are_bounded(tmp_path: Path, option: str, value: 
     with pytest.raises(ConfigError) as caught:
         BacklogStreamReader({"conf": str(conf), option: value})
     assert str(caught.value) == message
+
+
+# --- pydantic models: frozen, unknown options, secrets, one duration type -------------------------------
+
+
+def test_every_section_is_frozen() -> None:
+    config = load_config(minimal(secondary={"fully_qualified_namespace": "contoso-dr.servicebus.windows.net"}))
+    for section, name in ((config, "sink"), (config.primary, "admin_endpoint"), (config.primary.connection_string, "host"),
+                          (config.secondary.credential_config, "client_id"), (config.syphon, "ledger"),
+                          (config.sink.source, "table")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(section, name, None)
+    with pytest.raises(AttributeError):
+        del config.primary
+
+
+@pytest.mark.parametrize(
+    ("sections", "message"),
+    [
+        ({"secondary": {"fully_qualified_namespace": "x.servicebus.windows.net", "credential": {"tenantid": "t"}}},
+         "secondary.credential.tenantid: unknown option (did you mean tenant_id?)"),
+        ({"sink": {"source": {"rows_per_sec": 5}}}, "sink.source.rows_per_sec: unknown option (did you mean rows_per_second?)"),
+        ({"primary": {"connectionString": PRIMARY}}, "primary.connectionString: unknown option (did you mean connection_string?)"),
+        ({"primary": {"connection_string": PRIMARY, "adminEndpoint": "http://localhost:5300", "zzz": 1}},
+         "primary: unknown options adminEndpoint (did you mean admin_endpoint?), zzz"),
+    ],
+)
+def test_unknown_nested_options_are_named_with_a_suggestion(sections: dict[str, object], message: str) -> None:
+    assert error_of(minimal(**sections)) == message
+
+
+def test_a_sas_key_never_shows_in_repr_dumps_or_pickles() -> None:
+    sas = "SharedAccessSignature sr=contoso&sig=SIGSECRET0123&se=1900000000&skn=send"
+    config = load_config(minimal(
+        primary={"connection_string": f"Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessSignature={sas}"},
+        secondary={"fully_qualified_namespace": "contoso-dr.servicebus.windows.net",
+                   "credential": {"type": "client_secret", "tenant_id": "t", "client_id": "c", "client_secret": CLIENT_SECRET}},
+        sink={"source": {"path": "/in", "options": {"fs.azure.account.key.acct": "ACCOUNTKEY0123"}}},
+    ))
+    pickled = pickle.dumps(config)
+    for shown in (repr(config), str(config), repr(config.primary.connection_string), str(config.model_dump()),
+                  config.model_dump_json(), str(config.to_dict()), str(config.secondary.credential_config),
+                  pickled.decode("latin-1")):
+        assert "SIGSECRET0123" not in shown and CLIENT_SECRET not in shown and "ACCOUNTKEY0123" not in shown
+    copied = pickle.loads(pickled)
+    assert copied == config and hash(copied) == hash(config) and copied.fingerprint() == config.fingerprint()
+    assert copied.primary.connection_string is not None
+    assert copied.primary.connection_string.shared_access_signature == sas
+    assert copied.secondary.credential_config is not None and copied.secondary.credential_config.client_secret is not None
+    assert copied.secondary.credential_config.client_secret.get_secret_value() == CLIENT_SECRET
+    assert copied.sink.source.options["fs.azure.account.key.acct"] == "ACCOUNTKEY0123"
+    assert config.to_dict(secrets=True)["primary"]["connection_string"].endswith(sas)
+
+
+def test_one_duration_type_for_the_configuration_and_the_emulator() -> None:
+    from spark_sb import durations
+    from spark_sb.emulator import admin_http, model
+
+    for text in ("500ms", "60s", "5m", "1h30m", "2 min", "PT1M", "PT0.5S", "P1DT1H", 90, "90", 1.5):
+        expected = parse_duration(text, "x")
+        assert model.parse_duration(text, "x") == expected.total_seconds() == durations.parse_seconds(text)
+    assert admin_http.parse_duration("P1DT1H", "x") == timedelta(days=1, hours=1).total_seconds()
+    config = load_config(minimal(send_availability={"failover_interval": "PT1M30S"}))
+    assert config.send_availability.failover_interval == timedelta(seconds=90)
+    assert config.send_availability.model_dump()["failover_interval"] == "90s"  # dumped so that it parses back
+    with pytest.raises(model.EntityConfigError, match="expected a duration such as 30s, 5m or PT1M, got 'soon'"):
+        model.parse_duration("soon", "queue 'q': lock_duration")
+
+
+# --- the configuration by reference ----------------------------------------------------------------------
+
+REFERENCED = {
+    "primary": {"connection_string": "${SB_PRIMARY}"},
+    "secondary": {"connection_string": "Endpoint=sb://contoso-dr.servicebus.windows.net/;SharedAccessKeyName=n;"
+                                       "SharedAccessKey=${SB_SECONDARY_KEY}"},
+    "send_availability": {"failover_interval": "30s"},
+    "sink": {"reject_table": "$${NOT_A_VARIABLE}"},
+}
+
+
+@pytest.fixture
+def referenced_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SB_PRIMARY", PRIMARY)
+    monkeypatch.setenv("SB_SECONDARY_KEY", KEY)
+
+
+@pytest.mark.usefixtures("referenced_env")
+def test_a_configuration_of_references_is_passed_by_reference(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "conf.yaml"
+    path.write_text(json.dumps(REFERENCED), encoding="utf-8")
+    config = load_config(path)
+    assert config.origin_path == str(path.resolve())
+    reference = config.reference()
+    assert reference == REFERENCED
+    assert json.loads(json.dumps(reference)) == reference
+    from_dict = load_config(REFERENCED)
+    assert from_dict.origin_path is None and from_dict.reference() == REFERENCED
+    # where it came from takes no part in equality, hashing, the fingerprint or the repr
+    assert from_dict == config and hash(from_dict) == hash(config) and from_dict.fingerprint() == config.fingerprint()
+    assert repr(from_dict) == repr(config) and str(tmp_path) not in repr(config)
+    copied = pickle.loads(pickle.dumps(config))
+    assert copied.reference() == REFERENCED and copied.origin_path == config.origin_path
+    # rebuilt where it runs: the references resolve there
+    monkeypatch.setenv("SB_SECONDARY_KEY", "b3RoZXI=")
+    rebuilt = load_reference(json.dumps(reference))
+    assert rebuilt.secondary.connection_string is not None
+    assert rebuilt.secondary.connection_string.shared_access_key == "b3RoZXI="
+    assert rebuilt.sink.reject_table == "${NOT_A_VARIABLE}"
+    assert rebuilt.send_availability.failover_interval == timedelta(seconds=30)
+    assert load_reference(reference) == rebuilt != config  # a mapping too; the key came from here
+
+
+@pytest.mark.usefixtures("referenced_env")
+@pytest.mark.parametrize(
+    ("sections", "option"),
+    [
+        ({"primary": {"connection_string": PRIMARY}}, "primary.connection_string"),
+        ({"primary": {"connection_string": "Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=n;"
+                                           f"SharedAccessKey=${{SB_KEY:-{KEY}}}"}}, "primary.connection_string"),
+        ({"secondary": {"fully_qualified_namespace": "contoso-dr.servicebus.windows.net",
+                        "credential": {"type": "client_secret", "tenant_id": "t", "client_id": "c",
+                                       "client_secret": CLIENT_SECRET}}}, "secondary.credential.client_secret"),
+        ({"sink": {"source": {"path": "/in", "options": {"fs.s3a.secret.key": "s3cr3t"}}}}, "sink.source.options.fs.s3a.secret.key"),
+    ],
+)
+def test_a_literal_secret_is_not_passed_by_reference(sections: dict[str, object], option: str) -> None:
+    config = load_config({**REFERENCED, **sections})
+    assert config.reference() is None
+    given = {**REFERENCED, **sections}
+    with pytest.raises(ConfigError) as caught:
+        load_reference(json.dumps(given))
+    assert str(caught.value) == (
+        f"{option}: must be a ${{ENV_VAR}} reference when the configuration is passed to Spark by value, got ***")
+    assert KEY not in str(caught.value) and CLIENT_SECRET not in str(caught.value) and "s3cr3t" not in str(caught.value)
+    assert load_config(config.to_dict(secrets=True)).reference() is None
+
+
+@pytest.mark.usefixtures("referenced_env")
+def test_what_holds_no_secret_is_passed_by_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SB_AUTH", f"SharedAccessKeyName=n;SharedAccessKey={KEY}")
+    monkeypatch.setenv("SB_CLIENT_SECRET", CLIENT_SECRET)
+    given = {"primary": {"connection_string": "Endpoint=sb://contoso.servicebus.windows.net/;${SB_AUTH}"},
+             "secondary": {"fully_qualified_namespace": "contoso-dr.servicebus.windows.net",
+                           "credential": {"type": "client_secret", "tenant_id": "t", "client_id": "c",
+                                          "client_secret": "${SB_CLIENT_SECRET}"}}}
+    config = load_config(given)
+    assert config.reference() == given
+    rebuilt = load_reference(json.dumps(given))
+    assert rebuilt == config and rebuilt.primary.connection_string is not None
+    assert rebuilt.primary.connection_string.shared_access_key == KEY
+    # nothing secret at all (azure.identity credentials): by reference too, even when built without a mapping
+    plain = load_config({"primary": {"fully_qualified_namespace": "contoso.servicebus.windows.net"},
+                         "secondary": {"fully_qualified_namespace": "contoso-dr.servicebus.windows.net"}})
+    assert plain.reference() == {"primary": {"fully_qualified_namespace": "contoso.servicebus.windows.net"},
+                                 "secondary": {"fully_qualified_namespace": "contoso-dr.servicebus.windows.net"}}
+    assert from_options({"primary.connectionString": "${SB_PRIMARY}",
+                         "secondary.connectionString": REFERENCED["secondary"]["connection_string"]}).reference() == {
+        "primary": {"connection_string": "${SB_PRIMARY}"},
+        "secondary": {"connection_string": REFERENCED["secondary"]["connection_string"]}}
+
+
+def test_load_reference_refuses_what_is_not_a_configuration() -> None:
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        load_reference("{primary: ")
+    with pytest.raises(ConfigError, match="must be a mapping of options, got list"):
+        load_reference("[1]")
