@@ -4,7 +4,7 @@
   entity, rebuilt after a detach without pulling a handle from under a use; pings (:meth:`Namespace.ping`);
 * :func:`shared_namespace`: the process-wide :class:`Namespace` of a configuration's primary or secondary;
 * :func:`shared` / :func:`close_all`: the process registry of long-lived objects (paired senders, syphons,
-  health boards, shared namespaces), closed at interpreter exit;
+  health boards, shared namespaces), closed at interpreter exit; :func:`close_quietly` closes one handle;
 * :mod:`spark_sb.bus.health`: per-entity send availability state shared by every sender of a pairing, and
   its background ping task (:mod:`spark_sb.bus.pings`);
 * :func:`admin_client`: a ``ServiceBusAdministrationClient`` for a configured namespace.
@@ -23,7 +23,7 @@ from ._namespace import (
     admin_client,
     shared_namespace,
 )
-from ._registry import close_all, entries, shared
+from ._registry import close_all, close_quietly, entries, shared
 from .health import EntityState, HealthBoard, all_boards, join_board, shared_board
 from .pings import PingTask
 
@@ -38,6 +38,7 @@ __all__ = [
     "admin_client",
     "all_boards",
     "close_all",
+    "close_quietly",
     "entries",
     "join_board",
     "shared",

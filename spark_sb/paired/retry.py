@@ -2,7 +2,7 @@
 
 Time is injected: every object that waits takes a ``sleep`` callable, and the failover timer takes a
 ``clock`` callable (seconds, monotonic), so tests run whole outages in milliseconds with a fake clock.
-The retry loop only repeats a call; deciding *whether* to fail over lives in :mod:`spark_sb.paired.health`.
+The retry loop only repeats a call; deciding *whether* to fail over lives in :mod:`spark_sb.bus.health`.
 """
 
 from __future__ import annotations
