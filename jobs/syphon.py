@@ -33,7 +33,7 @@ def start(spark: Any, conf: Any, *, max_per_trigger: int | None = None, receive_
     the ledger location is missing, before anything starts."""
     from spark_sb.config import load_config
     from spark_sb.source import register
-    from spark_sb.syphon import Republisher
+    from spark_sb.republisher import Republisher
 
     config = load_config(conf)
     republisher = Republisher(config)  # refuses a configuration without checkpoint or ledger
@@ -43,12 +43,49 @@ def start(spark: Any, conf: Any, *, max_per_trigger: int | None = None, receive_
               .option("maxMessagesPerTrigger", str(max_per_trigger or config.syphon.receive_batch))
               .option("receiveTimeout", str(receive_timeout))
               .load())
+    log_batch_steps(spark, "spark-sb-syphon")
     query = (stream.writeStream.foreachBatch(republisher)
              .option("checkpointLocation", config.syphon.checkpoint_location)
              .trigger(processingTime=f"{config.syphon.retry_interval.total_seconds()} seconds")
              .queryName("spark-sb-syphon")
              .start())
     return query, republisher
+
+
+_STEPS = ("latestOffset", "addBatch", "walCommit", "commitOffsets")
+_LISTENING: set[int] = set()
+
+
+def log_batch_steps(spark: Any, query_name: str) -> None:
+    """Log Spark's time per step of each batch of the query named ``query_name`` (once per session): the
+    source's ``latestOffset`` (completing the last batch, taking the batch received ahead), ``addBatch`` (the
+    foreachBatch, which logs its own steps) and the offset and commit logs."""
+    from pyspark.sql.streaming import StreamingQueryListener
+
+    if id(spark) in _LISTENING:
+        return
+
+    class _Steps(StreamingQueryListener):
+        def onQueryStarted(self, event: Any) -> None:
+            pass
+
+        def onQueryProgress(self, event: Any) -> None:
+            progress = event.progress
+            if progress.name != query_name or not progress.numInputRows:
+                return
+            durations = progress.durationMs
+            _LOGGER.info("batch %d: %d messages in %.2f s (%s)", progress.batchId, progress.numInputRows,
+                         durations.get("triggerExecution", 0) / 1000,
+                         ", ".join(f"{step} {durations.get(step, 0) / 1000:.2f} s" for step in _STEPS))
+
+        def onQueryIdle(self, event: Any) -> None:
+            pass
+
+        def onQueryTerminated(self, event: Any) -> None:
+            pass
+
+    spark.streams.addListener(_Steps())
+    _LISTENING.add(id(spark))
 
 
 def _flat_options(config: Any) -> dict[str, str]:

@@ -42,6 +42,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,7 @@ from pyspark.sql.types import (
 )
 
 from . import messages as msgs
+from .bus.deferred import PAGE, deferred_numbers, peek_deferred, receive_deferred
 from .config import MAX_RECEIVE_BATCH, SparkSbConfig, from_options, load_config
 from .errors import ConfigError, redact
 from .receivers import backlog_receiver
@@ -88,8 +90,10 @@ SCHEMA = StructType([
     StructField("enqueued_time", TimestampType()),
     StructField("status", StringType(), False),
     StructField("reason", StringType()),
+    StructField("backlog_message", BinaryType()),
 ])
-_PAGE = 250
+#: at most this many messages per input partition: a batch from one queue still runs on several cores
+_PARTITION = 1000
 
 
 def register(spark: Any) -> None:
@@ -235,68 +239,23 @@ def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
         restored = msgs.Restored(msgs.RestoreStatus.INVALID, reason="unreadable message",
                                  description=f"{type(exc).__name__}: {exc}")
     coordinates = (queue, int(received.sequence_number), enqueued)
+    try:
+        encoded: bytes | None = msgs.received_bytes(received)
+    except Exception as exc:  # the republisher then fetches it again; never a failed batch
+        _LOGGER.warning("backlog message %s of %r not re-encodable (%s); it will be peeked again",
+                        received.sequence_number, queue, type(exc).__name__)
+        encoded = None
     if not restored.ok or restored.message is None:
         return (restored.entity, _text(received.message_id), _body(received), None, None, None, None, None, None,
-                None, None, None, None, None, *coordinates, restored.status.value, restored.reason)
+                None, None, None, None, None, *coordinates, restored.status.value, restored.reason, encoded)
     m = restored.message
     ttl = m.time_to_live
     properties = {_text(k): _property_text(v) for k, v in (m.application_properties or {}).items()}
     return (restored.entity, _text(m.message_id), _body(m), _text(m.session_id), _text(m.partition_key),
             _text(m.correlation_id), _text(m.subject), _text(m.content_type), _text(m.to), _text(m.reply_to),
             _text(m.reply_to_session_id), None if ttl is None else int(ttl.total_seconds() * 1000),
-            _utc(m.scheduled_enqueue_time_utc), properties or None, *coordinates, restored.status.value, None)
-
-
-def receive_deferred(receiver: Any, sequence_numbers: Sequence[int]) -> list[Any]:
-    """The deferred messages with these sequence numbers (peek-lock) that are still there and not locked."""
-    from azure.servicebus.exceptions import MessageNotFoundError
-
-    if not sequence_numbers:
-        return []
-    try:
-        return list(receiver.receive_deferred_messages(list(sequence_numbers)))
-    except MessageNotFoundError as exc:  # some are gone (or locked): fetch them one by one
-        _LOGGER.debug("receiving %d deferred messages at once failed (%s); one by one", len(sequence_numbers),
-                      type(exc).__name__)
-    found: list[Any] = []
-    for number in sequence_numbers:
-        try:
-            found.extend(receiver.receive_deferred_messages([number]))
-        except MessageNotFoundError as exc:
-            _LOGGER.debug("deferred message %d is gone or locked: %s", number, type(exc).__name__)
-    return found
-
-
-def peek_deferred(receiver: Any, sequence_numbers: Sequence[int]) -> list[Any]:
-    """The deferred messages with these sequence numbers that are still there, by peeking: no lock is taken
-    and no delivery counted. A batch's numbers are mostly contiguous, so this pages from the smallest."""
-    from azure.servicebus import ServiceBusMessageState
-
-    wanted = set(int(n) for n in sequence_numbers)
-    if not wanted:
-        return []
-    found: list[Any] = []
-    start, last = min(wanted), max(wanted)
-    while start <= last and len(found) < len(wanted):
-        page = receiver.peek_messages(max_message_count=min(_PAGE, last - start + 1), sequence_number=start)
-        if not page:
-            break
-        found.extend(m for m in page if int(m.sequence_number or 0) in wanted
-                     and m.state == ServiceBusMessageState.DEFERRED)
-        start = int(page[-1].sequence_number or 0) + 1
-    return found
-
-
-def deferred_numbers(receiver: Any) -> list[int]:
-    """The sequence numbers of every deferred message in the receiver's queue (peeks the whole queue)."""
-    from azure.servicebus import ServiceBusMessageState
-
-    numbers: list[int] = []
-    start = 0
-    while page := receiver.peek_messages(max_message_count=_PAGE, sequence_number=start):
-        numbers.extend(int(m.sequence_number or 0) for m in page if m.state == ServiceBusMessageState.DEFERRED)
-        start = int(page[-1].sequence_number or 0) + 1
-    return numbers
+            _utc(m.scheduled_enqueue_time_utc), properties or None, *coordinates, restored.status.value, None,
+            encoded)
 
 
 class BacklogStreamReader(DataSourceStreamReader):
@@ -316,6 +275,8 @@ class BacklogStreamReader(DataSourceStreamReader):
         self._completed_batch = -1
         self._uncompleted: list[dict] = []  # batches whose completion failed: retried on the next call
         self._depth: int | None = None
+        self._ahead: _Ahead | None = None
+        self._started_ahead = False  # batches after the first are received ahead, in the background
 
     # --- offsets -------------------------------------------------------------------------------------------
 
@@ -364,6 +325,10 @@ class BacklogStreamReader(DataSourceStreamReader):
             self._swept = True
         cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
         batch: dict[str, list[int]] = {}
+        if self._ahead is not None:  # what the background receive deferred while the last batch ran
+            ahead, self._ahead = self._ahead, None
+            for queue, numbers in ahead.take().items():
+                self._taken_back.setdefault(queue, []).extend(numbers)
         count = 0
         for queue in list(self._taken_back):
             numbers = self._taken_back.pop(queue)
@@ -372,27 +337,17 @@ class BacklogStreamReader(DataSourceStreamReader):
             count += len(batch[queue])
             if numbers[room:]:
                 self._taken_back[queue] = numbers[room:]
-        for queue in self.queues:
-            if cap is not None and count >= cap:
-                break
-            numbers = batch.setdefault(queue, [])
-            with backlog_receiver(self.config, queue) as receiver:
-                wait = self.receive_timeout
-                while cap is None or count < cap:
-                    want = _PAGE if cap is None else min(_PAGE, cap - count)
-                    page = receiver.receive_messages(max_message_count=want, max_wait_time=wait)
-                    if not page:
-                        break
-                    wait = min(wait, 0.2)
-                    for message in page:
-                        if msgs.is_ping(message):
-                            receiver.complete_message(message)
-                            continue
-                        receiver.defer_message(message)
-                        numbers.append(int(message.sequence_number or 0))
-                        count += 1
+        if cap is None or (count < cap and not self._started_ahead):
+            for queue, numbers in self._defer(None if cap is None else cap - count).items():
+                batch.setdefault(queue, []).extend(numbers)
+                count += len(numbers)
+        left = sum(len(v) for v in self._taken_back.values())
         if self.report_depth:
-            self._depth = self._backlog_depth()
+            depth = self._backlog_depth()
+            self._depth = None if depth is None else depth + left
+        if cap is not None and cap > left:  # receive the next batch while Spark runs this one
+            self._ahead = _Ahead(self._defer, cap - left)
+            self._started_ahead = True
         batch = {q: sorted(v) for q, v in batch.items() if v}
         if not batch:
             return start
@@ -400,6 +355,48 @@ class BacklogStreamReader(DataSourceStreamReader):
         _LOGGER.info("backlog batch %d: %d messages deferred (backlog depth %s)", offset["batch"], count,
                      self._depth)
         return offset
+
+    def _defer(self, cap: int | None, found: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+        """Receive up to ``cap`` messages (None: all there are) from the backlog queues in peek-lock and defer
+        them; pings are completed. The queues share ``cap`` evenly (a queue with fewer leaves its share to the
+        others), so that a batch's partitions (one per queue) run side by side. Returns (and records in
+        ``found`` as it goes) the deferred sequence numbers by queue."""
+        found = {} if found is None else found
+        if cap is None:
+            for queue in self.queues:
+                self._defer_queue(queue, None, found)
+            return found
+        open_queues = list(self.queues)
+        count = 0
+        while open_queues and count < cap:
+            round_queues = list(open_queues)
+            for index, queue in enumerate(round_queues):
+                share = -(-(cap - count) // (len(round_queues) - index))  # ceil: the rest goes to the queues left
+                got = self._defer_queue(queue, share, found) if share > 0 else 0
+                count += got
+                if got < share:  # this queue has no more for now
+                    open_queues.remove(queue)
+        return found
+
+    def _defer_queue(self, queue: str, cap: int | None, found: dict[str, list[int]]) -> int:
+        """Receive and defer up to ``cap`` messages of one backlog queue; returns how many were deferred."""
+        count = 0
+        with backlog_receiver(self.config, queue) as receiver:
+            wait = self.receive_timeout
+            while cap is None or count < cap:
+                want = PAGE if cap is None else min(PAGE, cap - count)
+                page = receiver.receive_messages(max_message_count=want, max_wait_time=wait)
+                if not page:
+                    break
+                wait = min(wait, 0.2)
+                for message in page:
+                    if msgs.is_ping(message):
+                        receiver.complete_message(message)
+                        continue
+                    receiver.defer_message(message)
+                    found.setdefault(queue, []).append(int(message.sequence_number or 0))
+                    count += 1
+        return count
 
     def reportLatestOffset(self) -> dict | None:
         if self._depth is None:
@@ -425,8 +422,8 @@ class BacklogStreamReader(DataSourceStreamReader):
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         if end == start:
             return []
-        return [BacklogPartition(queue, tuple(numbers)) for queue, numbers in sorted(end.get("queues", {}).items())
-                if numbers]
+        return [BacklogPartition(queue, tuple(numbers[i:i + _PARTITION]))
+                for queue, numbers in sorted(end.get("queues", {}).items()) for i in range(0, len(numbers), _PARTITION)]
 
     def read(self, partition: InputPartition) -> Iterator[tuple]:
         assert isinstance(partition, BacklogPartition)
@@ -457,4 +454,32 @@ class BacklogStreamReader(DataSourceStreamReader):
                     "left deferred completed", number, done)
 
     def stop(self) -> None:
+        """Wait for a receive ahead to end; what it deferred is taken back by the next run's first batch."""
+        if self._ahead is not None:
+            self._ahead.thread.join(self.receive_timeout * len(self.queues) + 30)
         _LOGGER.debug("backlog source stopped")
+
+
+class _Ahead:
+    """The next batch's receive, run in a background thread of the reader's process while Spark runs the
+    current batch, so that deferring a batch does not add to its time. What it deferred is recorded as it
+    goes: :meth:`take` returns it even when the receive failed half-way (the error is logged, and the next
+    batch receives again). A reader that dies leaves these messages deferred, and the next run's first batch
+    takes them back, as any deferred message of a dead run."""
+
+    def __init__(self, defer: Any, cap: int) -> None:
+        self.found: dict[str, list[int]] = {}
+        self.thread = threading.Thread(target=self._run, args=(defer, cap), name="spark-sb-backlog-ahead",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, defer: Any, cap: int) -> None:
+        try:
+            defer(cap, self.found)
+        except Exception as exc:  # the messages deferred so far are kept; the next batch receives again
+            _LOGGER.warning("receiving the next backlog batch ahead failed (%s); receiving it in the next batch",
+                            redact(str(exc))[:200])
+
+    def take(self) -> dict[str, list[int]]:
+        self.thread.join()
+        return self.found

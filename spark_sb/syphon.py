@@ -41,10 +41,8 @@ Choices where behaviour.md is silent:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime
-import itertools
 import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -52,9 +50,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from azure.servicebus import ServiceBusMessage, ServiceBusReceiveMode
-from azure.servicebus.exceptions import MessageAlreadySettled, MessageLockLostError, MessageSizeExceededError
 
 from . import messages as msgs
+from .bus.deferred import peek_deferred, receive_deferred, take_deferred
 from .config import SparkSbConfig, load_config
 from .errors import (
     ENCODING_ERRORS,
@@ -63,14 +61,17 @@ from .errors import (
     ErrorClass,
     SparkSbError,
     classify,
+    is_lock_lost,
+    is_too_large,
     redact,
 )
 from .paired import PairedSender
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["REJECTED_BY_DESTINATION", "X_MS_REPARKED_FROM", "MoveSummary", "Outcome", "Republisher", "Syphon",
-           "SyphonSettleError", "reparked_copies", "republish_deferred", "settle_outcomes"]
+__all__ = ["REJECTED_BY_DESTINATION", "X_MS_REPARKED_FROM", "MoveSummary", "Outcome", "Syphon",
+           "SyphonSettleError", "reparked_copies", "republish_deferred", "republish_received",
+           "settle_outcomes", "summary_dict"]
 
 #: dead-letter reason for a restored message that the destination refused as invalid
 REJECTED_BY_DESTINATION = "RejectedByDestination"
@@ -521,9 +522,11 @@ def _fits(batch: Any, item: tuple[Any, ServiceBusMessage], entity: str) -> bool:
     encoded at all (the reason names the field the SDK cannot encode: :func:`messages.check_encodable`)."""
     try:
         batch.add_message(item[1])
-    except MessageSizeExceededError:
-        return False
-    except ENCODING_ERRORS as exc:
+    except Exception as exc:
+        if is_too_large(exc):
+            return False
+        if not isinstance(exc, ENCODING_ERRORS):
+            raise
         try:
             msgs.check_encodable(item[1], entity)
         except BadMessageError as bad:
@@ -583,7 +586,9 @@ def _settle(receiver: Any | None, action: str, message: Any, **kwargs: Any) -> N
         return
     try:
         getattr(receiver, action)(message, **kwargs)
-    except (MessageLockLostError, MessageAlreadySettled) as exc:
+    except Exception as exc:
+        if not is_lock_lost(exc):
+            raise
         _LOGGER.warning("backlog message %s was not settled (%s); it stays in the backlog",
                         getattr(message, "message_id", None), type(exc).__name__)
 
@@ -595,56 +600,50 @@ def summary_dict(summary: MoveSummary) -> Mapping[str, Any]:
             "down": list(summary.down)}
 
 
-# --- the Spark side: republishing one batch of the servicebus-backlog source ------------------------------
-#
-# A batch's backlog messages stay deferred until its outcomes are in the ledger. In order:
-#   1. executors peek them (no lock), republish the restored copies to healthy destinations and re-park the
-#      ones for a destination that is down (republish_deferred): one Outcome per message, nothing settled;
-#   2. the driver appends the outcomes to the Delta ledger (one atomic append per batch);
-#   3. the driver settles them (settle_outcomes): delivered and re-parked ones completed, the others
-#      dead-lettered with their reason.
-# A batch replayed after a crash anywhere in between reads the ledger first: what it records is not sent
-# again, only settled. A copy sent in step 1 whose outcome was never recorded is sent again with the same
-# message id, and the primary's duplicate detection suppresses it; a re-parked copy whose outcome was never
-# recorded is found by its x-ms-reparked-from marker (the replay peeks the backlog queue for markers once per
-# queue, only when it has messages to send) and not sent again.
+# --- republishing what a Spark batch read, and settling it once its ledger recorded it ---------------------
 
-#: the ledger's columns (one row per moved, dead-lettered or re-parked message)
-LEDGER_DDL = (
-    "message_id STRING, backlog_queue STRING, sequence_number BIGINT, destination STRING, outcome STRING, "
-    "reason STRING, description STRING, batch_id BIGINT, backlog_enqueued_time TIMESTAMP, recorded_time TIMESTAMP"
-)
-_LEDGER_NAMES = ("message_id", "backlog_queue", "sequence_number", "destination", "outcome", "reason",
-                 "description", "batch_id", "backlog_enqueued_time", "recorded_time")
 #: outcomes that settle the backlog message (``left`` leaves it in the backlog)
 _COMPLETE, _DEAD_LETTER = ("delivered", "reparked"), "dead_lettered"
 
 
-def republish_deferred(config: SparkSbConfig, wanted: Mapping[str, Sequence[int]], *,
+def republish_received(config: SparkSbConfig, received: Mapping[str, Sequence[Any]], *,
                        syphon: Syphon | None = None, replay: bool = False) -> list[Outcome]:
-    """Peek these deferred backlog messages (``{queue: sequence numbers}``), republish the restored copies
-    to healthy destinations, re-park those for a destination that is down (a copy back to the backlog queue)
-    and decide which to dead-letter, **settling nothing**: one :class:`Outcome` per message still there.
-    Record the outcomes, then :func:`settle_outcomes`. ``syphon`` (re-parking) defaults to this process's
+    """Republish deferred backlog messages already read (``{queue: messages}``, as peeked or as the
+    ``servicebus-backlog`` source's rows carry them): send the restored copies to healthy destinations,
+    re-park those for a destination that is down (a copy back to the backlog queue) and decide which to
+    dead-letter, **settling nothing**: one :class:`Outcome` per message. Record the outcomes, then
+    :func:`settle_outcomes`. ``syphon`` (re-parking) defaults to this process's
     (:func:`spark_sb.receivers.syphon_for`), which remembers destinations found down between batches.
 
     ``replay``: an earlier attempt at these messages may have died after re-parking some of them; the queue
     is searched for their copies first (:func:`reparked_copies`), and a message with a copy is not sent
     again (outcome ``reparked``): a replay adds no second copy, and sends no message whose copy will."""
     from .receivers import backlog_receiver, syphon_for
-    from .source import peek_deferred
 
     outcomes: list[Outcome] = []
     with contextlib.nullcontext(syphon) if syphon is not None else syphon_for(config) as mover:
-        for queue, numbers in wanted.items():
-            with backlog_receiver(config, queue) as receiver:
-                found = peek_deferred(receiver, sorted(set(numbers)))
-                copied = reparked_copies(receiver, queue, [int(m.sequence_number) for m in found]) if (
-                    replay and found) else set()
+        for queue, found in received.items():
+            copied: set[int] = set()
+            if replay and found:
+                with backlog_receiver(config, queue) as receiver:
+                    copied = reparked_copies(receiver, queue, [int(m.sequence_number) for m in found])
             summary = MoveSummary(queue, received=len(found))
             mover.settle(None, found, summary, reparked=copied)
             outcomes.extend(summary.outcomes)
     return outcomes
+
+
+def republish_deferred(config: SparkSbConfig, wanted: Mapping[str, Sequence[int]], *,
+                       syphon: Syphon | None = None, replay: bool = False) -> list[Outcome]:
+    """:func:`republish_received` for the deferred backlog messages with these sequence numbers
+    (``{queue: sequence numbers}``) that are still there, peeked first."""
+    from .receivers import backlog_receiver
+
+    found: dict[str, list[Any]] = {}
+    for queue, numbers in wanted.items():
+        with backlog_receiver(config, queue) as receiver:
+            found[queue] = peek_deferred(receiver, sorted(set(numbers)))
+    return republish_received(config, found, syphon=syphon, replay=replay)
 
 
 def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_wait: float = 330.0,
@@ -656,7 +655,6 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
     (at most ``lock_wait`` seconds, longer than the service's 5 minute maximum lock), then
     :class:`SyphonSettleError`. Returns how many this call settled."""
     from .receivers import backlog_receiver
-    from .source import peek_deferred, receive_deferred
 
     by_queue: dict[str, dict[int, Outcome]] = {}
     for outcome in outcomes:
@@ -668,6 +666,14 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
     for queue, pending in by_queue.items():
         deadline: float | None = None
         pause = 1.0
+        # first, as if every message were there (a first attempt): completed in bulk, nothing peeked
+        done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
+        if done:
+            with backlog_receiver(config, queue, retries=False, delete=True) as deleter:
+                taken = take_deferred(deleter, done)
+            for number in taken:
+                pending.pop(number)
+            settled += len(taken)
         while pending:
             with backlog_receiver(config, queue, retries=False) as receiver:
                 there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
@@ -707,117 +713,3 @@ class SyphonSettleError(SparkSbError):
                          "stayed locked; the batch will be replayed")
         self.queue = queue
         self.sequence_numbers = list(sequence_numbers)
-
-
-def _ledger_schema() -> Any:
-    import pyarrow as pa
-
-    return pa.schema([("message_id", pa.string()), ("backlog_queue", pa.string()),
-                      ("sequence_number", pa.int64()), ("destination", pa.string()), ("outcome", pa.string()),
-                      ("reason", pa.string()), ("description", pa.string()), ("batch_id", pa.int64()),
-                      ("backlog_enqueued_time", pa.timestamp("us", tz="UTC")),
-                      ("recorded_time", pa.timestamp("us", tz="UTC"))])
-
-
-def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tuple[str, int]],
-                        batches: Iterator[Any], *, replay: bool = False) -> Iterator[Any]:
-    """``mapInArrow`` body: :func:`republish_deferred` for this partition's backlog coordinates (but those in
-    ``skip``, which the ledger already records) and one ledger row per outcome. ``replay``: the batch may
-    have been attempted before (see :func:`republish_deferred`)."""
-    import pyarrow as pa
-
-    wanted: dict[str, list[int]] = {}
-    for batch in batches:
-        data = batch.to_pydict()
-        for queue, number in zip(data["backlog_queue"], data["sequence_number"], strict=True):
-            if (queue, int(number)) not in skip:
-                wanted.setdefault(queue, []).append(int(number))
-    outcomes = republish_deferred(config, wanted, replay=replay) if wanted else []
-    now = datetime.datetime.now(datetime.UTC)
-    columns: dict[str, list[Any]] = {name: [] for name in _LEDGER_NAMES}
-    for row in outcomes:
-        values = {**{name: getattr(row, name, None) for name in _LEDGER_NAMES}, "batch_id": batch_id,
-                  "recorded_time": now}
-        for name in _LEDGER_NAMES:
-            columns[name].append(values[name])
-    yield pa.RecordBatch.from_pydict(columns, schema=_ledger_schema())
-
-
-def _ledger_outcome(row: Any) -> Outcome:
-    """The :class:`Outcome` of one ledger row."""
-    return Outcome(row.backlog_queue, row.sequence_number, row.message_id, row.destination, row.outcome, row.reason,
-                   row.backlog_enqueued_time, row.description)
-
-
-class Republisher:
-    """The ``foreachBatch`` of ``jobs/syphon.py``: republish one batch of the ``servicebus-backlog`` source
-    from the executors, append one ledger row per message to the Delta ledger (one atomic append), then
-    settle the batch's backlog messages from the driver. A replayed batch
-    skips what the ledger records for it and only settles it (see the comment above :data:`LEDGER_DDL`).
-
-    ``after`` (for tests) is called with each step's name once it is done: ``"republished"``,
-    ``"recorded"``, ``"settled"``."""
-
-    def __init__(self, config: SparkSbConfig, *, after: Callable[[str, int], None] | None = None) -> None:
-        config.syphon.require_job_locations()
-        self.config = config
-        self.ledger = str(config.syphon.ledger)
-        self.totals: dict[str, int] = {}
-        self._after = after or (lambda step, batch_id: None)
-        self._begun: int | None = None  # the last batch id this process began
-
-    def _ledger_df(self, spark: Any) -> Any:
-        if self.config.syphon.ledger_is_path:
-            from delta.tables import DeltaTable
-
-            if not DeltaTable.isDeltaTable(spark, self.ledger):
-                return None
-            return spark.read.format("delta").load(self.ledger)
-        if not spark.catalog.tableExists(self.ledger):
-            return None
-        return spark.read.table(self.ledger)
-
-    def recorded(self, spark: Any, batch_id: int) -> list[Outcome]:
-        """The outcomes the ledger records for ``batch_id``."""
-        ledger = self._ledger_df(spark)
-        if ledger is None:
-            return []
-        rows = ledger.where(ledger.batch_id == batch_id).collect()
-        return [_ledger_outcome(r) for r in rows]
-
-    def __call__(self, batch_df: Any, batch_id: int) -> None:
-        from functools import partial
-
-        spark = batch_df.sparkSession
-        times = [time.monotonic()]
-        # only a batch id this process began before, or the first one it runs, can be a replay
-        replay = self._begun is None or batch_id <= self._begun
-        self._begun = batch_id
-        before = self.recorded(spark, batch_id) if replay else []
-        skip = frozenset((o.backlog_queue, int(o.sequence_number)) for o in before if o.sequence_number is not None)
-        coordinates = batch_df.select("backlog_queue", "sequence_number").repartition("backlog_queue")
-        out = coordinates.mapInArrow(partial(republish_partition, self.config, batch_id, skip, replay=replay),
-                                     LEDGER_DDL)
-        rows = out.collect()  # one small row per message (at most maxMessagesPerTrigger)
-        times.append(time.monotonic())
-        self._after("republished", batch_id)
-        if rows:
-            # no txnAppId/txnVersion: a replay already skips what the ledger records for its batch, and Delta
-            # rebuilds the table's state (a 50-task job) to check a transaction version on every write
-            writer = spark.createDataFrame(rows, LEDGER_DDL).write.format("delta").mode("append")
-            if self.config.syphon.ledger_is_path:
-                writer.save(self.ledger)
-            else:
-                writer.saveAsTable(self.ledger)
-        times.append(time.monotonic())
-        self._after("recorded", batch_id)
-        outcomes = before + [_ledger_outcome(r) for r in rows]
-        settled = settle_outcomes(self.config, outcomes)
-        times.append(time.monotonic())
-        self._after("settled", batch_id)
-        counts = dict(collections.Counter(r.outcome for r in rows))
-        for key, n in counts.items():
-            self.totals[key] = self.totals.get(key, 0) + n
-        _LOGGER.info("syphon batch %d: %s, %d backlog messages settled (recorded by an earlier attempt: %d); "
-                     "republish %.1f s, ledger %.1f s, settle %.1f s", batch_id, counts or "nothing", settled,
-                     len(before), *(b - a for a, b in itertools.pairwise(times)))

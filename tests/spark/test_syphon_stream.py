@@ -25,7 +25,7 @@ from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import ConfigError
 from spark_sb.receivers import close_all
 from spark_sb.source import BacklogDataSource, BacklogStreamReader, register
-from spark_sb.syphon import Republisher
+from spark_sb.republisher import Republisher
 
 from .conftest import receive_all, sink_config
 
