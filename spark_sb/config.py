@@ -96,25 +96,9 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
-    "ConnectionString",
-    "CredentialConfig",
-    "Duration",
-    "FrozenMap",
-    "NamespaceConfig",
-    "Secret",
-    "SendAvailabilityConfig",
-    "SinkConfig",
-    "SinkSourceConfig",
-    "SparkSbConfig",
-    "SyphonConfig",
-    "default_backlog_prefix",
-    "format_duration",
-    "from_options",
-    "is_secret_name",
-    "load_config",
-    "load_reference",
-    "parse_duration",
-    "redact_connection_string",
+    "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "Secret", "SendAvailabilityConfig",
+    "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "format_duration",
+    "from_options", "is_secret_name", "load_config", "load_reference", "parse_duration", "redact_connection_string",
 ]
 
 BACKLOG_QUEUE_SEGMENT = "x-servicebus-transfer"
@@ -125,6 +109,7 @@ MAX_BACKLOG_QUEUES = 100
 MAX_RECEIVE_BATCH = 10_000
 _MAX_CHUNK = 100_000
 _REDACTED = "***"
+_WHOLE = "must be a whole number"
 _UNSET: Any = object()
 MS, SECOND, MINUTE, DAY = timedelta(milliseconds=1), timedelta(seconds=1), timedelta(minutes=1), timedelta(days=1)
 
@@ -306,7 +291,7 @@ class _Frozen(BaseModel):
 
 def _whole(value: Any) -> Any:
     if isinstance(value, bool):
-        raise _Invalid("must be a whole number", repr(value))
+        raise _Invalid(_WHOLE, repr(value))
     return value
 
 
@@ -921,16 +906,9 @@ def _escape_references(value: Any) -> Any:
 
 # --- validation errors -----------------------------------------------------------------------------------
 
-_PROBLEMS = {
-    "missing": "required",
-    "int_parsing": "must be a whole number",
-    "int_from_float": "must be a whole number",
-    "int_type": "must be a whole number",
-    "string_type": "must be a string",
-    "string_too_short": "must be a non-empty string",
-    "bool_parsing": "must be true or false",
-    "bool_type": "must be true or false",
-}
+_PROBLEMS = {"missing": "required", "int_parsing": _WHOLE, "int_from_float": _WHOLE, "int_type": _WHOLE,
+             "string_type": "must be a string", "string_too_short": "must be a non-empty string",
+             "bool_parsing": "must be true or false", "bool_type": "must be true or false"}
 _MAPPING_ERRORS = ("model_type", "model_attributes_type", "dict_type")
 
 

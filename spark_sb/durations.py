@@ -10,7 +10,7 @@ Accepted spellings (:func:`parse_seconds`): a number of seconds (``90``, ``1.5``
 * :func:`duration_text`: as a configuration value that parses back exactly (``1m``, ``800ms``);
 * :func:`iso_duration`: ISO 8601 as .NET writes a TimeSpan (``PT1M``, ``P1DT2H``, ``PT0.5S``);
 * :data:`Duration`: the pydantic field type (a ``timedelta`` parsed with :func:`parse_duration`, written
-  back with :func:`duration_text`).
+  back with :func:`duration_text`); pydantic is imported only when it is first used.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from __future__ import annotations
 import math
 import re
 from datetime import timedelta
-from typing import Annotated
-
-from pydantic import BeforeValidator, PlainSerializer
+from typing import TYPE_CHECKING, Annotated, Any
 
 __all__ = [
     "Duration",
@@ -136,5 +134,19 @@ def iso_duration(value: timedelta | float) -> str:
     return out if out != "P" else "PT0S"
 
 
-#: the configuration's duration field type: parsed by :func:`parse_duration`, dumped by :func:`duration_text`
-Duration = Annotated[timedelta, BeforeValidator(parse_duration), PlainSerializer(duration_text, return_type=str)]
+if TYPE_CHECKING:
+    from pydantic import BeforeValidator, PlainSerializer
+
+    #: the configuration's duration field type: parsed by :func:`parse_duration`, dumped by :func:`duration_text`
+    Duration = Annotated[timedelta, BeforeValidator(parse_duration), PlainSerializer(duration_text, return_type=str)]
+
+
+def __getattr__(name: str) -> Any:
+    # Duration is built on first use, so that the emulator (which uses only the functions) never imports pydantic
+    if name == "Duration":
+        from pydantic import BeforeValidator, PlainSerializer
+
+        duration = Annotated[timedelta, BeforeValidator(parse_duration), PlainSerializer(duration_text, return_type=str)]
+        globals()["Duration"] = duration
+        return duration
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
