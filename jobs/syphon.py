@@ -32,15 +32,15 @@ def start(spark: Any, conf: Any, *, max_per_trigger: int | None = None, receive_
     """Start the syphon query; returns ``(query, republisher)``. Raises ``ConfigError`` when the checkpoint or
     the ledger location is missing, before anything starts."""
     from spark_sb.config import load_config
-    from spark_sb.source import register
     from spark_sb.republisher import Republisher
+    from spark_sb.source import config_options, register
 
     config = load_config(conf)
     republisher = Republisher(config)  # refuses a configuration without checkpoint or ledger
     register(spark)
     stream = (spark.readStream.format("servicebus-backlog")
-              .options(**_flat_options(config))
-              .option("maxMessagesPerTrigger", str(max_per_trigger or config.syphon.receive_batch))
+              .options(**config_options(conf if isinstance(conf, str | Path) else config))
+              .option("maxMessagesPerTrigger", str(max_per_trigger or config.syphon.max_messages_per_trigger))
               .option("receiveTimeout", str(receive_timeout))
               .load())
     log_batch_steps(spark, "spark-sb-syphon")
@@ -86,21 +86,6 @@ def log_batch_steps(spark: Any, query_name: str) -> None:
 
     spark.streams.addListener(_Steps())
     _LISTENING.add(id(spark))
-
-
-def _flat_options(config: Any) -> dict[str, str]:
-    """The configuration as flat source options (``primary.connection_string`` ...)."""
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for key, child in value.items():
-                walk(f"{prefix}.{key}" if prefix else str(key), child)
-        elif value is not None and not prefix.startswith("sink"):
-            out[prefix] = str(value)
-
-    walk("", config.to_dict(secrets=True))
-    return out
 
 
 def _backlog_depth(progress: Any) -> int | None:

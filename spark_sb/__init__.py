@@ -1,22 +1,84 @@
-"""spark-sb: keep Spark pipelines sending to Azure Service Bus through namespace outages."""
+"""spark-sb: keep Spark pipelines sending to Azure Service Bus through namespace outages.
+
+The public API. Everything else is internal and may change::
+
+    from spark_sb import PairedSink, PairedSender, Syphon, load_config, register
+
+Names are loaded on first use, so that ``import spark_sb`` stays cheap and the Spark-free parts (the paired
+sender, the syphon core, the configuration) never import pyspark.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = ["PairedSink", "__version__", "register"]
+#: public name -> the module that defines it
+_EXPORTS = {
+    "PairedSink": ".sink",  # the foreachBatch sink (Spark)
+    "register": ".source",  # registers the servicebus-backlog streaming source with a SparkSession (Spark)
+    "PairedSender": ".paired",
+    "Syphon": ".syphon",
+    "load_config": ".config",
+    "SparkSbConfig": ".config",
+    "SparkSbError": ".errors",
+    "ConfigError": ".errors",
+    "PairingError": ".errors",
+    "CredentialRejectedError": ".errors",
+    "EntityNotFoundError": ".errors",
+    "BadMessageError": ".errors",
+    "BadInputError": ".errors",
+    "BacklogUnavailableError": ".errors",
+    "SyphonSettleError": ".syphon",
+}
+
+__all__ = [
+    "BacklogUnavailableError",
+    "BadInputError",
+    "BadMessageError",
+    "ConfigError",
+    "CredentialRejectedError",
+    "EntityNotFoundError",
+    "PairedSender",
+    "PairedSink",
+    "PairingError",
+    "SparkSbConfig",
+    "SparkSbError",
+    "Syphon",
+    "SyphonSettleError",
+    "__version__",
+    "load_config",
+    "register",
+]
+
+if TYPE_CHECKING:
+    from .config import SparkSbConfig, load_config
+    from .errors import (
+        BacklogUnavailableError,
+        BadInputError,
+        BadMessageError,
+        ConfigError,
+        CredentialRejectedError,
+        EntityNotFoundError,
+        PairingError,
+        SparkSbError,
+    )
+    from .paired import PairedSender
+    from .sink import PairedSink
+    from .source import register
+    from .syphon import Syphon, SyphonSettleError
 
 
 def __getattr__(name: str) -> Any:
-    # the sink imports pyspark: loaded on first use only, so that the paired core runs without Spark
-    if name == "PairedSink":
-        from .sink import PairedSink
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once loaded, a plain attribute
+    return value
 
-        return PairedSink
-    if name == "register":  # registers the servicebus-backlog streaming source with a SparkSession
-        from .source import register
 
-        return register
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -687,7 +687,11 @@ class SendAvailabilityConfig(_Frozen):
 
 class SyphonConfig(_Frozen):
     retry_interval: Duration = Field(default=SECOND, ge=SECOND, le=2 * MINUTE)
+    #: messages per receive of :meth:`spark_sb.syphon.Syphon.move`
     receive_batch: Count = Field(default=100, ge=1, le=MAX_RECEIVE_BATCH)
+    #: messages per batch of the syphon job (the source's default ``maxMessagesPerTrigger``): Spark's cost per
+    #: batch (planning, a Delta commit, the offset logs) is spread over this many messages
+    max_messages_per_trigger: Count = Field(default=4000, ge=1, le=MAX_RECEIVE_BATCH)
     #: the syphon job's Spark checkpoint (required by jobs/syphon.py)
     checkpoint_location: Text | None = None
     #: the syphon job's Delta ledger: a path (contains ``/`` or ``:``) or a table name (required by the job)

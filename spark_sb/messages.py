@@ -87,6 +87,7 @@ __all__ = [
     "received_bytes",
     "ping_message",
     "set_time_to_live",
+    "text",
     "to_backlog",
 ]
 
@@ -152,6 +153,16 @@ def _as_str(value: Any) -> str | None:
         except UnicodeDecodeError:
             return None
     return None
+
+
+def text(value: Any) -> str | None:
+    """Any received value as text for people and tables: ``None`` stays ``None``, bytes are decoded as UTF-8
+    (invalid sequences replaced), anything else is ``str(value)``."""
+    if value is None:
+        return None
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", "replace")
+    return str(value)
 
 
 def _str_or_raw(value: Any) -> Any:

@@ -20,6 +20,7 @@ queue, only when it has messages to send) and not sent again.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import itertools
 import logging
@@ -89,11 +90,13 @@ def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tu
     yield pa.RecordBatch.from_pydict(columns, schema=_ledger_schema())
 
 
+_OUTCOME_FIELDS = tuple(f.name for f in dataclasses.fields(Outcome))
+
+
 def _ledger_outcome(row: Any) -> Outcome:
     """The :class:`Outcome` of one ledger row (a Spark ``Row`` or a dict)."""
-    get = row.get if isinstance(row, dict) else partial(getattr, row)
-    return Outcome(get("backlog_queue"), get("sequence_number"), get("message_id"), get("destination"),
-                   get("outcome"), get("reason"), get("backlog_enqueued_time"), get("description"))
+    values: dict[str, Any] = row if isinstance(row, dict) else row.asDict()
+    return Outcome(**{name: values[name] for name in _OUTCOME_FIELDS})
 
 
 class Republisher:

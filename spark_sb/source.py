@@ -23,10 +23,15 @@ A queue is not replayable by itself, so the source keeps Service Bus as the only
   abandoned checkpoint, and takes them back into its batch. Only one syphon may read a primary's backlog
   queues at a time.
 
-Options (case-insensitive): ``conf`` (a YAML path) or the flat options of :func:`spark_sb.config.from_options`
-(``primary.connectionString``, ``secondary.connectionString``, ``sendAvailability.backlogPrefix``, ...);
-``maxMessagesPerTrigger`` (default ``syphon.receive_batch``); ``receiveTimeout`` (seconds a receive waits for
-the first message, default 1); ``reportBacklogDepth`` (default true).
+Options (case-insensitive): the configuration **by reference**, so that no secret is written into Spark's plan,
+progress or event log (:func:`config_options` builds these): ``conf`` (a YAML path) or ``config`` (JSON whose
+secrets are ``${ENV_VAR}`` references, resolved where the reader runs), or flat options of
+:func:`spark_sb.config.from_options` that hold no literal secret; ``maxMessagesPerTrigger`` (default
+``syphon.max_messages_per_trigger``); ``receiveTimeout`` (seconds a receive waits for the first message, default
+1); ``reportBacklogDepth`` (default true).
+
+Receiving ahead: from the second batch on, the next batch is received and deferred in a background thread of
+the reader's process while Spark runs the current one (:class:`_Ahead`); ``latestOffset`` then only takes it.
 
 Backlog depth: PySpark 4.2's Python sources have no custom metrics, so the depth (active messages over the
 backlog queues, including the batch in flight, from the administration API) is reported through
@@ -34,7 +39,7 @@ backlog queues, including the batch in flight, from the administration API) is r
 (``{"backlogDepth": n}``), and logged.
 
 Readers keep no clients in ``self``: their receivers live in the per-process registry
-(:mod:`spark_sb.receivers`), as the sink's senders do.
+(:mod:`spark_sb.bus`), as the sink's senders do.
 """
 
 from __future__ import annotations
@@ -42,9 +47,11 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -60,14 +67,22 @@ from pyspark.sql.types import (
 )
 
 from . import messages as msgs
+from .bus import admin_client, shared_namespace
 from .bus.deferred import PAGE, deferred_numbers, peek_deferred, receive_deferred
-from .config import MAX_RECEIVE_BATCH, SparkSbConfig, from_options, load_config
+from .config import (
+    MAX_RECEIVE_BATCH,
+    SparkSbConfig,
+    from_options,
+    is_secret_name,
+    load_config,
+    load_reference,
+)
 from .errors import ConfigError, redact
-from .receivers import backlog_receiver
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["SCHEMA", "BacklogDataSource", "BacklogPartition", "BacklogStreamReader", "backlog_row", "register"]
+__all__ = ["SCHEMA", "BacklogDataSource", "BacklogPartition", "BacklogStreamReader", "backlog_row", "config_options",
+           "register"]
 
 FORMAT = "servicebus-backlog"
 SCHEMA = StructType([
@@ -102,10 +117,71 @@ def register(spark: Any) -> None:
 
 
 def _options_config(options: Mapping[str, str]) -> SparkSbConfig:
-    lowered = {str(k).lower(): v for k, v in options.items()}
-    if lowered.get("conf"):
-        return load_config(lowered["conf"])
-    return from_options(options)
+    """The configuration the options hand over by reference (see :func:`config_options`)."""
+    path = _option(options, "conf")
+    if path is not None:
+        return load_config(path)
+    reference = _option(options, "config")
+    if reference is not None:
+        return load_reference(reference)
+    config = from_options(options)
+    if config.reference() is None:
+        secret = next((str(k) for k, v in options.items() if v and _literal_secret(str(k), str(v))), "options")
+        raise ConfigError(secret, "holds a literal secret, which Spark would write into its plan and event log: pass "
+                          "the configuration by reference (option conf: a YAML path; or option config: JSON whose "
+                          "secrets are ${ENV_VAR} references; spark_sb.source.config_options builds them)")
+    return config
+
+
+def _literal_secret(name: str, value: str) -> bool:
+    """Whether the flat option ``name`` holds a secret written out rather than as a ``${VAR}`` reference."""
+    if value.strip().startswith("${") and value.strip().endswith("}"):
+        return False
+    return is_secret_name(name.rsplit(".", 1)[-1]) or "sharedaccess" in value.lower()
+
+
+def config_options(conf: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConfig) -> dict[str, str]:
+    """The source options that hand ``conf`` to the readers by reference, so that no secret is written into
+    Spark's plan, its progress reports or its event log:
+
+    * ``conf``: a YAML path: the path given, or the file the configuration was loaded from;
+    * else ``config``: the configuration as JSON, when every secret in it is a ``${ENV_VAR}`` reference
+      (resolved where the reader runs: set the variable on the driver and the executors);
+    * else (literal secrets, e.g. a dict built in code) ``conf``: a YAML file this process writes, readable by
+      its user only and removed at exit. Executors must read it: this works on one machine (local mode); on a
+      cluster give a path every node reads, or references.
+    """
+    if isinstance(conf, str | os.PathLike):
+        return {"conf": str(Path(conf).resolve())}
+    config = load_config(conf)
+    if config.origin_path is not None:
+        return {"conf": config.origin_path}
+    reference = config.reference()
+    if reference is not None:
+        return {"config": json.dumps(reference)}
+    return {"conf": _private_file(config)}
+
+
+_PRIVATE_FILES: dict[str, str] = {}
+
+
+def _private_file(config: SparkSbConfig) -> str:
+    """A YAML file holding ``config`` with its secrets, readable by this user only, removed at exit."""
+    import atexit
+    import tempfile
+
+    import yaml
+
+    fingerprint = config.fingerprint()
+    path = _PRIVATE_FILES.get(fingerprint)
+    if path is None or not os.path.exists(path):
+        handle, path = tempfile.mkstemp(prefix="spark-sb-", suffix=".yaml")  # mode 0600
+        with os.fdopen(handle, "w") as out:
+            yaml.safe_dump(config.to_dict(secrets=True), out)
+        atexit.register(Path(path).unlink, missing_ok=True)
+        _PRIVATE_FILES[fingerprint] = path
+        _LOGGER.info("the configuration holds literal secrets: the source reads it from %s (this user only)", path)
+    return path
 
 
 def _option(options: Mapping[str, str], name: str) -> str | None:
@@ -153,14 +229,6 @@ class BacklogPartition(InputPartition):
     sequence_numbers: tuple[int, ...]
 
 
-def _text(value: Any) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, bytes | bytearray):
-        return bytes(value).decode("utf-8", "replace")
-    return str(value)
-
-
 def _json_value(value: Any) -> Any:
     """``value`` as JSON can hold it; raises ``TypeError`` for a map key JSON cannot hold (binary, uuid...)."""
     if isinstance(value, dict):
@@ -177,7 +245,7 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, datetime.datetime):
         return value.isoformat()
     if isinstance(value, bytes | bytearray | memoryview):
-        return _text(bytes(value))
+        return msgs.text(bytes(value))
     if value is None or isinstance(value, str | int | float | bool):
         return value
     return str(value)  # uuid, decimal
@@ -219,7 +287,7 @@ def _property_text(value: Any) -> str | None:
         return _property_text(inner)
     if isinstance(value, datetime.datetime):
         return value.isoformat()
-    return _text(value)
+    return msgs.text(value)
 
 
 def _utc(value: Any) -> datetime.datetime | None:
@@ -232,6 +300,7 @@ def _utc(value: Any) -> datetime.datetime | None:
 
 def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
     """The row of one received backlog message (see :data:`SCHEMA`)."""
+    text = msgs.text
     enqueued = _utc(received.enqueued_time_utc)
     try:
         restored = msgs.from_backlog(received, now)
@@ -246,14 +315,14 @@ def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
                         received.sequence_number, queue, type(exc).__name__)
         encoded = None
     if not restored.ok or restored.message is None:
-        return (restored.entity, _text(received.message_id), _body(received), None, None, None, None, None, None,
+        return (restored.entity, text(received.message_id), _body(received), None, None, None, None, None, None,
                 None, None, None, None, None, *coordinates, restored.status.value, restored.reason, encoded)
     m = restored.message
     ttl = m.time_to_live
-    properties = {_text(k): _property_text(v) for k, v in (m.application_properties or {}).items()}
-    return (restored.entity, _text(m.message_id), _body(m), _text(m.session_id), _text(m.partition_key),
-            _text(m.correlation_id), _text(m.subject), _text(m.content_type), _text(m.to), _text(m.reply_to),
-            _text(m.reply_to_session_id), None if ttl is None else int(ttl.total_seconds() * 1000),
+    properties = {text(k): _property_text(v) for k, v in (m.application_properties or {}).items()}
+    return (restored.entity, text(m.message_id), _body(m), text(m.session_id), text(m.partition_key),
+            text(m.correlation_id), text(m.subject), text(m.content_type), text(m.to), text(m.reply_to),
+            text(m.reply_to_session_id), None if ttl is None else int(ttl.total_seconds() * 1000),
             _utc(m.scheduled_enqueue_time_utc), properties or None, *coordinates, restored.status.value, None,
             encoded)
 
@@ -265,7 +334,8 @@ class BacklogStreamReader(DataSourceStreamReader):
         self.options = dict(options)
         self.config = _options_config(self.options)
         self.max_per_trigger = int(_positive(self.options, "maxMessagesPerTrigger",
-                                             self.config.syphon.receive_batch, most=MAX_RECEIVE_BATCH))
+                                             self.config.syphon.max_messages_per_trigger,
+                                             most=MAX_RECEIVE_BATCH))
         self.receive_timeout = float(_positive(self.options, "receiveTimeout", 1.0, float, most=300))
         depth = (_option(self.options, "reportBacklogDepth") or "true").lower()
         self.report_depth = depth in ("true", "1", "yes")
@@ -289,7 +359,7 @@ class BacklogStreamReader(DataSourceStreamReader):
         """Every deferred message of the backlog queues (but ``exclude``): left by a run that died."""
         taken: dict[str, list[int]] = {}
         for queue in self.queues:
-            with backlog_receiver(self.config, queue) as receiver:
+            with shared_namespace(self.config, "secondary").receiver(queue) as receiver:
                 skip = set(exclude.get(queue, ()))
                 numbers = [n for n in deferred_numbers(receiver) if n not in skip]
             if numbers:
@@ -381,7 +451,7 @@ class BacklogStreamReader(DataSourceStreamReader):
     def _defer_queue(self, queue: str, cap: int | None, found: dict[str, list[int]]) -> int:
         """Receive and defer up to ``cap`` messages of one backlog queue; returns how many were deferred."""
         count = 0
-        with backlog_receiver(self.config, queue) as receiver:
+        with shared_namespace(self.config, "secondary").receiver(queue) as receiver:
             wait = self.receive_timeout
             while cap is None or count < cap:
                 want = PAGE if cap is None else min(PAGE, cap - count)
@@ -405,15 +475,7 @@ class BacklogStreamReader(DataSourceStreamReader):
 
     def _backlog_depth(self) -> int | None:
         try:
-            from .admin import admin_client
-
-            ns = self.config.secondary
-            if ns.connection_string is not None:
-                admin = admin_client(ns.connection_string.reveal(), admin_endpoint=ns.admin_endpoint, retry_total=0)
-            else:
-                admin = admin_client(fully_qualified_namespace=ns.fully_qualified_namespace,
-                                     credential=ns.credential(), retry_total=0)
-            with admin:
+            with admin_client(self.config.secondary, retry_total=0) as admin:
                 return sum(int(admin.get_queue_runtime_properties(q).active_message_count or 0) for q in self.queues)
         except Exception as exc:  # monitoring only: the batch does not depend on it
             _LOGGER.warning("backlog depth unavailable: %s", redact(str(exc))[:200])
@@ -428,7 +490,7 @@ class BacklogStreamReader(DataSourceStreamReader):
     def read(self, partition: InputPartition) -> Iterator[tuple]:
         assert isinstance(partition, BacklogPartition)
         now = datetime.datetime.now(datetime.UTC)
-        with backlog_receiver(self.config, partition.queue) as receiver:
+        with shared_namespace(self.config, "secondary").receiver(partition.queue) as receiver:
             found = peek_deferred(receiver, partition.sequence_numbers)
         yield from (backlog_row(m, partition.queue, now) for m in found)
 
@@ -444,10 +506,10 @@ class BacklogStreamReader(DataSourceStreamReader):
             return
         done = 0
         for queue, numbers in queues.items():
-            with backlog_receiver(self.config, queue, retries=False) as receiver:
+            with shared_namespace(self.config, "secondary", retries=False).receiver(queue) as receiver:
                 left = [int(m.sequence_number) for m in peek_deferred(receiver, numbers)]
             if left:  # receive-and-delete: completes them in one request
-                with backlog_receiver(self.config, queue, retries=False, delete=True) as deleter:
+                with shared_namespace(self.config, "secondary", retries=False).receiver(queue, delete=True) as deleter:
                     done += len(receive_deferred(deleter, left))
         self._completed_batch = max(self._completed_batch, number)
         _LOGGER.log(logging.INFO if done else logging.DEBUG, "backlog batch %d committed: %d messages its sink "

@@ -44,14 +44,16 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from azure.servicebus import ServiceBusMessage, ServiceBusReceiveMode
+from azure.servicebus import ServiceBusMessage
 
 from . import messages as msgs
+from .bus import Namespace, shared, shared_namespace
 from .bus.deferred import peek_deferred, receive_deferred, take_deferred
 from .config import SparkSbConfig, load_config
 from .errors import (
@@ -65,7 +67,6 @@ from .errors import (
     is_too_large,
     redact,
 )
-from .paired import PairedSender
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -157,16 +158,6 @@ def _add(counts: dict[str, int], key: str, n: int = 1) -> None:
     counts[key] = counts.get(key, 0) + n
 
 
-def _drop_sender(senders: dict[str, Any], path: str) -> None:
-    """Forget and close the cached SDK sender of ``path`` (rebuilt on next use)."""
-    sdk_sender = senders.pop(path, None)
-    if sdk_sender is not None:
-        try:
-            sdk_sender.close()
-        except Exception as exc:  # a broken handler: nothing left to do but say so
-            _LOGGER.debug("closing the sender of %r failed: %s", path, type(exc).__name__)
-
-
 class _DestinationDown(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(type(error).__name__)
@@ -176,34 +167,30 @@ class _DestinationDown(Exception):
 class Syphon:
     """Move backlog messages home. Build it with :meth:`from_config`; close it (or use ``with``).
 
-    ``clock`` (epoch seconds) decides TTL expiry and the retry interval; ``sender`` is the
-    :class:`PairedSender` whose :meth:`~PairedSender.ping` proves a destination healthy (built from the
-    configuration when omitted, and then closed with the syphon).
+    ``clock`` (epoch seconds) decides TTL expiry and the retry interval. Its SDK handles are two
+    :class:`~spark_sb.bus.Namespace` of its own (closed with it): the primary's, which pings and sends the
+    restored copies, and the secondary's, which receives from and re-parks to the backlog queues.
     """
 
-    def __init__(self, config: SparkSbConfig, *, sender: PairedSender | None = None,
-                 clock: Callable[[], float] = time.time, repark: bool = False) -> None:
+    def __init__(self, config: SparkSbConfig, *, clock: Callable[[], float] = time.time, repark: bool = False
+                 ) -> None:
         self.config = config
         #: leave messages for a destination that is down by sending a copy back to the backlog queue and
         #: completing the original (the Spark source's deferred messages cannot be abandoned back to the queue)
         self.repark = repark
         self._clock = clock
-        self._own_sender = sender is None
-        self._sender = sender if sender is not None else PairedSender(config)
         self._retry_interval = config.syphon.retry_interval.total_seconds()
         self._skip_until: dict[str, float] = {}
         self._healthy_at: dict[str, float] = {}  # when each destination last accepted a ping or a send
-        self._receivers: dict[str, Any] = {}
-        self._primary: Any = None
-        self._secondary: Any = None
-        self._primary_senders: dict[str, Any] = {}
-        self._backlog_senders: dict[str, Any] = {}  # re-parking: one sender per backlog queue
+        self._primary = Namespace("primary", config.primary, config.send_availability.primary_client_kwargs())
+        self._secondary = Namespace("secondary", config.secondary, {"retry_total": 0})
+        #: held by whoever uses this syphon (one batch at a time: :func:`syphon_for`)
+        self.lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, source: Any, *, sender: PairedSender | None = None,
-                    clock: Callable[[], float] = time.time, repark: bool = False) -> Syphon:
+    def from_config(cls, source: Any, *, clock: Callable[[], float] = time.time, repark: bool = False) -> Syphon:
         """From a YAML path, a dict or a :class:`SparkSbConfig`."""
-        return cls(load_config(source), sender=sender, clock=clock, repark=repark)
+        return cls(load_config(source), clock=clock, repark=repark)
 
     def __enter__(self) -> Syphon:
         return self
@@ -219,46 +206,10 @@ class Syphon:
     def backlog_queues(self) -> list[str]:
         return self.config.send_availability.backlog_queue_names()
 
-    # --- clients -------------------------------------------------------------------------------------------
-
-    def _secondary_client(self) -> Any:
-        if self._secondary is None:
-            self._secondary = self.config.secondary.client(retry_total=0)
-        return self._secondary
-
-    def _primary_sender(self, entity: str) -> Any:
-        sdk_sender = self._primary_senders.get(entity)
-        if sdk_sender is None:
-            if self._primary is None:
-                self._primary = self.config.primary.client(
-                    **self.config.send_availability.primary_client_kwargs())
-            sdk_sender = self._primary_senders[entity] = self._primary.get_queue_sender(entity)
-        return sdk_sender
-
-    def _reset_primary(self, entity: str) -> None:
-        _drop_sender(self._primary_senders, entity)
-
     def close(self) -> None:
-        """Close every client (idempotent)."""
-        for receiver in self._receivers.values():
-            try:
-                receiver.close()
-            except Exception as exc:  # closing a broken receiver
-                _LOGGER.debug("closing a receiver failed: %s", type(exc).__name__)
-        self._receivers = {}
-        for entity in list(self._primary_senders):
-            self._reset_primary(entity)
-        for queue in list(self._backlog_senders):
-            self._reset_backlog_sender(queue)
-        for client in (self._primary, self._secondary):
-            if client is not None:
-                try:
-                    client.close()
-                except Exception as exc:  # closing a broken client
-                    _LOGGER.debug("closing a client failed: %s", type(exc).__name__)
-        self._primary = self._secondary = None
-        if self._own_sender:
-            self._sender.close()
+        """Close every SDK handle (idempotent)."""
+        self._primary.close()
+        self._secondary.close()
 
     # --- moving --------------------------------------------------------------------------------------------
 
@@ -285,21 +236,10 @@ class Syphon:
         peek-lock and move them home (see the module docstring). Returns what happened to them."""
         limit = max_messages or self.config.syphon.receive_batch
         summary = MoveSummary(backlog_queue)
-        receiver = self._receivers.get(backlog_queue)
-        if receiver is None:
-            receiver = self._receivers[backlog_queue] = self._secondary_client().get_queue_receiver(
-                backlog_queue, receive_mode=ServiceBusReceiveMode.PEEK_LOCK, prefetch_count=0)
-        try:
+        with self._secondary.receiver(backlog_queue) as receiver:  # an error drops it: rebuilt on next use
             received = list(receiver.receive_messages(max_message_count=limit, max_wait_time=max_wait_time))
             summary.received = len(received)
             self.settle(receiver, received, summary)
-        except Exception:
-            self._receivers.pop(backlog_queue, None)  # rebuilt on next use
-            try:
-                receiver.close()
-            except Exception as exc:  # a broken receiver
-                _LOGGER.debug("closing a receiver failed: %s", type(exc).__name__)
-            raise
         if summary.received:
             _LOGGER.info("syphon %s: received %d, moved %s, dead-lettered %s, left %s", backlog_queue,
                          summary.received, summary.moved, summary.dead_lettered, summary.left)
@@ -361,16 +301,17 @@ class Syphon:
         try:
             # ping first, unless the destination accepted a ping or a send within the retry interval
             if not one_by_one and self._clock() - self._healthy_at.get(entity, float("-inf")) > self._retry_interval:
-                self._sender.ping(entity)
+                self._primary.ping(entity)
                 self._healthy_at[entity] = self._clock()
-            for batch in self._batches(entity, items, one_by_one):
-                self._primary_sender(entity).send_messages([restored for _, restored in batch])
-                for message, _ in batch:
-                    _settle(receiver, "complete_message", message)
-                    summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "delivered"))
-                done += len(batch)
-                _add(summary.moved, entity, len(batch))
-                self._healthy_at[entity] = self._clock()
+            with self._primary.sender(entity) as sdk_sender:
+                for batch in _batches(sdk_sender, items, entity, one_by_one):
+                    sdk_sender.send_messages([restored for _, restored in batch])
+                    for message, _ in batch:
+                        _settle(receiver, "complete_message", message)
+                        summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "delivered"))
+                    done += len(batch)
+                    _add(summary.moved, entity, len(batch))
+                    self._healthy_at[entity] = self._clock()
         except _BadMessage as bad:  # the messages before it were sent; dead-letter it, go on with the rest
             self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
             rest = [item for item in items[done:] if item[0] is not bad.message]
@@ -395,7 +336,7 @@ class Syphon:
                                       f"{entity!r} does not exist on the primary", summary, entity)
                 return
             self._leave(receiver, entity, rest, summary)
-            self._reset_primary(entity)
+            self._primary.drop_sender(entity)
             if error_class is ErrorClass.CONFIGURATION_CREDENTIAL:
                 raise CredentialRejectedError(
                     f"primary {self.config.primary.fully_qualified_namespace}", redact(str(exc)), entity=entity,
@@ -404,12 +345,6 @@ class Syphon:
             self._healthy_at.pop(entity, None)
             _LOGGER.info("destination %r unavailable (%s): %d messages stay in the backlog for %.3g s", entity,
                          type(exc).__name__, len(rest), self._retry_interval)
-
-    def _batches(self, entity: str, items: list[tuple[Any, ServiceBusMessage]], one_by_one: bool
-                 ) -> Iterator[list[tuple[Any, ServiceBusMessage]]]:
-        """Groups that fit one ``ServiceBusMessageBatch`` (or single messages); a message that fits no batch
-        or cannot be encoded is raised as :class:`_BadMessage`."""
-        return _batches(self._primary_sender(entity), items, entity, one_by_one)
 
     def _leave(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
         if entity not in summary.down:
@@ -449,30 +384,21 @@ class Syphon:
         while copies:
             sent = 0
             try:
-                sdk_sender = self._backlog_sender(queue)
-                for batch in _batches(sdk_sender, copies, queue, False):
-                    sdk_sender.send_messages([copy for _, copy in batch])
-                    for message, _ in batch:
-                        _settle(receiver, "complete_message", message)
-                        summary.outcomes.append(_outcome(queue, message, entity, "reparked"))
-                    sent += len(batch)
-                    _add(summary.left, entity, len(batch))
+                with self._secondary.sender(queue) as sdk_sender:
+                    for batch in _batches(sdk_sender, copies, queue, False):
+                        sdk_sender.send_messages([copy for _, copy in batch])
+                        for message, _ in batch:
+                            _settle(receiver, "complete_message", message)
+                            summary.outcomes.append(_outcome(queue, message, entity, "reparked"))
+                        sent += len(batch)
+                        _add(summary.left, entity, len(batch))
                 copies = []
             except _BadMessage as bad:  # those before it were sent: dead-letter it, go on with the rest
                 self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
                 copies = [item for item in copies[sent:] if item[0] is not bad.message]
             except Exception:
-                self._reset_backlog_sender(queue)
+                self._secondary.drop_sender(queue)
                 raise
-
-    def _backlog_sender(self, queue: str) -> Any:
-        sdk_sender = self._backlog_senders.get(queue)
-        if sdk_sender is None:
-            sdk_sender = self._backlog_senders[queue] = self._secondary_client().get_queue_sender(queue)
-        return sdk_sender
-
-    def _reset_backlog_sender(self, queue: str) -> None:
-        _drop_sender(self._backlog_senders, queue)
 
     @staticmethod
     def _dead_letter(receiver: Any | None, message: Any, reason: str, description: str | None,
@@ -536,13 +462,9 @@ def _fits(batch: Any, item: tuple[Any, ServiceBusMessage], entity: str) -> bool:
     return True
 
 
-def _text(value: Any) -> str:
-    return bytes(value).decode("utf-8", "replace") if isinstance(value, bytes | bytearray) else str(value)
-
-
 def _property(message: ServiceBusMessage, name: str) -> Any:
     for key, value in (message.application_properties or {}).items():
-        if _text(key) == name:
+        if msgs.text(key) == name:
             return value
     return None
 
@@ -570,7 +492,7 @@ def reparked_copies(receiver: Any, queue: str, sequence_numbers: Collection[int]
             break
         for message in messages:
             value = _property(message, X_MS_REPARKED_FROM)
-            text = _text(value) if value is not None else ""
+            text = msgs.text(value) or ""
             if text.startswith(prefix) and text[len(prefix):].isdigit():
                 original = int(text[len(prefix):])
                 if original in wanted and int(message.sequence_number or 0) > original:
@@ -593,6 +515,16 @@ def _settle(receiver: Any | None, action: str, message: Any, **kwargs: Any) -> N
                         getattr(message, "message_id", None), type(exc).__name__)
 
 
+@contextlib.contextmanager
+def syphon_for(config: SparkSbConfig) -> Iterator[Syphon]:
+    """This process's :class:`Syphon` (re-parking, for the Spark path) for ``config``, held exclusively for the
+    ``with`` block: what it learnt about destinations (down until when, healthy when) and its connections last
+    from batch to batch. Closed with the process registry (:func:`spark_sb.bus.close_all`)."""
+    syphon = shared("syphon", config.fingerprint(), lambda: Syphon(config, repark=True))
+    with syphon.lock:
+        yield syphon
+
+
 def summary_dict(summary: MoveSummary) -> Mapping[str, Any]:
     """The summary as a plain dict (for logs and the CLI)."""
     return {"backlog_queue": summary.backlog_queue, "received": summary.received, "moved": dict(summary.moved),
@@ -613,19 +545,17 @@ def republish_received(config: SparkSbConfig, received: Mapping[str, Sequence[An
     re-park those for a destination that is down (a copy back to the backlog queue) and decide which to
     dead-letter, **settling nothing**: one :class:`Outcome` per message. Record the outcomes, then
     :func:`settle_outcomes`. ``syphon`` (re-parking) defaults to this process's
-    (:func:`spark_sb.receivers.syphon_for`), which remembers destinations found down between batches.
+    (:func:`syphon_for`), which remembers destinations found down between batches.
 
     ``replay``: an earlier attempt at these messages may have died after re-parking some of them; the queue
     is searched for their copies first (:func:`reparked_copies`), and a message with a copy is not sent
     again (outcome ``reparked``): a replay adds no second copy, and sends no message whose copy will."""
-    from .receivers import backlog_receiver, syphon_for
-
     outcomes: list[Outcome] = []
     with contextlib.nullcontext(syphon) if syphon is not None else syphon_for(config) as mover:
         for queue, found in received.items():
             copied: set[int] = set()
             if replay and found:
-                with backlog_receiver(config, queue) as receiver:
+                with shared_namespace(config, "secondary").receiver(queue) as receiver:
                     copied = reparked_copies(receiver, queue, [int(m.sequence_number) for m in found])
             summary = MoveSummary(queue, received=len(found))
             mover.settle(None, found, summary, reparked=copied)
@@ -637,11 +567,9 @@ def republish_deferred(config: SparkSbConfig, wanted: Mapping[str, Sequence[int]
                        syphon: Syphon | None = None, replay: bool = False) -> list[Outcome]:
     """:func:`republish_received` for the deferred backlog messages with these sequence numbers
     (``{queue: sequence numbers}``) that are still there, peeked first."""
-    from .receivers import backlog_receiver
-
     found: dict[str, list[Any]] = {}
     for queue, numbers in wanted.items():
-        with backlog_receiver(config, queue) as receiver:
+        with shared_namespace(config, "secondary").receiver(queue) as receiver:
             found[queue] = peek_deferred(receiver, sorted(set(numbers)))
     return republish_received(config, found, syphon=syphon, replay=replay)
 
@@ -654,8 +582,6 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
     earlier attempt. One still locked by an earlier attempt that died is waited for until its lock expires
     (at most ``lock_wait`` seconds, longer than the service's 5 minute maximum lock), then
     :class:`SyphonSettleError`. Returns how many this call settled."""
-    from .receivers import backlog_receiver
-
     by_queue: dict[str, dict[int, Outcome]] = {}
     for outcome in outcomes:
         if outcome.sequence_number is not None and outcome.outcome in (*_COMPLETE, _DEAD_LETTER):
@@ -669,13 +595,13 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
         # first, as if every message were there (a first attempt): completed in bulk, nothing peeked
         done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
         if done:
-            with backlog_receiver(config, queue, retries=False, delete=True) as deleter:
+            with shared_namespace(config, "secondary", retries=False).receiver(queue, delete=True) as deleter:
                 taken = take_deferred(deleter, done)
             for number in taken:
                 pending.pop(number)
             settled += len(taken)
         while pending:
-            with backlog_receiver(config, queue, retries=False) as receiver:
+            with shared_namespace(config, "secondary", retries=False).receiver(queue) as receiver:
                 there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
                 pending = {n: o for n, o in pending.items() if n in there}
                 # dead-letter in peek-lock, one request each; complete the rest by receive-and-delete in bulk
@@ -687,7 +613,7 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
                     settled += 1
             done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
             if done:
-                with backlog_receiver(config, queue, retries=False, delete=True) as deleter:
+                with shared_namespace(config, "secondary", retries=False).receiver(queue, delete=True) as deleter:
                     for message in receive_deferred(deleter, done):
                         pending.pop(int(message.sequence_number))
                         settled += 1

@@ -20,11 +20,11 @@ from azure.servicebus.amqp import AmqpAnnotatedMessage
 from pairing import pair_config
 
 from spark_sb import messages
+from spark_sb.bus import close_all
 from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import CredentialRejectedError
 from spark_sb.paired import PRIMARY, PairedSender
-from spark_sb.receivers import close_all
 from spark_sb.syphon import (
     REJECTED_BY_DESTINATION,
     Outcome,

@@ -17,7 +17,13 @@ from spark_sb import messages
 
 
 @pytest.fixture(scope="session")
-def spark() -> Iterator[Any]:
+def event_log(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Where the session's Spark event log goes (tests/spark/test_secrets.py reads it)."""
+    return tmp_path_factory.mktemp("event-log")
+
+
+@pytest.fixture(scope="session")
+def spark(event_log: Any) -> Iterator[Any]:
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
     from delta import configure_spark_with_delta_pip
@@ -32,6 +38,9 @@ def spark() -> Iterator[Any]:
         .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
         .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
         .config("spark.driver.memory", "1g")
+        .config("spark.eventLog.enabled", "true")
+        .config("spark.eventLog.dir", event_log.as_uri())
+        .config("spark.eventLog.compress", "false")  # readable by tests/spark/test_syphon_stream.py
         # an idle stream reports progress every 200 ms rather than every 10 s: tests see "empty" at once
         .config("spark.sql.streaming.noDataProgressEventInterval", "200ms")
     )

@@ -20,12 +20,12 @@ from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusMess
 from chispa import assert_df_equality
 
 from spark_sb import messages
+from spark_sb.bus import close_all
 from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import ConfigError
-from spark_sb.receivers import close_all
-from spark_sb.source import BacklogDataSource, BacklogStreamReader, register
 from spark_sb.republisher import Republisher
+from spark_sb.source import BacklogDataSource, BacklogStreamReader, config_options, register
 
 from .conftest import receive_all, sink_config
 
@@ -78,9 +78,8 @@ def _run(spark: Any, config: dict, max_per_trigger: int = 100) -> tuple[Republis
 def _restart(spark: Any, config: dict, foreach: Any, max_per_trigger: int, source: str = "servicebus-backlog",
              **options: str) -> Any:
     """The job's query from the same checkpoint, with another foreachBatch (and source) for the test."""
-    job = _job()
     cfg = load_config(config)
-    stream = (spark.readStream.format(source).options(**job._flat_options(cfg), **options)
+    stream = (spark.readStream.format(source).options(**config_options(cfg), **options)
               .option("maxMessagesPerTrigger", str(max_per_trigger)).option("receiveTimeout", "0.5").load())
     return (stream.writeStream.foreachBatch(foreach).option("checkpointLocation", cfg.syphon.checkpoint_location)
             .trigger(processingTime="1 second").start())
@@ -259,7 +258,6 @@ def test_the_reader_defers_peeks_restored_rows_and_completes_what_the_sink_left_
 
     from pyspark.sql.streaming.datasource import ReadMaxRows
 
-    from spark_sb.config import load_config
     from spark_sb.source import SCHEMA, BacklogStreamReader
 
     queues, entity = setup["queues"], setup["entity"]
@@ -271,7 +269,7 @@ def test_the_reader_defers_peeks_restored_rows_and_completes_what_the_sink_left_
         with client.get_queue_sender(queues[0]) as sender:
             sender.send_messages(messages.to_backlog(message, entity))
             sender.send_messages(ServiceBusMessage("foreign", message_id="f1"))
-    options = {**_job()._flat_options(load_config(setup["config"])), "receiveTimeout": "0.5"}
+    options = {**config_options(setup["config"]), "receiveTimeout": "0.5"}
     reader = BacklogStreamReader(options)
     start = reader.initialOffset()
     end = reader.latestOffset(start, ReadMaxRows(10))
@@ -307,7 +305,8 @@ def test_the_syphon_job_killed_with_sigkill_mid_stream_loses_and_duplicates_noth
     for q in range(2):
         _park(secondary, queues[q], entity, [i for i in ids if i.startswith(f"s{q}-")])
     conf = tmp_path / "syphon.yaml"
-    conf.write_text(json.dumps({**setup["config"], "syphon": {**setup["config"]["syphon"], "receive_batch": 25}}))
+    conf.write_text(json.dumps({**setup["config"], "syphon": {**setup["config"]["syphon"],
+                                                                        "max_messages_per_trigger": 25}}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
     env["PYSPARK_PYTHON"] = sys.executable
     command = [sys.executable, str(_JOBS / "syphon.py"), "--conf", str(conf), "--until-empty"]
@@ -334,3 +333,38 @@ def test_the_syphon_job_killed_with_sigkill_mid_stream_loses_and_duplicates_noth
                        ignore_row_order=True, ignore_nullable=True)  # exactly one delivered row per message
     for queue in queues:
         assert _states(secondary, queue) == []  # nothing left, active or deferred
+
+
+def test_no_secret_reaches_the_plan_the_progress_the_source_options_or_the_event_log(
+        spark, setup, primary, secondary, event_log, capsys) -> None:
+    """The syphon job hands its configuration to the source by reference, and the sink's configuration
+    travels only inside its pickled function: the SAS key shows nowhere Spark writes down a query."""
+    from spark_sb.sink import PairedSink
+
+    key = load_config(setup["config"]).primary.connection_string.shared_access_key
+    assert key and key in primary.connection_string  # the secret the test looks for
+    queues, entity = setup["queues"], setup["entity"]
+    _park(secondary, queues[0], entity, ["s1", "s2"])
+    job = _job()
+    query, republisher = job.start(spark, setup["config"], receive_timeout=0.5)
+    try:
+        job.await_until_empty(query, idle_batches=1, timeout=240)
+        query.explain(True)
+        progress = json.dumps([*query.recentProgress, query.lastProgress], default=str)
+    finally:
+        query.stop()
+    assert republisher.totals.get("delivered") == 2
+    options = config_options(setup["config"])
+    sink = PairedSink.from_config({**setup["config"], "sink": {"entity": entity}})
+    spark.range(3).selectExpr("cast(id as string) as body").write.format("noop").mode("overwrite").save()
+    sink(spark.range(3).selectExpr("cast(id as string) as body"), 0)
+    assert sink.latest is not None and sink.latest.rows == 3
+    spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty()  # the event log has every event so far
+    plan = capsys.readouterr().out
+    assert "servicebus-backlog" in plan or "BacklogDataSource" in plan  # the plan was printed
+    logged = "".join(p.read_text(errors="replace") for p in event_log.rglob("*") if p.is_file())
+    assert "SparkListenerSQLExecutionStart" in logged and "spark-sb-syphon" in logged
+    for where, text in (("explain", plan), ("progress", progress), ("source options", json.dumps(options)),
+                        ("event log", logged)):
+        assert key not in text, where
+        assert "SharedAccessKey=" not in text.replace("SharedAccessKey=***", ""), where
