@@ -866,10 +866,21 @@ def received_bytes(message: ServiceBusReceivedMessage) -> bytes:
     annotations, sequence number included): what :func:`from_received_bytes` reads back. The syphon source's
     rows carry it, so that the republisher sends without fetching the message again."""
     wire = message._message  # noqa: SLF001 (the SDK keeps the decoded AMQP message there)
+    value = wire.value
     wire = wire._replace(message_annotations=_reencodable(wire.message_annotations),
                          application_properties=_reencodable(wire.application_properties),
-                         value=_reencodable(wire.value), sequence=_reencodable(wire.sequence))
-    return bytes(encode_payload(bytearray(), wire))
+                         value=None, sequence=_reencodable(wire.sequence))
+    out = bytearray()
+    encode_payload(out, wire)
+    if value is not None:  # written here: the SDK's encoder drops a false value (0, "", False) and types none
+        value = _reencodable(value)
+        encode_value(out, {TYPE: AMQPTypes.described, VALUE: (
+            {TYPE: AMQPTypes.ulong, VALUE: _AMQP_VALUE_SECTION},
+            value if _is_typed(value) else {TYPE: None, VALUE: value})})
+    return bytes(out)
+
+
+_AMQP_VALUE_SECTION = 0x77  # the descriptor of the amqp-value body section
 
 
 _INT32 = range(-(2**31), 2**31)
