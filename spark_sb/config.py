@@ -98,7 +98,7 @@ _LOGGER = logging.getLogger(__name__)
 __all__ = [
     "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "Secret", "SendAvailabilityConfig",
     "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "format_duration",
-    "from_options", "is_secret_name", "load_config", "load_reference", "parse_duration", "redact_connection_string",
+    "from_options", "is_literal_secret", "is_secret_name", "load_config", "load_reference", "parse_duration", "redact_connection_string",
 ]
 
 BACKLOG_QUEUE_SEGMENT = "x-servicebus-transfer"
@@ -1049,7 +1049,9 @@ def _interpolate(value: Any, path: str, environ: Mapping[str, str]) -> Any:
     return _ENV_REFERENCE.sub(substitute, value)
 
 
-def _is_literal_secret(name: str, value: Any) -> bool:
+def is_literal_secret(name: str, value: Any) -> bool:
+    """Whether option ``name`` holds a secret written out, rather than as a ``${VAR}`` reference (a connection
+    string counts only when it carries a SharedAccessKey or SharedAccessSignature)."""
     if value is None or value == "" or not is_secret_name(name) or _PURE_REFERENCE.match(str(value).strip()):
         return False
     if _normal(name) != "connectionstring":
@@ -1065,7 +1067,7 @@ def _literal_secret(value: Any, path: str = "") -> str | None:
     for key, item in items:
         option = f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else str(key)
         found = (_literal_secret(item, option) if isinstance(item, Mapping | list)
-                 else option if _is_literal_secret(str(key), item) else None)
+                 else option if is_literal_secret(str(key), item) else None)
         if found:
             return found
     return None

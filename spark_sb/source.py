@@ -73,7 +73,7 @@ from .config import (
     MAX_RECEIVE_BATCH,
     SparkSbConfig,
     from_options,
-    is_secret_name,
+    is_literal_secret,
     load_config,
     load_reference,
 )
@@ -126,18 +126,11 @@ def _options_config(options: Mapping[str, str]) -> SparkSbConfig:
         return load_reference(reference)
     config = from_options(options)
     if config.reference() is None:
-        secret = next((str(k) for k, v in options.items() if v and _literal_secret(str(k), str(v))), "options")
+        secret = next((str(k) for k, v in options.items() if is_literal_secret(str(k).rsplit(".", 1)[-1], v)), "options")
         raise ConfigError(secret, "holds a literal secret, which Spark would write into its plan and event log: pass "
                           "the configuration by reference (option conf: a YAML path; or option config: JSON whose "
                           "secrets are ${ENV_VAR} references; spark_sb.source.config_options builds them)")
     return config
-
-
-def _literal_secret(name: str, value: str) -> bool:
-    """Whether the flat option ``name`` holds a secret written out rather than as a ``${VAR}`` reference."""
-    if value.strip().startswith("${") and value.strip().endswith("}"):
-        return False
-    return is_secret_name(name.rsplit(".", 1)[-1]) or "sharedaccess" in value.lower()
 
 
 def config_options(conf: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConfig) -> dict[str, str]:

@@ -680,3 +680,21 @@ def test_load_reference_refuses_what_is_not_a_configuration() -> None:
         load_reference("{primary: ")
     with pytest.raises(ConfigError, match="must be a mapping of options, got list"):
         load_reference("[1]")
+
+
+def test_the_backlog_source_refuses_a_secret_in_its_flat_options_and_takes_references(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark writes a source's options into its plan and event log: a literal key there is refused, naming the
+    option and not the key; the same option as a ${VAR} reference is resolved where the reader runs."""
+    from spark_sb.source import BacklogStreamReader
+
+    with pytest.raises(ConfigError) as caught:
+        BacklogStreamReader({"primary.connectionString": PRIMARY, "secondary.connectionString": SECONDARY})
+    assert str(caught.value).startswith("primary.connectionString: holds a literal secret") and KEY not in str(
+        caught.value)
+    monkeypatch.setenv("SB_TEST_PRIMARY", PRIMARY)
+    monkeypatch.setenv("SB_TEST_SECONDARY", SECONDARY)
+    reader = BacklogStreamReader({"primary.connectionString": "${SB_TEST_PRIMARY}",
+                                  "secondary.connectionString": "${SB_TEST_SECONDARY}"})
+    assert reader.config.primary.connection_string is not None
+    assert reader.config.primary.connection_string.shared_access_key == KEY
