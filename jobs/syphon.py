@@ -39,7 +39,7 @@ def start(spark: Any, conf: Any, *, max_per_trigger: int | None = None, receive_
     republisher = Republisher(config)  # refuses a configuration without checkpoint or ledger
     register(spark)
     stream = (spark.readStream.format("servicebus-backlog")
-              .options(**config_options(conf if isinstance(conf, str | Path) else config))
+              .options(**config_options(config))  # by reference: no secret in the plan
               .option("maxMessagesPerTrigger", str(max_per_trigger or config.syphon.max_messages_per_trigger))
               .option("receiveTimeout", str(receive_timeout))
               .load())
