@@ -624,7 +624,7 @@ def syphon_killed(stage: Stage) -> None:
     own process (50 messages a batch) is SIGKILLed after its first batch log line, in a later batch as soon as
     that batch's copies reach the primary (before its ledger append), and restarted on the same checkpoint
     and ledger until the backlog is empty."""
-    stage.config["syphon"]["receive_batch"] = 50
+    stage.config["syphon"]["max_messages_per_trigger"] = 50
     stage.write_source()
     stage.run_writer({1: lambda: fault(stage.primary_admin, "down")})
     heal(stage.primary_admin)
@@ -866,7 +866,7 @@ def main() -> int:
     if args.batches < 6:
         parser.error("--batches must be at least 6")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("spark_sb.syphon").setLevel(logging.INFO)  # one line per syphon batch, with step timings
+    logging.getLogger("spark_sb.republisher").setLevel(logging.INFO)  # one line per syphon batch, with step timings
     logging.getLogger("py4j").setLevel(logging.CRITICAL)  # a failed batch's traceback: the note has its error
     work = Path(tempfile.mkdtemp(prefix="spark-sb-chaos-"))
     say(f"work folder {work}")
