@@ -68,7 +68,7 @@ from pyspark.sql.types import (
 
 from . import messages as msgs
 from .bus import admin_client, shared_namespace
-from .bus.deferred import PAGE, deferred_numbers, peek_deferred, receive_deferred
+from .bus.deferred import PAGE, complete_deferred, deferred_numbers, peek_deferred
 from .config import (
     MAX_RECEIVE_BATCH,
     SparkSbConfig,
@@ -497,13 +497,8 @@ class BacklogStreamReader(DataSourceStreamReader):
         queues = offset.get("queues") or {}
         if number <= self._completed_batch or not queues:
             return
-        done = 0
-        for queue, numbers in queues.items():
-            with shared_namespace(self.config, "secondary", retries=False).receiver(queue) as receiver:
-                left = [int(m.sequence_number) for m in peek_deferred(receiver, numbers)]
-            if left:  # receive-and-delete: completes them in one request
-                with shared_namespace(self.config, "secondary", retries=False).receiver(queue, delete=True) as deleter:
-                    done += len(receive_deferred(deleter, left))
+        done = sum(len(complete_deferred(shared_namespace(self.config, "secondary", retries=False), queue, numbers))
+                   for queue, numbers in queues.items())
         self._completed_batch = max(self._completed_batch, number)
         _LOGGER.log(logging.INFO if done else logging.DEBUG, "backlog batch %d committed: %d messages its sink "
                     "left deferred completed", number, done)

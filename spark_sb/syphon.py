@@ -54,7 +54,7 @@ from azure.servicebus import ServiceBusMessage
 
 from . import messages as msgs
 from .bus import Namespace, shared, shared_namespace
-from .bus.deferred import peek_deferred, receive_deferred, take_deferred
+from .bus.deferred import complete_deferred, peek_deferred, receive_deferred
 from .config import SparkSbConfig, load_config
 from .errors import (
     ENCODING_ERRORS,
@@ -590,33 +590,27 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
     if not by_queue:
         return settled
     for queue, pending in by_queue.items():
+        namespace = shared_namespace(config, "secondary", retries=False)
         deadline: float | None = None
         pause = 1.0
-        # first, as if every message were there (a first attempt): completed in bulk, nothing peeked
-        done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
-        if done:
-            with shared_namespace(config, "secondary", retries=False).receiver(queue, delete=True) as deleter:
-                taken = take_deferred(deleter, done)
-            for number in taken:
-                pending.pop(number)
-            settled += len(taken)
+        bulk_first = True  # the first round, as if every message were there (a first attempt): nothing peeked
         while pending:
-            with shared_namespace(config, "secondary", retries=False).receiver(queue) as receiver:
-                there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
-                pending = {n: o for n, o in pending.items() if n in there}
-                # dead-letter in peek-lock, one request each; complete the rest by receive-and-delete in bulk
-                doomed = sorted(n for n, o in pending.items() if o.outcome == _DEAD_LETTER)
+            done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
+            for number in complete_deferred(namespace, queue, done, bulk_first=bulk_first):
+                pending.pop(number)
+                settled += 1
+            bulk_first = False
+            doomed = sorted(n for n, o in pending.items() if o.outcome == _DEAD_LETTER)
+            with namespace.receiver(queue) as receiver:
+                # dead-letter in peek-lock, one request each
                 for message in receive_deferred(receiver, doomed):
                     outcome = pending.pop(int(message.sequence_number))
                     receiver.dead_letter_message(message, reason=outcome.reason,
                                                  error_description=outcome.description or outcome.reason)
                     settled += 1
-            done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
-            if done:
-                with shared_namespace(config, "secondary", retries=False).receiver(queue, delete=True) as deleter:
-                    for message in receive_deferred(deleter, done):
-                        pending.pop(int(message.sequence_number))
-                        settled += 1
+                if pending:  # gone: settled by an earlier attempt; still there: locked by one
+                    there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
+                    pending = {n: o for n, o in pending.items() if n in there}
             if not pending:
                 break
             if deadline is None:  # locked by an earlier attempt: wait for the locks to expire

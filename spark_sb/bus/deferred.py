@@ -16,10 +16,11 @@ from typing import Any
 from azure.servicebus import ServiceBusMessageState
 
 from ..errors import is_message_not_found
+from ._namespace import Namespace
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["PAGE", "deferred_numbers", "peek_deferred", "receive_deferred", "take_deferred"]
+__all__ = ["PAGE", "complete_deferred", "deferred_numbers", "peek_deferred", "receive_deferred", "take_deferred"]
 
 #: messages per peek or fetch request
 PAGE = 250
@@ -84,8 +85,31 @@ def peek_deferred(receiver: Any, sequence_numbers: Sequence[int]) -> list[Any]:
 def deferred_numbers(receiver: Any) -> list[int]:
     """The sequence numbers of every deferred message in the receiver's queue (peeks the whole queue)."""
     numbers: list[int] = []
-    start = 0
+    start = 1  # not 0: the SDK reads 0 as "after the last message this receiver saw"
     while page := receiver.peek_messages(max_message_count=PAGE, sequence_number=start):
         numbers.extend(int(m.sequence_number or 0) for m in page if m.state == ServiceBusMessageState.DEFERRED)
         start = int(page[-1].sequence_number or 0) + 1
     return numbers
+
+
+def complete_deferred(namespace: Namespace, queue: str, sequence_numbers: Sequence[int], *,
+                      bulk_first: bool = False) -> set[int]:
+    """Complete those of these deferred messages of ``queue`` that are there and not locked (a fetch in
+    receive-and-delete mode); returns their sequence numbers. The others are gone (settled before) or locked.
+
+    ``bulk_first``: every message is expected to be there (a first attempt): fetch them all in pages of 250 at
+    once (:func:`take_deferred`) and peek only for those of a page the service answered "not found". Else peek
+    first (most may be gone, e.g. a sink that settled its batch itself) and fetch only what is there."""
+    done: set[int] = set()
+    rest = [int(n) for n in sequence_numbers]
+    if bulk_first and rest:
+        with namespace.receiver(queue, delete=True) as deleter:
+            done.update(take_deferred(deleter, rest))
+        rest = [n for n in rest if n not in done]
+    if rest:
+        with namespace.receiver(queue) as receiver:
+            there = [int(m.sequence_number) for m in peek_deferred(receiver, rest)]
+        if there:
+            with namespace.receiver(queue, delete=True) as deleter:
+                done.update(int(m.sequence_number) for m in receive_deferred(deleter, there))
+    return done
