@@ -20,6 +20,9 @@ gave. Shape (defaults shown)::
       primary_retry_backoff_max: 5s
       primary_try_timeout: 5s
     syphon: {retry_interval: 1s, receive_batch: 100}
+    replication:
+      mode: paired                    # paired (send availability) | active (both namespaces) | passive (one, swap)
+      retry_interval: 30s             # active: a namespace that failed a send is skipped this long, then tried again
     sink:                             # the Spark sink (spark_sb.sink) and its writer job (jobs/paired_writer.py)
       entity: null                    # default entity when the rows carry none
       columns: {}                     # message field -> column name; default: the field names
@@ -96,7 +99,7 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
-    "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "Secret", "SendAvailabilityConfig",
+    "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "REPLICATION_MODES", "ReplicationConfig", "Secret", "SendAvailabilityConfig",
     "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "format_duration",
     "from_options", "is_literal_secret", "is_secret_name", "load_config", "load_reference", "parse_duration", "redact_connection_string",
 ]
@@ -710,6 +713,29 @@ class SyphonConfig(_Frozen):
                 raise ConfigError(f"syphon.{name}", "is required by the syphon job (not set)")
 
 
+# --- replication ----------------------------------------------------------------------------------------
+
+#: the replication modes of the outages guidance; ``paired`` is send availability (backlog queues)
+REPLICATION_MODES = ("paired", "active", "passive")
+
+
+class ReplicationConfig(_Frozen):
+    """``replication``: how messages reach the two namespaces (behaviour.md, "Active and passive replication").
+
+    In ``active`` and ``passive`` mode the primary and the secondary hold the same entities and no backlog queue
+    is used; :class:`spark_sb.replication.ReplicatingSender` sends."""
+
+    mode: Literal["paired", "active", "passive"] = "paired"
+    #: active mode: a namespace whose send failed for an outage is skipped by later sends for this long, then
+    #: the next send tries it again (a send to the other namespace failing tries it at once)
+    retry_interval: Duration = Field(default=30 * SECOND, ge=0 * SECOND, le=60 * MINUTE)
+
+    @property
+    def replicating(self) -> bool:
+        """True in active and passive mode."""
+        return self.mode != "paired"
+
+
 # --- the Spark sink --------------------------------------------------------------------------------------
 
 #: the message fields a row can fill, in the order of spark.md ("Input columns"); each one's default column
@@ -840,10 +866,22 @@ class SparkSbConfig(_Frozen):
     secondary: NamespaceConfig
     send_availability: SendAvailabilityConfig = Field(default_factory=dict, validate_default=True)
     syphon: SyphonConfig = Field(default_factory=lambda: SyphonConfig())
+    replication: ReplicationConfig = Field(default_factory=lambda: ReplicationConfig())
     sink: SinkConfig = Field(default_factory=lambda: SinkConfig())
 
     _origin_path: str | None = PrivateAttr(None)
     _reference: str | None = PrivateAttr(None)  # the raw mapping as JSON, kept only when it holds no secret
+
+    @model_validator(mode="before")
+    @classmethod
+    def _second_namespace(cls, value: Any) -> Any:
+        if isinstance(value, Mapping) and value.get("secondary") is None:
+            replication = value.get("replication")
+            mode = replication.get("mode") if isinstance(replication, Mapping) else None
+            if mode in ("active", "passive"):
+                raise _Invalid(f"required: replication mode {mode!r} sends to both namespaces, which hold the same "
+                               "entities", field="secondary")
+        return value
 
     @field_validator("send_availability", mode="before")
     @classmethod

@@ -47,7 +47,7 @@ import enum
 import logging
 import re
 import socket
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from azure.core.exceptions import (
     ClientAuthenticationError,
@@ -81,6 +81,7 @@ __all__ = [
     "EntityNotFoundError",
     "ErrorClass",
     "PairingError",
+    "ReplicationError",
     "SparkSbError",
     "as_spark_sb_error",
     "ENCODING_ERRORS",
@@ -275,6 +276,26 @@ class BacklogUnavailableError(SparkSbError):
         if detail:
             text += f": {detail}"
         super().__init__(redact(text))
+
+
+class ReplicationError(SparkSbError):
+    """Active or passive replication: no namespace accepted the message(s). Nothing was acknowledged by either
+    side, so the caller can retry (in Spark the batch fails and is replayed from the checkpoint); a passive
+    sender keeps its roles.
+
+    :ivar entity: the entity.
+    :ivar errors: ``{"primary" | "secondary": the exception that side raised}``.
+    """
+
+    error_class = ErrorClass.OUTAGE
+    retryable = True
+
+    def __init__(self, entity: str, errors: Mapping[str, BaseException]) -> None:
+        self.entity = entity
+        self.errors = dict(errors)
+        causes = "; ".join(f"{side}: {type(err).__name__}: {err}" for side, err in self.errors.items())
+        super().__init__(redact(f"neither namespace accepted the message(s) for entity {entity!r}; nothing was "
+                                f"acknowledged, the send can be retried ({causes})"))
 
 
 # --- classification --------------------------------------------------------------------------------------
