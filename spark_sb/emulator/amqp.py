@@ -35,8 +35,13 @@ SESSION_FILTER = symbol("com.microsoft:session-filter")
 LOCKED_UNTIL_UTC = symbol("com.microsoft:locked-until-utc")
 LINK_TIMEOUT = symbol("com.microsoft:timeout")
 DOTNET_EPOCH_TICKS = 621355968000000000
-#: the injectable faults: the one definition (the control API in server.py and the CLI use it)
-FAULT_KINDS = ("down", "timeout", "busy", "disabled", "notfound", "quota", "unauthorized")
+#: the injectable faults: the one definition (the control API in server.py and the CLI use it).
+#: ``timeout``: a send is held unanswered and nothing is stored; ``ack-lost``: a send is stored (receivers get it)
+#: but its delivery is held unanswered (the outages page's "duplicate reception": the sender times out although
+#: the message is there). On heal, held deliveries of both are settled with a timeout error.
+FAULT_KINDS = ("down", "timeout", "ack-lost", "busy", "disabled", "notfound", "quota", "unauthorized")
+#: the faults that hold a send's delivery without answering it
+_HOLDING_FAULTS = ("timeout", "ack-lost")
 _FAULT_CONDITIONS = {
     "busy": (Cond.BUSY, "The server is busy. Please retry the operation after 10 seconds. (injected fault)"),
     "disabled": (Cond.DISABLED, "Messaging entity '{e}' is currently disabled. (injected fault)"),
@@ -84,7 +89,7 @@ class LinkState:
     next_available: bool = False
     waiting_since: float | None = None
     wait_timeout: float = 65.0
-    held: list[Any] = field(default_factory=list)  # deliveries held by a timeout fault
+    held: list[Any] = field(default_factory=list)  # deliveries held by a timeout or ack-lost fault
     error: tuple[str, str] | None = None  # a doomed sending link: every transfer is rejected with this
 
 
@@ -278,8 +283,9 @@ class NamespaceServer(Handler):
         if f is None:
             return
         _LOGGER.info("namespace %s: healed %s on %s", self.name, f.kind, key or "the namespace")
-        if f.kind == "timeout":
-            # deliveries held unanswered are released: nothing was stored for them
+        if f.kind in _HOLDING_FAULTS:
+            # deliveries held unanswered are answered now with an error (for "timeout" nothing was stored; for
+            # "ack-lost" the messages stay stored: the answer, not the message, was lost)
             for links in self._links_by_path.values():
                 for link in links:
                     st: LinkState = link.sb
@@ -646,6 +652,9 @@ class NamespaceServer(Handler):
         except BrokerError as err:
             self._settle_error(dlv, err.condition, err.description)
             return
+        if fault == "ack-lost":
+            st.held.append(dlv)  # stored, but the answer is lost: the sender times out
+            return
         self._settle_ok(dlv)
 
     def _on_settle(self, dlv: Any) -> None:
@@ -742,6 +751,8 @@ class NamespaceServer(Handler):
                 status, desc = 204, "No Content"
         except BrokerError as err:
             status, desc, cond = _MGMT_STATUS.get(err.condition, 500), err.description, err.condition
+        if fault == "ack-lost" and cond is None and operation.removeprefix("com.microsoft:") == "schedule-message":
+            return  # scheduled (a send), but the answer is lost
         reply_props: dict[str, Any] = {"statusCode": status, "statusDescription": desc}
         if cond is not None:
             reply_props["errorCondition"] = symbol(cond)
