@@ -3,7 +3,8 @@
 A leaf module: it imports nothing from spark_sb, so the emulator may use it.
 
 Accepted spellings (:func:`parse_seconds`): a number of seconds (``90``, ``1.5``, ``"90"``), units
-(``500ms``, ``60s``, ``60 sec``, ``5m``, ``2 min``, ``1h``, ``2d``, combined: ``1h30m``), ISO 8601
+(``500ms``, ``60s``, ``60 sec``, ``5m``, ``2 min``, ``1h``, ``2d``, combined: ``1h30m``; or the words Spark's
+intervals use: ``10 minutes``, ``1 hour``, ``30 seconds``, ``500 milliseconds``, ``2 days``), ISO 8601
 (``PT1M``, ``PT0.5S``, ``P1DT1H``, ``P1W``; case-insensitive), or a :class:`~datetime.timedelta`.
 
 * :func:`format_duration`: as people read it in an error (``2 h``, ``60 min``, ``1.5 s``, ``500 ms``);
@@ -32,12 +33,19 @@ __all__ = [
 
 DURATION_HELP = "not a duration (write 500ms, 60s, 5m, 1h, 1h30m, a number of seconds, or ISO 8601 such as PT1M)"
 
-_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|sec|min|s|m|h|d)", re.IGNORECASE)
+_UNIT_SECONDS = {"ms": 0.001, "millisecond": 0.001, "s": 1.0, "sec": 1.0, "second": 1.0, "m": 60.0, "min": 60.0,
+                 "minute": 60.0, "h": 3600.0, "hour": 3600.0, "d": 86400.0, "day": 86400.0, "week": 604800.0}
+_PART = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(milliseconds?|seconds?|minutes?|hours?|days?|weeks?|ms|sec|min|s|m|h|d)"
+                   r"(?![a-z])", re.IGNORECASE)
 _NUMBER = re.compile(r"^[+-]?\d+(?:\.\d+)?$")
 _N = r"(\d+(?:\.\d+)?)"
 _ISO = re.compile(rf"^P(?:{_N}W)?(?:{_N}D)?(?:T(?:{_N}H)?(?:{_N}M)?(?:{_N}S)?)?$", re.IGNORECASE)
 _ISO_SECONDS = (604800.0, 86400.0, 3600.0, 60.0, 1.0)
+
+
+def _unit_seconds(unit: str) -> float:
+    unit = unit.lower()
+    return _UNIT_SECONDS[unit[:-1] if len(unit) > 3 and unit.endswith("s") else unit]  # minutes -> minute
 
 
 class DurationError(ValueError):
@@ -71,7 +79,7 @@ def parse_seconds(value: object, *, iso_only: bool = False) -> float:
     for match in _PART.finditer(text):
         if match.start() != position:
             break
-        total += float(match.group(1)) * _UNIT_SECONDS[match.group(2).lower()]
+        total += float(match.group(1)) * _unit_seconds(match.group(2))
         position = match.end()
     if position == 0 or text[position:].strip():
         raise DurationError(value)

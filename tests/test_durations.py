@@ -24,12 +24,15 @@ def test_every_text_parses_back(value: timedelta) -> None:
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("P1W", 604800.0), ("pt1m", 60.0), ("PT1H30M", 5400.0), ("1d", 86400.0),
-                                               (" 1h 30m ", 5400.0), ("60 sec", 60.0), ("-5", -5.0)])
+                                               (" 1h 30m ", 5400.0), ("60 sec", 60.0), ("-5", -5.0),
+                                               # Spark's interval words, as withWatermark takes them
+                                               ("10 minutes", 600.0), ("1 hour", 3600.0), ("500 milliseconds", 0.5),
+                                               ("2 hours 5 minutes", 7500.0), ("1 week", 604800.0), ("500ms", 0.5)])
 def test_spellings(text: str, seconds: float) -> None:
     assert parse_seconds(text) == seconds
 
 
-@pytest.mark.parametrize("value", ["soon", "", "P", "PT", "P1DT", "5 parsecs", True, None, float("inf"), [1]])
+@pytest.mark.parametrize("value", ["soon", "", "P", "PT", "P1DT", "5 parsecs", "10 minutesx", True, None, float("inf"), [1]])
 def test_what_is_not_a_duration(value: object) -> None:
     with pytest.raises(DurationError) as caught:
         parse_duration(value)
