@@ -1,42 +1,58 @@
-"""``servicebus-backlog``: a Python streaming data source over every backlog queue of a primary (spark.md,
-"The syphon").
+"""Two Python streaming data sources over Service Bus, one machinery (spark.md, "The syphon"):
 
-A queue is not replayable by itself, so the source keeps Service Bus as the only store by **deferring**:
+* ``servicebus-backlog``: every backlog queue of a primary, each message restored (the syphon reads it);
+* ``servicebus``: one queue or topic subscription on the primary, the secondary or both (the receiving side
+  of active and passive replication; follow it with :func:`spark_sb.dedupe` to drop the second copy).
 
-* :meth:`BacklogStreamReader.latestOffset` receives up to ``maxMessagesPerTrigger`` messages in peek-lock
-  from the backlog queues and defers them (a deferred message stays in its queue, is never delivered again,
-  and is fetched by sequence number). Pings are completed at once (every reader drops them). The offset is a
-  JSON dict: ``{"batch": n, "queues": {queue: [sequence numbers]}}`` holding the batch's messages;
-* :meth:`~BacklogStreamReader.partitions` gives one partition per queue with its sequence numbers;
-  :meth:`~BacklogStreamReader.read` (on an executor) **peeks** them by sequence number, which neither locks
-  them nor counts a delivery, and turns each into a row: a replayed batch reads the same rows, and a reader
-  that dies holds no lock;
-* the sink settles the messages. The syphon's sink (:class:`spark_sb.syphon.Republisher`) completes or
-  dead-letters each one only after the primary accepted its restored copy and its ledger recorded the
-  outcome. :meth:`~BacklogStreamReader.commit` (Spark calls it after the batch's sink finished) completes
-  whatever of the batch the sink left deferred, so that another sink reads the backlog at least once. Spark
-  calls ``commit`` only when it plans the next batch; ``latestOffset(start)`` therefore does the same for the
-  batch ending at ``start`` (it is only called once that batch finished), so an idle stream leaves nothing
-  deferred behind;
-* the first ``latestOffset`` of a reader (a new query, or a restart from a checkpoint) peeks the queues for
+A queue is not replayable by itself, so both keep Service Bus as the only store by **deferring**
+(:class:`DeferringStreamReader`):
+
+* ``latestOffset`` receives up to ``maxMessagesPerTrigger`` messages in peek-lock from the entities and defers
+  them (a deferred message stays in its entity, is never delivered again, and is fetched by sequence number).
+  Pings are completed at once: they never become rows. The offset is a JSON dict holding the batch's messages:
+  ``{"batch": n, "queues": {queue: [sequence numbers]}}`` (backlog) or ``{"batch": n, "entities":
+  {"primary:orders": [...], "secondary:orders": [...]}}`` (servicebus);
+* ``partitions`` gives partitions of at most 1,000 sequence numbers of one entity; ``read`` (on an executor)
+  **peeks** them by sequence number, which neither locks them nor counts a delivery, and turns each into a
+  row: a replayed batch reads the same rows, and a reader that dies holds no lock;
+* messages are completed only after the batch's sink finished. The syphon's sink
+  (:class:`spark_sb.republisher.Republisher`) settles each backlog message itself once the primary accepted
+  its restored copy and its ledger recorded the outcome; ``commit`` (Spark calls it after the batch's sink
+  finished) completes whatever of the batch is still deferred, which for the ``servicebus`` source is all of
+  it. Spark calls ``commit`` only when it plans the next batch; ``latestOffset(start)`` therefore does the
+  same for the batch ending at ``start`` (only called once that batch finished), so an idle stream leaves
+  nothing deferred behind;
+* the first ``latestOffset`` of a reader (a new query, or a restart from a checkpoint) peeks its entities for
   messages left deferred by a run that died between deferring them and Spark recording its offset, or by an
-  abandoned checkpoint, and takes them back into its batch. Only one syphon may read a primary's backlog
-  queues at a time.
+  abandoned checkpoint, and takes them back into its batch. So one query at a time reads an entity: the
+  source owns its deferred messages;
+* a namespace that does not answer (an outage) is logged and left out of the batch, and tried again at the
+  next one: with ``namespaces=primary,secondary`` the stream goes on from the namespace that is up. An entity
+  not found or a credential rejected fails the query with a clear error.
 
 Options (case-insensitive): the configuration **by reference**, so that no secret is written into Spark's plan,
 progress or event log (:func:`config_options` builds these): ``conf`` (a YAML path) or ``config`` (JSON whose
 secrets are ``${ENV_VAR}`` references, resolved where the reader runs), or flat options of
 :func:`spark_sb.config.from_options` that hold no literal secret; ``maxMessagesPerTrigger`` (default
-``syphon.max_messages_per_trigger``); ``receiveTimeout`` (seconds a receive waits for the first message, default
-1); ``reportBacklogDepth`` (default true).
+``syphon.max_messages_per_trigger`` for the backlog, 1,000 for ``servicebus``); ``receiveTimeout`` (seconds a
+receive waits for the first message, default 1); ``reportBacklogDepth`` (default true). The ``servicebus``
+source also takes ``entity`` (required: ``orders``, or ``events/subscriptions/all``) and ``namespaces``
+(``primary``, ``secondary`` or ``primary,secondary``; default ``primary``). It checks before anything starts
+that the entity exists and needs no session: a session-enabled entity is **refused** with a clear error,
+since a deferred session message can be fetched only by the holder of its session's lock.
+
+Columns of ``servicebus`` (:data:`SERVICEBUS_SCHEMA`), in the style of the Kafka and Event Hubs sources:
+``namespace`` (primary or secondary), ``entity``, ``message_id``, ``body`` (binary), ``sequence_number``,
+``enqueued_time``, ``delivery_count``, ``session_id``, ``partition_key``, ``subject``, ``content_type``,
+``correlation_id``, ``reply_to``, ``to``, ``time_to_live_ms``, ``application_properties`` (map of strings).
 
 Receiving ahead: from the second batch on, the next batch is received and deferred in a background thread of
 the reader's process while Spark runs the current one (:class:`_Ahead`); ``latestOffset`` then only takes it.
 
-Backlog depth: PySpark 4.2's Python sources have no custom metrics, so the depth (active messages over the
-backlog queues, including the batch in flight, from the administration API) is reported through
-:meth:`reportLatestOffset`, which Spark shows as the source's ``latestOffset`` in the query progress
-(``{"backlogDepth": n}``), and logged.
+Depth: PySpark 4.2's Python sources have no custom metrics, so the depth (active messages over the entities,
+including the batch in flight, from the administration API) is reported through ``reportLatestOffset``, which
+Spark shows as the source's ``latestOffset`` in the query progress (``{"backlogDepth": n}`` or
+``{"activeMessages": n}``), and logged.
 
 Readers keep no clients in ``self``: their receivers live in the per-process registry
 (:mod:`spark_sb.bus`), as the sink's senders do.
@@ -52,12 +68,13 @@ import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 from pyspark.sql.types import (
     BinaryType,
+    IntegerType,
     LongType,
     MapType,
     StringType,
@@ -77,12 +94,13 @@ from .config import (
     load_config,
     load_reference,
 )
-from .errors import ConfigError, redact
+from .errors import ConfigError, EntityNotFoundError, ErrorClass, as_spark_sb_error, classify, redact
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["SCHEMA", "BacklogDataSource", "BacklogPartition", "BacklogStreamReader", "backlog_row", "config_options",
-           "register"]
+__all__ = ["SCHEMA", "SERVICEBUS_SCHEMA", "BacklogDataSource", "BacklogStreamReader", "DeferredPartition",
+           "DeferringStreamReader", "Entity", "ServiceBusDataSource", "ServiceBusStreamReader", "backlog_row",
+           "config_options", "register", "servicebus_row"]
 
 FORMAT = "servicebus-backlog"
 SCHEMA = StructType([
@@ -107,12 +125,33 @@ SCHEMA = StructType([
     StructField("reason", StringType()),
     StructField("backlog_message", BinaryType()),
 ])
+SERVICEBUS_FORMAT = "servicebus"
+#: the ``servicebus`` source's columns, in the style of the Kafka and Event Hubs sources
+SERVICEBUS_SCHEMA = StructType([
+    StructField("namespace", StringType(), False),  # primary or secondary
+    StructField("entity", StringType(), False),
+    StructField("message_id", StringType()),
+    StructField("body", BinaryType()),
+    StructField("sequence_number", LongType(), False),
+    StructField("enqueued_time", TimestampType()),
+    StructField("delivery_count", IntegerType()),
+    StructField("session_id", StringType()),
+    StructField("partition_key", StringType()),
+    StructField("subject", StringType()),
+    StructField("content_type", StringType()),
+    StructField("correlation_id", StringType()),
+    StructField("reply_to", StringType()),
+    StructField("to", StringType()),
+    StructField("time_to_live_ms", LongType()),
+    StructField("application_properties", MapType(StringType(), StringType())),
+])
 #: at most this many messages per input partition: a batch from one queue still runs on several cores
 _PARTITION = 1000
 
 
 def register(spark: Any) -> None:
-    """Register the ``servicebus-backlog`` format with ``spark``."""
+    """Register the ``servicebus`` and ``servicebus-backlog`` formats with ``spark``."""
+    spark.dataSource.register(ServiceBusDataSource)
     spark.dataSource.register(BacklogDataSource)
 
 
@@ -214,11 +253,36 @@ class BacklogDataSource(DataSource):
         return BacklogStreamReader(self.options)
 
 
-@dataclass(frozen=True)
-class BacklogPartition(InputPartition):
-    """One backlog queue's deferred messages of a batch."""
+class ServiceBusDataSource(DataSource):
+    """``spark.readStream.format("servicebus")``: a queue or topic subscription of one or both namespaces; see
+    the module docstring."""
 
-    queue: str
+    @classmethod
+    def name(cls) -> str:
+        return SERVICEBUS_FORMAT
+
+    def schema(self) -> StructType:
+        return SERVICEBUS_SCHEMA
+
+    def streamReader(self, schema: StructType) -> ServiceBusStreamReader:
+        return ServiceBusStreamReader(self.options)
+
+
+@dataclass(frozen=True)
+class Entity:
+    """An entity a reader reads: ``path`` (a queue, or ``topic/subscriptions/name``) on ``side``'s namespace;
+    ``key`` names it in the offsets."""
+
+    key: str
+    side: Literal["primary", "secondary"]
+    path: str
+
+
+@dataclass(frozen=True)
+class DeferredPartition(InputPartition):
+    """Some of one entity's deferred messages of a batch (at most ``_PARTITION``)."""
+
+    key: str
     sequence_numbers: tuple[int, ...]
 
 
@@ -320,47 +384,102 @@ def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
             encoded)
 
 
-class BacklogStreamReader(DataSourceStreamReader):
-    """The driver-side reader; see the module docstring."""
+def servicebus_row(received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+    """The row of one message of the ``servicebus`` source (see :data:`SERVICEBUS_SCHEMA`)."""
+    text = msgs.text
+    ttl = received.time_to_live
+    properties = {text(k): _property_text(v) for k, v in (received.application_properties or {}).items()}
+    return (entity.side, entity.path, text(received.message_id), _body(received), int(received.sequence_number),
+            _utc(received.enqueued_time_utc), received.delivery_count, text(received.session_id),
+            text(received.partition_key), text(received.subject), text(received.content_type),
+            text(received.correlation_id), text(received.reply_to), text(received.to),
+            None if ttl is None else int(ttl.total_seconds() * 1000), properties or None)
 
-    def __init__(self, options: Mapping[str, str]) -> None:
+
+class DeferringStreamReader(DataSourceStreamReader):
+    """The machinery both sources share (see the module docstring): deferring in ``latestOffset``, peeking by
+    sequence number in ``read``, completing in ``commit``, taking back what a dead run left deferred, receiving
+    ahead. A subclass names its entities and turns a peeked message into a row (:meth:`row`).
+
+    An entity whose namespace fails to answer (an outage) is logged and left out of the batch; the next batch
+    tries it again, so one namespace down never stops the stream. A configuration error (an entity not found, a
+    credential rejected) fails the query: it needs a person."""
+
+    #: the offsets' field holding ``{entity key: [sequence numbers]}``
+    OFFSET_FIELD = "queues"
+    #: the field of :meth:`reportLatestOffset` holding the entities' active message count
+    DEPTH_FIELD = "backlogDepth"
+    #: what the log lines call a batch
+    WHAT = "backlog"
+
+    def __init__(self, options: Mapping[str, str], config: SparkSbConfig, entities: Sequence[Entity],
+                 default_max: int) -> None:
         self.options = dict(options)
-        self.config = _options_config(self.options)
-        self.max_per_trigger = int(_positive(self.options, "maxMessagesPerTrigger",
-                                             self.config.syphon.max_messages_per_trigger,
+        self.config = config
+        self.entities = tuple(entities)
+        self._by_key = {e.key: e for e in self.entities}
+        self.max_per_trigger = int(_positive(self.options, "maxMessagesPerTrigger", default_max,
                                              most=MAX_RECEIVE_BATCH))
         self.receive_timeout = float(_positive(self.options, "receiveTimeout", 1.0, float, most=300))
         depth = (_option(self.options, "reportBacklogDepth") or "true").lower()
         self.report_depth = depth in ("true", "1", "yes")
-        self.queues = self.config.send_availability.backlog_queue_names()
         self._taken_back: dict[str, list[int]] = {}
-        self._swept = False
+        self._unswept = [e.key for e in self.entities]  # not received from until swept (see _sweep)
         self._completed_batch = -1
         self._uncompleted: list[dict] = []  # batches whose completion failed: retried on the next call
         self._depth: int | None = None
         self._ahead: _Ahead | None = None
         self._started_ahead = False  # batches after the first are received ahead, in the background
 
+    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+        raise NotImplementedError
+
+    def _namespace(self, entity: Entity, *, retries: bool = True) -> Any:
+        return shared_namespace(self.config, entity.side, retries=retries)
+
+    def _where(self, entity: Entity) -> str:
+        return f"{entity.side} {getattr(self.config, entity.side).fully_qualified_namespace}"
+
+    def _unavailable(self, entity: Entity, what: str, exc: Exception) -> None:
+        """An entity failed ``what``: a configuration error is raised; anything else (an outage) is logged and
+        the entity is left for the next batch."""
+        converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
+        if converted is not None and classify(converted) is not ErrorClass.BAD_MESSAGE:
+            raise converted from exc
+        _LOGGER.warning("%s %r on the %s: %s failed (%s: %s); trying again next batch", self.WHAT, entity.path,
+                        entity.side, what, type(exc).__name__, redact(str(exc))[:200])
+
     # --- offsets -------------------------------------------------------------------------------------------
 
     def initialOffset(self) -> dict:
         """A fresh checkpoint starts at batch 0; messages an abandoned run left deferred are taken back by the
         first :meth:`latestOffset`."""
-        return {"batch": 0, "queues": {}}
+        return {"batch": 0, self.OFFSET_FIELD: {}}
 
-    def _sweep(self, exclude: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
-        """Every deferred message of the backlog queues (but ``exclude``): left by a run that died."""
-        taken: dict[str, list[int]] = {}
-        for queue in self.queues:
-            with shared_namespace(self.config, "secondary").receiver(queue) as receiver:
-                skip = set(exclude.get(queue, ()))
-                numbers = [n for n in deferred_numbers(receiver) if n not in skip]
+    def _sweep(self) -> None:
+        """Take back every deferred message of the entities not swept yet (but those of batches whose
+        completion is pending): left by a run that died. An entity is received from only once swept, so that a
+        sweep never takes what this reader deferred."""
+        exclude: dict[str, set[int]] = {}
+        for pending in self._uncompleted:
+            for key, numbers in (pending.get(self.OFFSET_FIELD) or {}).items():
+                exclude.setdefault(key, set()).update(numbers)
+        taken: dict[str, int] = {}
+        for key in list(self._unswept):
+            entity = self._by_key[key]
+            try:
+                with self._namespace(entity).receiver(entity.path) as receiver:
+                    numbers = [n for n in deferred_numbers(receiver) if n not in exclude.get(key, set())]
+            except Exception as exc:
+                self._unavailable(entity, "taking back what an earlier run left deferred", exc)
+                continue
+            self._unswept.remove(key)
             if numbers:
-                taken[queue] = numbers
+                self._taken_back.setdefault(key, []).extend(numbers)
+                taken[key] = len(numbers)
         if taken:
-            _LOGGER.warning("taking back %d backlog messages left deferred by an earlier run: %s",
-                            sum(len(v) for v in taken.values()), {q: len(v) for q, v in taken.items()})
-        return taken
+            _LOGGER.warning("taking back %d %s messages left deferred by an earlier run: %s", sum(taken.values()),
+                            self.WHAT, taken)
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_per_trigger)
@@ -372,120 +491,127 @@ class BacklogStreamReader(DataSourceStreamReader):
             try:
                 self._complete(pending)
             except Exception as exc:  # retried on the next call; they stay deferred meanwhile
-                _LOGGER.warning("completing backlog batch %s failed (%s); retrying later", pending.get("batch"),
+                _LOGGER.warning("completing %s batch %s failed (%s); retrying later", self.WHAT, pending.get("batch"),
                                 type(exc).__name__)
                 if pending not in self._uncompleted:
                     self._uncompleted.append(pending)
             else:
                 if pending in self._uncompleted:
                     self._uncompleted.remove(pending)
-        if not self._swept:  # the first call of this reader: take back what a dead run left deferred
-            exclude: dict[str, list[int]] = {}
-            for pending in self._uncompleted:
-                for queue, numbers in (pending.get("queues") or {}).items():
-                    exclude.setdefault(queue, []).extend(numbers)
-            self._taken_back = self._sweep(exclude)
-            self._swept = True
+        if self._unswept:  # the first call of this reader (or an entity unreachable until now)
+            self._sweep()
         cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
         batch: dict[str, list[int]] = {}
         if self._ahead is not None:  # what the background receive deferred while the last batch ran
             ahead, self._ahead = self._ahead, None
-            for queue, numbers in ahead.take().items():
-                self._taken_back.setdefault(queue, []).extend(numbers)
+            for key, numbers in ahead.take().items():
+                self._taken_back.setdefault(key, []).extend(numbers)
         count = 0
-        for queue in list(self._taken_back):
-            numbers = self._taken_back.pop(queue)
+        for key in list(self._taken_back):
+            numbers = self._taken_back.pop(key)
             room = len(numbers) if cap is None else max(0, cap - count)
-            batch[queue] = numbers[:room]
-            count += len(batch[queue])
+            batch[key] = numbers[:room]
+            count += len(batch[key])
             if numbers[room:]:
-                self._taken_back[queue] = numbers[room:]
+                self._taken_back[key] = numbers[room:]
         if cap is None or (count < cap and not self._started_ahead):
-            for queue, numbers in self._defer(None if cap is None else cap - count).items():
-                batch.setdefault(queue, []).extend(numbers)
+            for key, numbers in self._defer(None if cap is None else cap - count).items():
+                batch.setdefault(key, []).extend(numbers)
                 count += len(numbers)
         left = sum(len(v) for v in self._taken_back.values())
         if self.report_depth:
-            depth = self._backlog_depth()
+            depth = self._active_depth()
             self._depth = None if depth is None else depth + left
         if cap is not None and cap > left:  # receive the next batch while Spark runs this one
-            self._ahead = _Ahead(self._defer, cap - left)
+            self._ahead = _Ahead(self._defer, cap - left, self.WHAT)
             self._started_ahead = True
-        batch = {q: sorted(v) for q, v in batch.items() if v}
+        batch = {k: sorted(v) for k, v in batch.items() if v}
         if not batch:
             return start
-        offset = {"batch": int(start.get("batch", 0)) + 1, "queues": batch}
-        _LOGGER.info("backlog batch %d: %d messages deferred (backlog depth %s)", offset["batch"], count,
-                     self._depth)
+        offset = {"batch": int(start.get("batch", 0)) + 1, self.OFFSET_FIELD: batch}
+        _LOGGER.info("%s batch %d: %d messages deferred (depth %s)", self.WHAT, offset["batch"], count, self._depth)
         return offset
 
     def _defer(self, cap: int | None, found: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
-        """Receive up to ``cap`` messages (None: all there are) from the backlog queues in peek-lock and defer
-        them; pings are completed. The queues share ``cap`` evenly (a queue with fewer leaves its share to the
-        others), so that a batch's partitions (one per queue) run side by side. Returns (and records in
-        ``found`` as it goes) the deferred sequence numbers by queue."""
+        """Receive up to ``cap`` messages (None: all there are) from the swept entities in peek-lock and defer
+        them; pings are completed. The entities share ``cap`` evenly (one with fewer leaves its share to the
+        others), so that a batch's partitions run side by side. Returns (and records in ``found`` as it goes)
+        the deferred sequence numbers by entity key."""
         found = {} if found is None else found
+        ready = [e for e in self.entities if e.key not in self._unswept]
         if cap is None:
-            for queue in self.queues:
-                self._defer_queue(queue, None, found)
+            for entity in ready:
+                self._defer_entity(entity, None, found)
             return found
-        open_queues = list(self.queues)
+        open_entities = list(ready)
         count = 0
-        while open_queues and count < cap:
-            round_queues = list(open_queues)
-            for index, queue in enumerate(round_queues):
-                share = -(-(cap - count) // (len(round_queues) - index))  # ceil: the rest goes to the queues left
-                got = self._defer_queue(queue, share, found) if share > 0 else 0
+        while open_entities and count < cap:
+            round_entities = list(open_entities)
+            for index, entity in enumerate(round_entities):
+                share = -(-(cap - count) // (len(round_entities) - index))  # ceil: the rest to the ones left
+                got = self._defer_entity(entity, share, found) if share > 0 else 0
                 count += got
-                if got < share:  # this queue has no more for now
-                    open_queues.remove(queue)
+                if got < share:  # this entity has no more for now (or did not answer)
+                    open_entities.remove(entity)
         return found
 
-    def _defer_queue(self, queue: str, cap: int | None, found: dict[str, list[int]]) -> int:
-        """Receive and defer up to ``cap`` messages of one backlog queue; returns how many were deferred."""
+    def _defer_entity(self, entity: Entity, cap: int | None, found: dict[str, list[int]]) -> int:
+        """Receive and defer up to ``cap`` messages of one entity; returns how many were deferred (those
+        deferred before a failure are kept in ``found``)."""
         count = 0
-        with shared_namespace(self.config, "secondary").receiver(queue) as receiver:
-            wait = self.receive_timeout
-            while cap is None or count < cap:
-                want = PAGE if cap is None else min(PAGE, cap - count)
-                page = receiver.receive_messages(max_message_count=want, max_wait_time=wait)
-                if not page:
-                    break
-                wait = min(wait, 0.2)
-                for message in page:
-                    if msgs.is_ping(message):
-                        receiver.complete_message(message)
-                        continue
-                    receiver.defer_message(message)
-                    found.setdefault(queue, []).append(int(message.sequence_number or 0))
-                    count += 1
+        try:
+            with self._namespace(entity).receiver(entity.path) as receiver:
+                wait = self.receive_timeout
+                while cap is None or count < cap:
+                    want = PAGE if cap is None else min(PAGE, cap - count)
+                    page = receiver.receive_messages(max_message_count=want, max_wait_time=wait)
+                    if not page:
+                        break
+                    wait = min(wait, 0.2)
+                    for message in page:
+                        if msgs.is_ping(message):
+                            receiver.complete_message(message)
+                            continue
+                        receiver.defer_message(message)
+                        found.setdefault(entity.key, []).append(int(message.sequence_number or 0))
+                        count += 1
+        except Exception as exc:
+            self._unavailable(entity, "receiving", exc)
         return count
 
     def reportLatestOffset(self) -> dict | None:
         if self._depth is None:
             return None
-        return {"backlogDepth": self._depth}
+        return {self.DEPTH_FIELD: self._depth}
 
-    def _backlog_depth(self) -> int | None:
-        try:
-            with admin_client(self.config.secondary, retry_total=0) as admin:
-                return sum(int(admin.get_queue_runtime_properties(q).active_message_count or 0) for q in self.queues)
-        except Exception as exc:  # monitoring only: the batch does not depend on it
-            _LOGGER.warning("backlog depth unavailable: %s", redact(str(exc))[:200])
-            return None
+    def _active_depth(self) -> int | None:
+        """Active messages over the entities (including the batch in flight), from the administration API of
+        each namespace that answers; None when none does."""
+        total: int | None = None
+        for side in dict.fromkeys(e.side for e in self.entities):
+            try:
+                with admin_client(getattr(self.config, side), retry_total=0) as admin:
+                    count = sum(_active_messages(admin, e.path) for e in self.entities if e.side == side)
+            except Exception as exc:  # monitoring only: the batch does not depend on it
+                _LOGGER.warning("%s depth on the %s unavailable: %s", self.WHAT, side, redact(str(exc))[:200])
+                continue
+            total = (total or 0) + count
+        return total
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         if end == start:
             return []
-        return [BacklogPartition(queue, tuple(numbers[i:i + _PARTITION]))
-                for queue, numbers in sorted(end.get("queues", {}).items()) for i in range(0, len(numbers), _PARTITION)]
+        return [DeferredPartition(key, tuple(numbers[i:i + _PARTITION]))
+                for key, numbers in sorted(end.get(self.OFFSET_FIELD, {}).items())
+                for i in range(0, len(numbers), _PARTITION)]
 
     def read(self, partition: InputPartition) -> Iterator[tuple]:
-        assert isinstance(partition, BacklogPartition)
+        assert isinstance(partition, DeferredPartition)
+        entity = self._by_key[partition.key]
         now = datetime.datetime.now(datetime.UTC)
-        with shared_namespace(self.config, "secondary").receiver(partition.queue) as receiver:
+        with self._namespace(entity).receiver(entity.path) as receiver:
             found = peek_deferred(receiver, partition.sequence_numbers)
-        yield from (backlog_row(m, partition.queue, now) for m in found)
+        yield from (self.row(m, entity, now) for m in found)
 
     def commit(self, end: dict) -> None:
         """Complete what the batch's sink left deferred (the syphon's sink leaves nothing)."""
@@ -494,20 +620,129 @@ class BacklogStreamReader(DataSourceStreamReader):
     def _complete(self, offset: dict) -> None:
         """Complete the messages of the batch ending at ``offset`` that are still deferred (once)."""
         number = int(offset.get("batch", 0))
-        queues = offset.get("queues") or {}
-        if number <= self._completed_batch or not queues:
+        entities = offset.get(self.OFFSET_FIELD) or {}
+        if number <= self._completed_batch or not entities:
             return
-        done = sum(len(complete_deferred(shared_namespace(self.config, "secondary", retries=False), queue, numbers))
-                   for queue, numbers in queues.items())
+        done = 0
+        for key, numbers in entities.items():
+            entity = self._by_key.get(key)
+            if entity is None:  # the checkpoint names an entity this query no longer reads
+                _LOGGER.warning("%s batch %d names %r, which this query does not read: left deferred", self.WHAT,
+                                number, key)
+                continue
+            done += len(complete_deferred(self._namespace(entity, retries=False), entity.path, numbers))
         self._completed_batch = max(self._completed_batch, number)
-        _LOGGER.log(logging.INFO if done else logging.DEBUG, "backlog batch %d committed: %d messages its sink "
-                    "left deferred completed", number, done)
+        _LOGGER.log(logging.INFO if done else logging.DEBUG, "%s batch %d committed: %d messages its sink left "
+                    "deferred completed", self.WHAT, number, done)
 
     def stop(self) -> None:
         """Wait for a receive ahead to end; what it deferred is taken back by the next run's first batch."""
         if self._ahead is not None:
-            self._ahead.thread.join(self.receive_timeout * len(self.queues) + 30)
-        _LOGGER.debug("backlog source stopped")
+            self._ahead.thread.join(self.receive_timeout * len(self.entities) + 30)
+        _LOGGER.debug("%s source stopped", self.WHAT)
+
+
+def _active_messages(admin: Any, path: str) -> int:
+    topic, marker, subscription = path.partition("/subscriptions/")
+    if marker:
+        return int(admin.get_subscription_runtime_properties(topic, subscription).active_message_count or 0)
+    return int(admin.get_queue_runtime_properties(path).active_message_count or 0)
+
+
+class BacklogStreamReader(DeferringStreamReader):
+    """The ``servicebus-backlog`` reader: every backlog queue of the secondary; rows restored by
+    :func:`backlog_row`. Offsets: ``{"batch": n, "queues": {backlog queue: [sequence numbers]}}``."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        config = _options_config(options)
+        queues = config.send_availability.backlog_queue_names()
+        super().__init__(options, config, [Entity(q, "secondary", q) for q in queues],
+                         config.syphon.max_messages_per_trigger)
+        self.queues = queues
+
+    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+        return backlog_row(received, entity.path, now)
+
+
+#: the ``servicebus`` source's default ``maxMessagesPerTrigger``
+DEFAULT_MAX_PER_TRIGGER = 1000
+
+
+class ServiceBusStreamReader(DeferringStreamReader):
+    """The ``servicebus`` reader: one queue or topic subscription on the namespaces of the ``namespaces`` option.
+    Offsets: ``{"batch": n, "entities": {"primary:orders": [sequence numbers], ...}}``."""
+
+    OFFSET_FIELD = "entities"
+    DEPTH_FIELD = "activeMessages"
+    WHAT = "servicebus"
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        path = _entity_option(options)
+        sides = _namespaces_option(options)
+        config = _options_config(options)
+        super().__init__(options, config, [Entity(f"{side}:{path}", side, path) for side in sides],
+                         DEFAULT_MAX_PER_TRIGGER)
+        for entity in self.entities:
+            self._check(entity)
+
+    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+        return servicebus_row(received, entity, now)
+
+    def _check(self, entity: Entity) -> None:
+        """Before anything starts: the entity exists and needs no session (the administration API says; when
+        it cannot answer, a peek shows at least that the entity exists). An outage is logged, not raised."""
+        namespace = getattr(self.config, entity.side)
+        where = self._where(entity)
+        topic, marker, subscription = entity.path.partition("/subscriptions/")
+        try:
+            with admin_client(namespace, retry_total=0) as admin:
+                found = (admin.get_subscription(topic, subscription) if marker else admin.get_queue(entity.path))
+            sessions = bool(found.requires_session)
+        except Exception as exc:
+            if classify(exc) is ErrorClass.CONFIGURATION_NOT_FOUND:
+                raise EntityNotFoundError(where, entity.path, "the servicebus source reads a queue or a topic "
+                                          "subscription (topic/subscriptions/name)") from exc
+            _LOGGER.info("the administration API of the %s did not answer (%s); checking %r by a peek", entity.side,
+                         type(exc).__name__, entity.path)
+            try:
+                with self._namespace(entity).receiver(entity.path) as receiver:
+                    receiver.peek_messages(max_message_count=1)
+            except Exception as peek_error:
+                self._unavailable(entity, "checking the entity", peek_error)
+            return
+        if sessions:
+            raise ConfigError("entity", f"requires sessions on the {entity.side}: the servicebus source reads "
+                              "session-less queues and subscriptions only (it defers each batch's messages and "
+                              "reads them back by sequence number, which a session entity allows only to the "
+                              "holder of each session's lock)", entity.path)
+
+
+def _entity_option(options: Mapping[str, str]) -> str:
+    path = _option(options, "entity")
+    if path is None:
+        raise ConfigError("entity", "required: the queue, or topic/subscriptions/name, to read")
+    path = path.strip().strip("/")
+    topic, marker, subscription = path.partition("/subscriptions/")
+    if not path or (marker and (not topic or not subscription or "/" in subscription)) or (
+            not marker and "/" in path) or ":" in path:
+        raise ConfigError("entity", "must be a queue name or topic/subscriptions/name", path)
+    return path
+
+
+def _namespaces_option(options: Mapping[str, str]) -> tuple[Literal["primary", "secondary"], ...]:
+    text = _option(options, "namespaces") or "primary"
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    sides: list[Literal["primary", "secondary"]] = []
+    for name in names:
+        if name in ("primary", "secondary"):
+            if name not in sides:
+                sides.append(cast(Literal["primary", "secondary"], name))
+        else:
+            raise ConfigError("namespaces", f"{name!r} is not a namespace: write primary, secondary or "
+                              "primary,secondary", text)
+    if not sides:
+        raise ConfigError("namespaces", "names no namespace: write primary, secondary or primary,secondary", text)
+    return tuple(sides)
 
 
 class _Ahead:
@@ -517,9 +752,10 @@ class _Ahead:
     batch receives again). A reader that dies leaves these messages deferred, and the next run's first batch
     takes them back, as any deferred message of a dead run."""
 
-    def __init__(self, defer: Any, cap: int) -> None:
+    def __init__(self, defer: Any, cap: int, what: str) -> None:
         self.found: dict[str, list[int]] = {}
-        self.thread = threading.Thread(target=self._run, args=(defer, cap), name="spark-sb-backlog-ahead",
+        self.what = what
+        self.thread = threading.Thread(target=self._run, args=(defer, cap), name=f"spark-sb-{what}-ahead",
                                        daemon=True)
         self.thread.start()
 
@@ -527,7 +763,7 @@ class _Ahead:
         try:
             defer(cap, self.found)
         except Exception as exc:  # the messages deferred so far are kept; the next batch receives again
-            _LOGGER.warning("receiving the next backlog batch ahead failed (%s); receiving it in the next batch",
+            _LOGGER.warning("receiving the next %s batch ahead failed (%s); receiving it in the next batch", self.what,
                             redact(str(exc))[:200])
 
     def take(self) -> dict[str, list[int]]:
