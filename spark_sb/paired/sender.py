@@ -7,10 +7,11 @@ Choices where behaviour.md is silent (also in the report):
 * the SDK handles are the sender's own two :class:`spark_sb.bus.Namespace` (primary, secondary): senders
   cached per entity (opening one costs a round trip), one lock per (namespace, entity) serialising their use,
   because an SDK sender is not thread-safe; what an SDK error means is read from :mod:`spark_sb.errors`;
-* messages are sent in ``ServiceBusMessageBatch``es built before anything is sent: a message that does not
-  fit an empty batch (or, rewritten, a backlog batch), or that the SDK cannot encode (``add_message`` raises
-  ``ValueError``/``TypeError``/``OverflowError``), is rejected with :class:`BadMessageError` and nothing of
-  that call is sent; such a message never counts toward failover nor against a backlog queue;
+* messages are sent in ``ServiceBusMessageBatch``es built before anything is sent (:mod:`spark_sb.bus.batches`):
+  a message that does not fit an empty batch (or, rewritten, a backlog batch), or that the SDK cannot encode
+  (``add_message`` raises ``ValueError``/``TypeError``/``OverflowError``), is rejected with
+  :class:`~spark_sb.errors.BadMessageError` and nothing of that call is sent; such a message never counts
+  toward failover nor against a backlog queue;
 * pings run in the background ping task of the pairing (:mod:`spark_sb.bus.pings`, one thread per process
   and pairing, started by the first send, stopped by the last close()) and on the send path when a send finds
   one due; :meth:`HealthBoard.claim_ping` hands each due ping to one of them. A ping refused for a rejected
@@ -45,12 +46,11 @@ from azure.servicebus import ServiceBusMessage
 from .. import bus
 from .. import messages as msgs
 from ..bus import EntityState, HealthBoard, Namespace, join_board
+from ..bus.batches import PartialSend, send_batches
 from ..bus.pings import Wait
 from ..config import NamespaceConfig, SparkSbConfig, load_config
 from ..errors import (
-    ENCODING_ERRORS,
     BacklogUnavailableError,
-    BadMessageError,
     CredentialRejectedError,
     EntityNotFoundError,
     ErrorClass,
@@ -59,9 +59,7 @@ from ..errors import (
     already_exists,
     as_spark_sb_error,
     classify,
-    encoding_error,
     is_connection_lost,
-    is_too_large,
     redact,
     unreachable_reason,
 )
@@ -114,42 +112,6 @@ class SendResult:
     def destination(self) -> str | None:
         """The only destination, or ``None`` when there were several (or none)."""
         return next(iter(self.destinations)) if len(self.destinations) == 1 else None
-
-
-class _Partial(Exception):
-    """A send that failed after ``sent`` messages of the call were accepted."""
-
-    def __init__(self, sent: int, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.sent = sent
-        self.error = error
-
-
-def _message_id(message: ServiceBusMessage) -> object:
-    try:
-        return message.message_id
-    except Exception:  # a message without properties
-        return None
-
-
-def _unencodable(item: ServiceBusMessage, entity: str, exc: BaseException) -> BadMessageError:
-    """The error for a message the SDK raised ``exc`` encoding: the one of ``messages.check_encodable``, which
-    names the field, else one quoting the SDK's words."""
-    try:
-        msgs.check_encodable(item, entity)
-    except BadMessageError as precise:
-        return precise
-    return encoding_error(exc, _message_id(item), entity)
-
-
-def _add(batch: Any, item: ServiceBusMessage, entity: str) -> None:
-    """``batch.add_message(item)``; an encoding error there is a bad message (behaviour.md, "Error classes")."""
-    try:
-        batch.add_message(item)
-    except ENCODING_ERRORS as exc:
-        if is_too_large(exc):  # the SDK's size error is a ValueError too: the caller decides (a new batch)
-            raise
-        raise _unencodable(item, entity, exc) from exc
 
 
 def pairing_key(config: SparkSbConfig) -> tuple[str, str, str]:
@@ -372,7 +334,7 @@ class PairedSender:
 
         Returns where they went. Raises :class:`~spark_sb.errors.EntityNotFoundError` /
         :class:`~spark_sb.errors.CredentialRejectedError` at once (nothing goes to the backlog),
-        :class:`BadMessageError` for a message too large (nothing of the call is sent), and
+        :class:`~spark_sb.errors.BadMessageError` for a message too large (nothing of the call is sent), and
         :class:`BacklogUnavailableError` when failed over and no backlog queue accepts.
         """
         self._attach_pings()
@@ -407,8 +369,8 @@ class PairedSender:
                 break
             stale = failures == 0 and self._primary.stale()
             try:
-                self._send_batches(self._primary, entity, pending, entity)
-            except _Partial as partial:
+                send_batches(self._primary, entity, pending, entity)
+            except PartialSend as partial:
                 if partial.sent:
                     counts[PRIMARY] = counts.get(PRIMARY, 0) + partial.sent
                     pending = pending[partial.sent:]
@@ -460,53 +422,6 @@ class PairedSender:
         counters.update(self.board.stats())
         return counters
 
-    def _send_batches(self, side: Namespace, path: str, items: Sequence[ServiceBusMessage], entity: str) -> None:
-        """Send ``items`` to ``path`` on ``side`` in as few batches as fit; raises :class:`_Partial` with the
-        count sent before a failure, or :class:`BadMessageError` for a message that fits no batch."""
-        sent = 0
-        try:
-            with side.sender(path) as sdk_sender:
-                batches = []
-                current = sdk_sender.create_message_batch()
-                for item in items:
-                    if self._fits(current, item, path, entity, first=len(current) == 0):
-                        continue
-                    batches.append(current)
-                    current = sdk_sender.create_message_batch()
-                    self._fits(current, item, path, entity, first=True)
-                batches.append(current)
-                for one in batches:
-                    sdk_sender.send_messages(one)
-                    sent += len(one)
-        except BadMessageError:
-            raise
-        except Exception as exc:
-            if classify(exc) is ErrorClass.BAD_MESSAGE:
-                bad = items[sent] if sent < len(items) and len(items) == 1 else None
-                message_id = _message_id(bad) if bad is not None else None
-                raise BadMessageError(message_id, entity, redact(str(exc))) from exc
-            raise _Partial(sent, exc) from exc
-
-    def _fits(self, batch: Any, item: ServiceBusMessage, path: str, entity: str, *, first: bool) -> bool:
-        """Add ``item`` to ``batch``; False when it does not fit there. A message that does not fit an empty
-        batch (``first``) is a :class:`BadMessageError`."""
-        try:
-            _add(batch, item, entity)
-        except Exception as exc:
-            if not is_too_large(exc):
-                raise
-            if first:
-                raise self._too_big(item, path, entity, batch.max_size_in_bytes) from None
-            return False
-        return True
-
-    @staticmethod
-    def _too_big(item: ServiceBusMessage, path: str, entity: str, limit: int) -> BadMessageError:
-        where = "" if path == entity else f" rewritten for backlog queue {path!r}"
-        size = msgs.message_size(item)
-        return BadMessageError(_message_id(item), entity,
-                               f"{size} bytes{where} exceeds the limit of {limit} bytes")
-
     def _send_backlog(self, entity: str, items: Sequence[ServiceBusMessage]) -> dict[str, int]:
         usable = self._ensure_paired()
         for item in items:
@@ -523,8 +438,8 @@ class PairedSender:
                 raise BacklogUnavailableError(entity, tried, redact(str(last_error)) if last_error else
                                               "every backlog queue is cooling down") from last_error
             try:
-                self._send_batches(self._secondary, queue, rewritten, entity)
-            except _Partial as partial:
+                send_batches(self._secondary, queue, rewritten, entity)
+            except PartialSend as partial:
                 if partial.sent:
                     counts[queue] = counts.get(queue, 0) + partial.sent
                     rewritten = rewritten[partial.sent:]

@@ -1,0 +1,118 @@
+"""Sending a call's messages to one entity of one namespace in ``ServiceBusMessageBatch``es built before
+anything is sent (the paired sender and the replicating sender share it).
+
+* every batch is built first: a message that does not fit an empty batch, or that the SDK cannot encode
+  (``add_message`` raises ``ValueError``/``TypeError``/``OverflowError``), raises
+  :class:`~spark_sb.errors.BadMessageError` naming its message id, and nothing of the call is sent;
+* then the batches are sent in order; a failure after some were accepted raises :class:`PartialSend` with the
+  count of messages accepted before it (``items[:sent]`` are stored, ``items[sent:]`` are not known to be), so
+  that the caller resends only the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from azure.servicebus import ServiceBusMessage
+
+from .. import messages as msgs
+from ..errors import (
+    ENCODING_ERRORS,
+    BadMessageError,
+    ErrorClass,
+    classify,
+    encoding_error,
+    is_too_large,
+    redact,
+)
+from ._namespace import Namespace
+
+__all__ = ["PartialSend", "message_id", "send_batches"]
+
+
+class PartialSend(Exception):
+    """A send that failed (``error``) after ``sent`` messages of the call were accepted."""
+
+    def __init__(self, sent: int, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.sent = sent
+        self.error = error
+
+
+def message_id(message: ServiceBusMessage) -> object:
+    """``message.message_id``, or ``None`` for a message without properties."""
+    try:
+        return message.message_id
+    except Exception:  # a message without properties
+        return None
+
+
+def _unencodable(item: ServiceBusMessage, entity: str, exc: BaseException) -> BadMessageError:
+    """The error for a message the SDK raised ``exc`` encoding: the one of ``messages.check_encodable``, which
+    names the field, else one quoting the SDK's words."""
+    try:
+        msgs.check_encodable(item, entity)
+    except BadMessageError as precise:
+        return precise
+    return encoding_error(exc, message_id(item), entity)
+
+
+def _add(batch: Any, item: ServiceBusMessage, entity: str) -> None:
+    """``batch.add_message(item)``; an encoding error there is a bad message (behaviour.md, "Error classes")."""
+    try:
+        batch.add_message(item)
+    except ENCODING_ERRORS as exc:
+        if is_too_large(exc):  # the SDK's size error is a ValueError too: the caller decides (a new batch)
+            raise
+        raise _unencodable(item, entity, exc) from exc
+
+
+def _too_big(item: ServiceBusMessage, path: str, entity: str, limit: int) -> BadMessageError:
+    where = "" if path == entity else f" rewritten for backlog queue {path!r}"
+    size = msgs.message_size(item)
+    return BadMessageError(message_id(item), entity, f"{size} bytes{where} exceeds the limit of {limit} bytes")
+
+
+def _fits(batch: Any, item: ServiceBusMessage, path: str, entity: str, *, first: bool) -> bool:
+    """Add ``item`` to ``batch``; False when it does not fit there. A message that does not fit an empty batch
+    (``first``) is a :class:`BadMessageError`."""
+    try:
+        _add(batch, item, entity)
+    except Exception as exc:
+        if not is_too_large(exc):
+            raise
+        if first:
+            raise _too_big(item, path, entity, batch.max_size_in_bytes) from None
+        return False
+    return True
+
+
+def send_batches(side: Namespace, path: str, items: Sequence[ServiceBusMessage], entity: str) -> None:
+    """Send ``items`` to ``path`` on ``side`` in as few batches as fit. ``entity`` is what errors name (the
+    entity the caller sends to; ``path`` differs from it for a backlog queue). Raises :class:`PartialSend` with
+    the count sent before a failure, or :class:`BadMessageError` for a message that fits no batch or cannot be
+    encoded (then nothing was sent) or that the service refused as a bad message."""
+    sent = 0
+    try:
+        with side.sender(path) as sdk_sender:
+            batches = []
+            current = sdk_sender.create_message_batch()
+            for item in items:
+                if _fits(current, item, path, entity, first=len(current) == 0):
+                    continue
+                batches.append(current)
+                current = sdk_sender.create_message_batch()
+                _fits(current, item, path, entity, first=True)
+            batches.append(current)
+            for one in batches:
+                sdk_sender.send_messages(one)
+                sent += len(one)
+    except BadMessageError:
+        raise
+    except Exception as exc:
+        if classify(exc) is ErrorClass.BAD_MESSAGE:
+            bad = items[sent] if sent < len(items) and len(items) == 1 else None
+            bad_id = message_id(bad) if bad is not None else None
+            raise BadMessageError(bad_id, entity, redact(str(exc))) from exc
+        raise PartialSend(sent, exc) from exc
