@@ -2,7 +2,8 @@
 
 The public API. Everything else is internal and may change::
 
-    from spark_sb import PairedSink, PairedSender, Syphon, load_config, register
+    from spark_sb import PairedSink, PairedSender, Syphon, dedupe, load_config, register
+    from spark_sb.replication import ReplicatingSender, DedupeReceiver
 
 Names are loaded on first use, so that ``import spark_sb`` stays cheap and the Spark-free parts (the paired
 sender, the syphon core, the configuration) never import pyspark.
@@ -18,7 +19,8 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it
 _EXPORTS = {
     "PairedSink": ".sink",  # the foreachBatch sink (Spark)
-    "register": ".source",  # registers the servicebus-backlog streaming source with a SparkSession (Spark)
+    "register": ".source",  # registers the servicebus and servicebus-backlog streaming sources (Spark)
+    "dedupe": ".source",  # drops the second copy of each message within a window (Spark)
     "PairedSender": ".paired",
     "Syphon": ".syphon",
     "load_config": ".config",
@@ -31,6 +33,7 @@ _EXPORTS = {
     "BadMessageError": ".errors",
     "BadInputError": ".errors",
     "BacklogUnavailableError": ".errors",
+    "ReplicationError": ".errors",
     "SyphonSettleError": ".syphon",
 }
 
@@ -44,11 +47,13 @@ __all__ = [
     "PairedSender",
     "PairedSink",
     "PairingError",
+    "ReplicationError",
     "SparkSbConfig",
     "SparkSbError",
     "Syphon",
     "SyphonSettleError",
     "__version__",
+    "dedupe",
     "load_config",
     "register",
 ]
@@ -63,11 +68,12 @@ if TYPE_CHECKING:
         CredentialRejectedError,
         EntityNotFoundError,
         PairingError,
+        ReplicationError,
         SparkSbError,
     )
     from .paired import PairedSender
     from .sink import PairedSink
-    from .source import register
+    from .source import dedupe, register
     from .syphon import Syphon, SyphonSettleError
 
 

@@ -100,7 +100,7 @@ _LOGGER = logging.getLogger(__name__)
 
 __all__ = ["SCHEMA", "SERVICEBUS_SCHEMA", "BacklogDataSource", "BacklogStreamReader", "DeferredPartition",
            "DeferringStreamReader", "Entity", "ServiceBusDataSource", "ServiceBusStreamReader", "backlog_row",
-           "config_options", "register", "servicebus_row"]
+           "config_options", "dedupe", "register", "servicebus_row"]
 
 FORMAT = "servicebus-backlog"
 SCHEMA = StructType([
@@ -153,6 +153,33 @@ def register(spark: Any) -> None:
     """Register the ``servicebus`` and ``servicebus-backlog`` formats with ``spark``."""
     spark.dataSource.register(ServiceBusDataSource)
     spark.dataSource.register(BacklogDataSource)
+
+
+def dedupe(df: Any, window: str | float | datetime.timedelta = "10 minutes", *, id_column: str = "message_id",
+           time_column: str = "enqueued_time") -> Any:
+    """Drop the second copy of each message of a streaming DataFrame (the ``servicebus`` source over both
+    namespaces in active or passive replication): Spark's ``withWatermark(time_column, window)`` followed by
+    ``dropDuplicatesWithinWatermark([id_column])``. Spark keeps each id in the query's state store (in its
+    checkpoint, so a restart remembers it) until the watermark passes its first copy's time by ``window``: a
+    copy that arrives later than that is kept. Choose ``window`` longer than the longest time between the two
+    copies (for passive replication, the longest outage); a longer window keeps more state.
+
+    ``window``: a duration as Spark writes it (``"10 minutes"``) or as the configuration does (``"10m"``,
+    seconds, a ``timedelta``). A bad window or a missing column raises :class:`~spark_sb.errors.ConfigError`
+    naming it."""
+    from .durations import DurationError, parse_duration
+
+    try:
+        span = parse_duration(window)
+    except DurationError as err:
+        raise ConfigError("window", err.problem, window) from None
+    if span <= datetime.timedelta(0):
+        raise ConfigError("window", "must be positive", window)
+    for option, column in (("id_column", id_column), ("time_column", time_column)):
+        if column not in df.columns:
+            raise ConfigError(option, f"is not a column of the DataFrame (columns: {', '.join(df.columns)})", column)
+    milliseconds = max(1, round(span.total_seconds() * 1000))
+    return df.withWatermark(time_column, f"{milliseconds} milliseconds").dropDuplicatesWithinWatermark([id_column])
 
 
 def _options_config(options: Mapping[str, str]) -> SparkSbConfig:
