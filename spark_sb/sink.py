@@ -44,6 +44,13 @@ so the call is repeated without it. The batch fails whenever a row was neither s
 checkpoint never moves past such a row; rows sent before a failure are sent again on replay, with the same
 message ids.
 
+**Replication** (``replication.mode: active | passive``): the sink sends through a
+:class:`~spark_sb.replication.ReplicatingSender` instead: each summary counts the copies each namespace
+accepted (``primary``, ``secondary``; in active mode a row counts on both) and the rows accepted by at least one
+(``sent``), and passive mode's role swaps (``swaps``). A batch that neither namespace accepted fails with
+:class:`~spark_sb.errors.ReplicationError` and is replayed from the checkpoint; the message ids are the same, so
+the receiving side (:func:`spark_sb.dedupe`) drops the copies a replay sends again.
+
 **Health**: every summary carries the state of the entities its partition sent to; an entity that some
 partition left failed over, and none left healthy, is passed to the next batch's partitions, whose workers then
 start it failed over (:meth:`~spark_sb.bus.health.HealthBoard.assume_failed_over`, with a ping due at once)
@@ -83,6 +90,11 @@ from .paired.sender import pairing_key
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
+    from .replication import ReplicatingSender
+
+#: the secondary namespace's destination name in a replicating sender's result
+SECONDARY = "secondary"
+
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = ["METRICS_SCHEMA", "PARTITION_OUTPUT", "BatchSummary", "PairedSink", "close_senders", "sender_for"]
@@ -93,16 +105,23 @@ __all__ = ["METRICS_SCHEMA", "PARTITION_OUTPUT", "BatchSummary", "PairedSink", "
 SENDER_KIND = "paired-sender"
 
 
-def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedSender:
-    """The paired sender of this process for ``config`` (whose fingerprint is ``fingerprint``): created and
-    paired on first use, then reused by every task and batch this process runs; closed at interpreter exit.
+def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedSender | ReplicatingSender:
+    """The sender of this process for ``config`` (whose fingerprint is ``fingerprint``): a paired sender
+    (``replication.mode: paired``, created and paired on first use) or a replicating sender (active or passive);
+    then reused by every task and batch this process runs; closed at interpreter exit.
 
     A worker outlives a query: a sender of the same pairing built from an older configuration (other
     intervals) would make the new one refuse to share the pairing's health, so one sender per pairing is kept
     and a new configuration replaces (and closes) the sender of the old one."""
     key = fingerprint or config.fingerprint()
 
-    def build() -> PairedSender:
+    def build() -> PairedSender | ReplicatingSender:
+        if config.replication.replicating:
+            from .replication import ReplicatingSender
+
+            replicating = ReplicatingSender(config)
+            _LOGGER.info("process %d: %s replicating sender ready", os.getpid(), config.replication.mode)
+            return replicating
         sender = PairedSender(config)
         try:
             usable = sender.pair()
@@ -112,10 +131,10 @@ def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedS
         _LOGGER.info("process %d: paired sender ready (%d backlog queues)", os.getpid(), usable)
         return sender
 
-    def outdated(old: PairedSender) -> bool:
+    def outdated(old: PairedSender | ReplicatingSender) -> bool:
         if old.config.fingerprint() == key:
             return False
-        _LOGGER.info("process %d: a new configuration of %s replaces the paired sender of the old one",
+        _LOGGER.info("process %d: a new configuration of %s replaces the sender of the old one",
                      os.getpid(), old.config.send_availability.backlog_prefix)
         return True
 
@@ -129,7 +148,11 @@ def close_senders() -> None:
 
 # --- summaries ---------------------------------------------------------------------------------------------
 
-_COUNTERS = ("rows", "primary", "rejected", "failovers", "failbacks", "busy_waits", "assumed_failovers")
+#: ``sent``: rows accepted (by the primary or a backlog queue; in active and passive replication, by at least one
+#: namespace); ``primary`` and ``secondary``: copies each namespace accepted (``secondary`` only in replication,
+#: where an active-mode row counts on both); ``swaps``: passive replication's role swaps
+_COUNTERS = ("rows", "sent", "primary", "secondary", "rejected", "failovers", "failbacks", "busy_waits",
+             "assumed_failovers", "swaps")
 
 #: what each partition returns: one ``summary`` row, and a ``reject`` row per rejected row
 PARTITION_OUTPUT = T.StructType(
@@ -174,6 +197,7 @@ METRICS_SCHEMA = T.StructType(
 class BatchSummary:
     """Where a batch's rows went (or, for :attr:`PairedSink.totals`, every batch's so far).
 
+    :ivar sent: rows accepted (see ``_COUNTERS``); :ivar primary: / :ivar secondary: copies each namespace accepted.
     :ivar backlog: ``{backlog queue: rows}``.
     :ivar failed_over: entities left failed over after the batch (passed to the next batch).
     :ivar batches: how many batches are summed (1 for one batch).
@@ -181,13 +205,16 @@ class BatchSummary:
 
     batch_id: int | None = None
     rows: int = 0
+    sent: int = 0
     primary: int = 0
+    secondary: int = 0
     backlog: dict[str, int] = field(default_factory=dict)
     rejected: int = 0
     failovers: int = 0
     failbacks: int = 0
     busy_waits: int = 0
     assumed_failovers: int = 0
+    swaps: int = 0
     failed_over: tuple[str, ...] = ()
     partitions: int = 0
     seconds: float = 0.0
@@ -196,10 +223,6 @@ class BatchSummary:
     @property
     def backlog_total(self) -> int:
         return sum(self.backlog.values())
-
-    @property
-    def sent(self) -> int:
-        return self.primary + self.backlog_total
 
     def add(self, other: BatchSummary) -> None:
         """Add ``other``'s counts to these (for running totals)."""
@@ -214,11 +237,14 @@ class BatchSummary:
     def describe(self) -> str:
         """One line: ``120 rows: 80 -> primary, 40 -> backlog (x-servicebus-transfer/1: 40), 0 rejected...``."""
         parts = [f"{self.rows} rows: {self.primary} -> primary"]
+        if self.secondary:
+            parts.append(f"{self.secondary} -> secondary")
         if self.backlog:
             queues = ", ".join(f"{q}: {n}" for q, n in sorted(self.backlog.items()))
             parts.append(f"{self.backlog_total} -> backlog ({queues})")
         parts.append(f"{self.rejected} rejected")
-        parts.append(f"failovers {self.failovers}, failbacks {self.failbacks}, busy waits {self.busy_waits}")
+        parts.append(f"failovers {self.failovers}, failbacks {self.failbacks}, busy waits {self.busy_waits}"
+                     if not (self.secondary or self.swaps) else f"swaps {self.swaps}, busy waits {self.busy_waits}")
         if self.failed_over:
             parts.append(f"failed over: {', '.join(self.failed_over)}")
         return ", ".join(parts) + f" [{self.seconds:.1f} s]"
@@ -385,7 +411,9 @@ class PairedSink:
         row += [values[name] for name in _COUNTERS]
         row += [dict(summary.backlog), list(summary.failed_over), summary.partitions, summary.seconds]
         spark = batch_df.sparkSession
-        spark.createDataFrame([tuple(row)], METRICS_SCHEMA).write.format("delta").mode("append").save(
+        # mergeSchema: a metrics table written before a column was added takes the new column
+        spark.createDataFrame([tuple(row)], METRICS_SCHEMA).write.format("delta").mode("append").option(
+            "mergeSchema", "true").save(
             str(self.config.sink.metrics_table))
 
 
@@ -396,8 +424,8 @@ def _quote(column: str) -> str:
 # --- the executor side -------------------------------------------------------------------------------------
 
 _REJECT_FLUSH = 1000
-#: the sender counters each worker's last partition summary reported (per paired sender of the registry)
-_REPORTED: weakref.WeakKeyDictionary[PairedSender, dict[str, int]] = weakref.WeakKeyDictionary()
+#: the sender counters each worker's last partition summary reported (per sender of the registry)
+_REPORTED: weakref.WeakKeyDictionary[PairedSender | ReplicatingSender, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
 class _Rejected(Exception):
@@ -433,11 +461,14 @@ class _PartitionRun:
         # counted from this worker's last summary, so that what happened between two tasks (a failback by the
         # background ping task) is reported by the next one
         self.before = _REPORTED.get(self.sender, {})
-        for entity in failed_over:
-            self.sender.board.assume_failed_over(entity)
+        if isinstance(self.sender, PairedSender):
+            for entity in failed_over:
+                self.sender.board.assume_failed_over(entity)
         self.started = time.monotonic()
         self.rows = 0
+        self.sent = 0
         self.primary = 0
+        self.secondary = 0
         self.backlog: dict[str, int] = {}
         self.entities: set[str] = set()
         self.pending: dict[str, list[tuple[ServiceBusMessage, Any]]] = {}
@@ -538,9 +569,12 @@ class _PartitionRun:
             for message, body in items:
                 self._reject(message.message_id, entity, f"entity not found on the primary ({err})", body)
             return
+        self.sent += result.sent
         for destination, n in result.destinations.items():
             if destination == PRIMARY:
                 self.primary += n
+            elif destination == SECONDARY:
+                self.secondary += n
             else:
                 self.backlog[destination] = self.backlog.get(destination, 0) + n
 
@@ -562,9 +596,9 @@ class _PartitionRun:
         after = self.sender.stats()
         _REPORTED[self.sender] = after
         delta = {name: after.get(name, 0) - self.before.get(name, 0) for name in after}
-        counts = {"rows": self.rows, "primary": self.primary, "rejected": self.rejected,
-                  "failovers": delta.get("failovers", 0), "failbacks": delta.get("failbacks", 0),
-                  "busy_waits": delta.get("busy_waits", 0), "assumed_failovers": delta.get("assumed_failovers", 0)}
+        counts = {"rows": self.rows, "sent": self.sent, "primary": self.primary, "secondary": self.secondary,
+                  "rejected": self.rejected, **{name: delta.get(name, 0) for name in (
+                      "failovers", "failbacks", "busy_waits", "assumed_failovers", "swaps")}}
         data: dict[str, Any] = {"kind": ["summary"], "partition": [self.partition]}
         for name in _COUNTERS:
             data[name] = [counts[name]]
