@@ -28,7 +28,7 @@ from ..errors import (
 )
 from ._namespace import Namespace
 
-__all__ = ["PartialSend", "message_id", "send_batches"]
+__all__ = ["PartialSend", "call_messages", "message_id", "send_batches"]
 
 
 class PartialSend(Exception):
@@ -38,6 +38,18 @@ class PartialSend(Exception):
         super().__init__(str(error))
         self.sent = sent
         self.error = error
+
+
+def call_messages(entity: str, message: ServiceBusMessage | Sequence[ServiceBusMessage]) -> list[ServiceBusMessage]:
+    """The messages of one send call as a list, once its arguments are checked: ``entity`` must be a non-empty
+    string (``ValueError``), every message a ``ServiceBusMessage`` (``TypeError``)."""
+    if not isinstance(entity, str) or not entity:
+        raise ValueError(f"entity must be a non-empty string, got {entity!r}")
+    batch = [message] if isinstance(message, ServiceBusMessage) else list(message)
+    for item in batch:
+        if not isinstance(item, ServiceBusMessage):
+            raise TypeError(f"expected ServiceBusMessage, got {type(item).__name__}")
+    return batch
 
 
 def message_id(message: ServiceBusMessage) -> object:

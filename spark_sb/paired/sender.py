@@ -46,7 +46,7 @@ from azure.servicebus import ServiceBusMessage
 from .. import bus
 from .. import messages as msgs
 from ..bus import EntityState, HealthBoard, Namespace, join_board
-from ..bus.batches import PartialSend, send_batches
+from ..bus.batches import PartialSend, call_messages, send_batches
 from ..bus.pings import Wait
 from ..config import NamespaceConfig, SparkSbConfig, load_config
 from ..errors import (
@@ -338,12 +338,7 @@ class PairedSender:
         :class:`BacklogUnavailableError` when failed over and no backlog queue accepts.
         """
         self._attach_pings()
-        if not isinstance(entity, str) or not entity:
-            raise ValueError(f"entity must be a non-empty string, got {entity!r}")
-        batch = [message] if isinstance(message, ServiceBusMessage) else list(message)
-        for item in batch:
-            if not isinstance(item, ServiceBusMessage):
-                raise TypeError(f"expected ServiceBusMessage, got {type(item).__name__}")
+        batch = call_messages(entity, message)
         self._ensure_paired()
         with self.board.sending(entity):
             counts = self._send(entity, batch)

@@ -62,7 +62,7 @@ from typing import Any, Literal
 from azure.servicebus import ServiceBusMessage
 
 from ..bus import Namespace
-from ..bus.batches import PartialSend, send_batches
+from ..bus.batches import PartialSend, call_messages, send_batches
 from ..config import SparkSbConfig, load_config
 from ..errors import (
     BadMessageError,
@@ -305,13 +305,7 @@ class ReplicatingSender:
         :class:`~spark_sb.errors.CredentialRejectedError` likewise.
         """
         self._check_open()
-        if not isinstance(entity, str) or not entity:
-            raise ValueError(f"entity must be a non-empty string, got {entity!r}")
-        batch = [message] if isinstance(message, ServiceBusMessage) else list(message)
-        for item in batch:
-            if not isinstance(item, ServiceBusMessage):
-                raise TypeError(f"expected ServiceBusMessage, got {type(item).__name__}")
-        batch = [_with_id(item) for item in batch]
+        batch = [_with_id(item) for item in call_messages(entity, message)]
         if not batch:
             return ReplicationResult(entity, mode=self.mode)
         result = self._send_active(entity, batch) if self.mode == "active" else self._send_passive(entity, batch)
@@ -478,14 +472,8 @@ class ReplicatingSender:
         deadline = time.monotonic() + CLOSE_TIMEOUT
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
-        sides = tuple(self._sides.values())
-        for side in sides:
-            side.detach(final=True)
-        for side in sides:  # one deadline for both
-            if not side.wait_closed(deadline):
-                _LOGGER.warning("sends still held the %s namespace's clients after %.0f s; closing them anyway",
-                                side.name, CLOSE_TIMEOUT)
-                side.force_close()
+        for side in self._sides.values():  # one deadline for both
+            side.close(max(0.0, deadline - time.monotonic()))
         for future in in_flight:
             try:
                 future.exception(max(0.0, deadline - time.monotonic()))
