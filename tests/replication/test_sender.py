@@ -4,9 +4,10 @@ faults, on fake time: where the messages end up, what the caller is told."""
 from __future__ import annotations
 
 import logging
-import threading
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
 from typing import Any
 
 import pytest
@@ -57,17 +58,9 @@ def config(primary: Any, secondary: Any) -> Callable[..., dict]:
 @pytest.fixture
 def make_sender(config: Callable[..., dict], time_: SenderTime) -> Iterator[Callable[..., ReplicatingSender]]:
     """``make_sender(mode or config dict)``: a ReplicatingSender on fake time, closed after the test."""
-    made: list[ReplicatingSender] = []
-
-    def make(mode_or_config: str | dict) -> ReplicatingSender:
-        conf = config(mode_or_config) if isinstance(mode_or_config, str) else mode_or_config
-        sender = ReplicatingSender.from_config(conf, clock=time_.clock, sleep=time_.sleep)
-        made.append(sender)
-        return sender
-
-    yield make
-    for sender in made:
-        sender.close()
+    with ExitStack() as senders:
+        yield lambda conf: senders.enter_context(ReplicatingSender.from_config(
+            config(conf) if isinstance(conf, str) else conf, clock=time_.clock, sleep=time_.sleep))
 
 
 @pytest.fixture
@@ -233,21 +226,13 @@ def test_active_a_side_that_stored_part_of_a_call_has_not_accepted_it(stored, ma
 def test_active_one_instance_shared_by_threads(stored, make_sender, pair_queue, primary, secondary) -> None:
     q = pair_queue()
     sender = make_sender("active")
-    errors: list[BaseException] = []
 
-    def work(t: int) -> None:
-        try:
-            for i in range(5):
-                assert sender.send(q, msg(f"t{t}-{i}")).destinations == {"primary": 1, "secondary": 1}
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
+    def five(t: int) -> list[dict]:
+        return [dict(sender.send(q, msg(f"t{t}-{i}")).destinations) for i in range(5)]
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert errors == []
+    with ThreadPoolExecutor(4) as pool:
+        results = [r for one in pool.map(five, range(4)) for r in one]  # an error in a thread is raised here
+    assert results == [{"primary": 1, "secondary": 1}] * 20
     expected = sorted(f"t{t}-{i}" for t in range(4) for i in range(5))
     assert stored("primary", q) == expected and stored("secondary", q) == expected
 
