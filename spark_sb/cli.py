@@ -34,7 +34,9 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
 
     fault = esub.add_parser("fault", help="inject a fault into a running namespace")
     fault.add_argument("--admin", required=True, metavar="URL", help="the namespace's admin URL, e.g. http://localhost:5300")
-    fault.add_argument("kind", choices=["down", "timeout", "busy", "disabled", "notfound", "quota", "unauthorized"])
+    from .emulator.amqp import FAULT_KINDS
+
+    fault.add_argument("kind", choices=FAULT_KINDS)
     fault.add_argument("--entity", metavar="PATH", help="limit the fault to one entity (default: the whole namespace)")
     fault.add_argument("--duration", type=float, metavar="SECONDS", help="heal by itself after this many seconds")
 

@@ -48,3 +48,11 @@ def test_provision_with_zero_usable_queues_exits_non_zero(emulator, tmp_path, ma
     err = capsys.readouterr().err
     assert "no usable backlog queue" in err and "Traceback" not in err
     assert err.strip().count("\\n") == 0 and err.strip().splitlines()[-1].startswith("spark-sb provision: ")
+
+
+def test_every_emulator_fault_kind_is_accepted_from_the_command_line(emulator, capsys) -> None:
+    admin = emulator["primary"].admin_url
+    try:
+        assert cli.main(["emulator", "fault", "--admin", admin, "ack-lost", "--entity", "nowhere"]) == 0
+    finally:
+        assert cli.main(["emulator", "heal", "--admin", admin]) == 0
