@@ -9,6 +9,12 @@ the `servicebus-backlog` source, `foreachBatch(Republisher)`, a checkpoint and a
 parked messages home and stops once the backlog is empty; the end accounts for every row by message id: in the primary, left in a backlog queue, dead-lettered
 (with reasons), lost, or duplicated. Exits 0 when nothing is lost or duplicated. No cloud account, no
 manual step.
+
+``--mode active`` or ``--mode passive`` shows replication instead (behaviour.md, "Active and passive
+replication"): the same stream sends every row to both namespaces (active) or to the active one, swapping on an
+outage (passive: the primary goes down, then, after it healed, the secondary, so the roles swap twice); then
+``format("servicebus")`` reads the entity on both namespaces through ``spark_sb.dedupe`` into a Delta table, and
+the end counts each row: lost, or kept twice.
 """
 
 from __future__ import annotations
@@ -190,16 +196,123 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
     return 0 if produced and not lost and not duplicated and len(everywhere) == len(produced) else 1
 
 
+def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, trigger: float,
+                    free_ports: bool) -> int:
+    """The ``--mode active|passive`` demo: see the module docstring."""
+    from paired_writer import (  # jobs/ is on sys.path as the script's folder
+        await_batches,
+        build_session,
+        start,
+    )
+
+    from spark_sb import dedupe, register
+    from spark_sb.bus import admin_client
+    from spark_sb.config import load_config
+    from spark_sb.source import config_options
+
+    (work / "entities.yaml").write_text(ENTITIES)  # the entity on both namespaces
+    namespaces = [NamespaceOptions(n.name) for n in DEFAULT_NAMESPACES] if free_ports else list(DEFAULT_NAMESPACES)
+    _say(f"starting the local Service Bus emulator pair (data in {work / 'emulator'}); '{ENTITY}' on both")
+    with EmulatorProcess.start(data_dir=work / "emulator", namespaces=namespaces, entities=work / "entities.yaml",
+                               log_file=work / "emulator.log") as emu:
+        config = _config(conf, emu)
+        config["replication"] = {"mode": mode, "retry_interval": "2s"}
+        config["sink"] = {
+            "entity": ENTITY,
+            "key_column": "key",
+            "source": {"format": "rate", "rows_per_second": max(1, int(rows / trigger)), "num_partitions": 2},
+            "trigger": f"{trigger}s",
+            "checkpoint_location": str(work / "checkpoint"),
+        }
+        _say("starting Spark (local[2]; the first run downloads the Delta jars from Maven Central)")
+        spark = build_session("spark-sb-demo")
+        spark.sparkContext.setLogLevel("ERROR")
+        register(spark)
+        # active: the primary down for a stretch; passive: the primary down, healed, then the secondary down
+        outages = ([(batches // 4, "primary", "DOWN"), ((2 * batches) // 3, "primary", "healed")] if mode == "active"
+                   else [(batches // 5, "primary", "DOWN"), ((2 * batches) // 5, "primary", "healed"),
+                         ((3 * batches) // 5, "secondary", "DOWN"), ((4 * batches) // 5, "secondary", "healed")])
+        produced: list[str] = []
+        holder: dict[str, Any] = {}
+        _say(f"streaming rate rows through the sink in {mode} replication, {rows} rows a batch every {trigger:g} s")
+        _say("")
+
+        def each_batch(df: Any, batch_id: int) -> None:
+            for at, side, what in outages:
+                if batch_id == at:
+                    if what == "DOWN":
+                        fault(emu[side].admin_url, "down")
+                    else:
+                        heal(emu[side].admin_url)
+                    _say(f">>> the {side} namespace is {what}")
+            keys = [row["key"] for row in df.select("key").collect()]
+            summary = holder["sink"](df, batch_id)
+            produced.extend(keys)
+            swaps = f"  swaps {summary.swaps}" if summary.swaps else ""
+            _say(f"batch {batch_id:2d}: {summary.rows:3d} rows: {summary.primary} -> primary, {summary.secondary} -> "
+                 f"secondary   [{', '.join(sorted(set(holder['sink'].health.values()))) or '-'}, "
+                 f"{summary.seconds:.1f} s]{swaps}")
+
+        query, holder["sink"] = start(spark, config, foreach_batch=each_batch)
+        try:
+            await_batches(query, batches)
+        finally:
+            if query.isActive:
+                query.stop()
+        for _, side, _ in outages:
+            heal(emu[side].admin_url)
+        _say("")
+        _say(f"sink totals: {holder['sink'].totals.describe()}")
+        copies = {}
+        loaded = load_config(config)
+        for side, namespace in (("primary", loaded.primary), ("secondary", loaded.secondary)):
+            with admin_client(namespace, retry_total=0) as admin:
+                copies[side] = int(admin.get_queue_runtime_properties(ENTITY).active_message_count or 0)
+        _say(f"copies stored: primary {copies['primary']}, secondary {copies['secondary']}")
+        _say("")
+        _say("reading both namespaces: format('servicebus') -> spark_sb.dedupe(window='10 minutes') -> Delta")
+        table = str(work / "received")
+        stream = (spark.readStream.format("servicebus").options(**config_options(config)).option("entity", ENTITY)
+                  .option("namespaces", "primary,secondary").option("maxMessagesPerTrigger", "1000")
+                  .option("receiveTimeout", "0.5").load())
+        reader = (dedupe(stream, window="10 minutes").select("message_id", "namespace", "enqueued_time")
+                  .writeStream.format("delta").option("checkpointLocation", str(work / "reader-checkpoint"))
+                  .start(table))
+        try:
+            reader.processAllAvailable()
+            reader.processAllAvailable()  # the batch received ahead, and the commit of the last one
+        finally:
+            reader.stop()
+        received = spark.read.format("delta").load(table)
+        by_namespace = {r["namespace"]: r["count"] for r in received.groupBy("namespace").count().collect()}
+        ids = collections.Counter(str(r["message_id"]) for r in received.select("message_id").collect())
+        spark.stop()
+    lost = sorted(set(produced) - set(ids))
+    duplicated = sorted(m for m, n in ids.items() if n > 1)
+    _say(f"rows produced:             {len(produced)}")
+    _say(f"rows received (deduped):   {sum(ids.values())}  (first copy from: "
+         + ", ".join(f"{k} {n}" for k, n in sorted(by_namespace.items())) + ")")
+    _say(f"copies dropped by dedupe:  {copies['primary'] + copies['secondary'] - sum(ids.values())}")
+    _say(f"lost:                      {len(lost)}")
+    _say(f"duplicated:                {len(duplicated)}")
+    return 0 if produced and not lost and not duplicated else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conf", type=Path, default=ROOT / "conf" / "local.yaml")
     parser.add_argument("--batches", type=int, default=16)
     parser.add_argument("--rows", type=int, default=50, help="rows per batch (the rate source's rows per trigger)")
     parser.add_argument("--trigger", type=float, default=1.0, help="seconds between batches")
+    parser.add_argument("--mode", choices=("paired", "active", "passive"), default="paired",
+                        help="paired (send availability, the default), or active / passive replication")
     parser.add_argument("--default-ports", action="store_true",
                         help="use 5672/5300 and 5673/5301 (as conf/local.yaml) instead of free ports")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="spark-sb-demo-") as tmp:
+        if args.mode != "paired":
+            return run_replication(Path(tmp), args.conf, args.mode, args.batches, args.rows, args.trigger,
+                                   not args.default_ports)
         return run(Path(tmp), args.conf, args.batches, args.rows, args.trigger, not args.default_ports)
 
 
