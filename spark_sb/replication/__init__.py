@@ -17,12 +17,13 @@ _EXPORTS = {
     "ReplicatingSender": ".sender",
     "ReplicationResult": ".sender",
     "DedupeReceiver": ".dedupe",
+    "ReceiveUnavailableError": ".dedupe",
 }
 
-__all__ = ["DedupeReceiver", "ReplicatingSender", "ReplicationError", "ReplicationResult"]
+__all__ = ["DedupeReceiver", "ReceiveUnavailableError", "ReplicatingSender", "ReplicationError", "ReplicationResult"]
 
 if TYPE_CHECKING:
-    from .dedupe import DedupeReceiver
+    from .dedupe import DedupeReceiver, ReceiveUnavailableError
     from .sender import ReplicatingSender, ReplicationResult
 
 
