@@ -698,3 +698,10 @@ def test_the_backlog_source_refuses_a_secret_in_its_flat_options_and_takes_refer
                                   "secondary.connectionString": "${SB_TEST_SECONDARY}"})
     assert reader.config.primary.connection_string is not None
     assert reader.config.primary.connection_string.shared_access_key == KEY
+
+
+@pytest.mark.parametrize("name", ["local.yaml", "replicated.yaml"])
+def test_the_shipped_configurations_load(name: str) -> None:
+    config = load_config(Path(__file__).resolve().parents[1] / "conf" / name)
+    assert config.sink.entity == "orders"
+    assert config.replication.mode == ("active" if name == "replicated.yaml" else "paired")
