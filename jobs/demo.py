@@ -50,12 +50,29 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def _config(conf: Path, emu: EmulatorProcess) -> dict:
-    """conf/local.yaml with the endpoints of the emulator pair this run started."""
+def _emulator(work: Path, free_ports: bool) -> EmulatorProcess:
+    """The emulator pair of this run (the demo's entity in both namespaces), on free ports unless told."""
+    (work / "entities.yaml").write_text(ENTITIES)
+    namespaces = [NamespaceOptions(n.name) for n in DEFAULT_NAMESPACES] if free_ports else list(DEFAULT_NAMESPACES)
+    _say(f"starting the local Service Bus emulator pair (data in {work / 'emulator'})")
+    return EmulatorProcess.start(data_dir=work / "emulator", namespaces=namespaces, entities=work / "entities.yaml",
+                                 log_file=work / "emulator.log")
+
+
+def _config(conf: Path, emu: EmulatorProcess, work: Path, rows: int, trigger: float) -> dict:
+    """conf/local.yaml with the endpoints of the emulator pair this run started, and the demo's sink: the rate
+    source, ``rows`` a batch every ``trigger`` seconds, to the demo's entity."""
     config = yaml.safe_load(conf.read_text())
     for side in ("primary", "secondary"):
         info = emu[side]
         config[side] = {"connection_string": info.connection_string, "admin_endpoint": info.admin_url}
+    config["sink"] = {
+        "entity": ENTITY,
+        "key_column": "key",
+        "source": {"format": "rate", "rows_per_second": max(1, int(rows / trigger)), "num_partitions": 2},
+        "trigger": f"{trigger}s",
+        "checkpoint_location": str(work / "checkpoint"),
+    }
     return config
 
 
@@ -99,31 +116,29 @@ def _dead_lettered(conn_str: str, queues: tuple[str, ...]) -> dict[str, int]:
     return dict(reasons)
 
 
+def _stream(spark: Any, config: dict, batches: int, each_batch: Any, holder: dict[str, Any]) -> None:
+    """Run the writer stream for ``batches`` batches, each through ``each_batch`` (which calls
+    ``holder["sink"]``, the query's sink)."""
+    from paired_writer import await_batches, start  # jobs/ is on sys.path as the script's folder
+
+    query, holder["sink"] = start(spark, config, foreach_batch=each_batch)
+    try:
+        await_batches(query, batches)
+    finally:
+        if query.isActive:
+            query.stop()
+
+
 def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_ports: bool) -> int:
-    from paired_writer import (  # jobs/ is on sys.path as the script's folder
-        await_batches,
-        build_session,
-        start,
-    )
+    from paired_writer import build_session  # jobs/ is on sys.path as the script's folder
     from syphon import await_until_empty
     from syphon import start as start_syphon
 
-    (work / "entities.yaml").write_text(ENTITIES)
-    namespaces = [NamespaceOptions(n.name) for n in DEFAULT_NAMESPACES] if free_ports else list(DEFAULT_NAMESPACES)
-    _say(f"starting the local Service Bus emulator pair (data in {work / 'emulator'})")
-    with EmulatorProcess.start(data_dir=work / "emulator", namespaces=namespaces, entities=work / "entities.yaml",
-                               log_file=work / "emulator.log") as emu:
+    with _emulator(work, free_ports) as emu:
         for info in emu.info.values():
             _say(f"  {info.name:9s} amqp://localhost:{info.amqp_port}  admin {info.admin_url}")
-        config = _config(conf, emu)
+        config = _config(conf, emu, work, rows, trigger)
         sa = config["send_availability"]
-        config["sink"] = {
-            "entity": ENTITY,
-            "key_column": "key",
-            "source": {"format": "rate", "rows_per_second": max(1, int(rows / trigger)), "num_partitions": 2},
-            "trigger": f"{trigger}s",
-            "checkpoint_location": str(work / "checkpoint"),
-        }
         config["syphon"] = {**config.get("syphon", {}), "retry_interval": "1s",
                             "checkpoint_location": str(work / "syphon-checkpoint"), "ledger": str(work / "ledger")}
         with PairedSender.from_config(config) as sender:
@@ -160,12 +175,7 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
             state = "failed over" if summary.failed_over else "healthy"
             _say(f"batch {batch_id:2d}: {summary.rows:3d} rows: {where}   [{state}, {summary.seconds:.1f} s] {flags}")
 
-        query, holder["sink"] = start(spark, config, foreach_batch=each_batch)
-        try:
-            await_batches(query, batches)
-        finally:
-            if query.isActive:
-                query.stop()
+        _stream(spark, config, batches, each_batch, holder)
         totals = holder["sink"].totals
         _say("")
         _say(f"sink totals: {totals.describe()}")
@@ -199,31 +209,16 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
 def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, trigger: float,
                     free_ports: bool) -> int:
     """The ``--mode active|passive`` demo: see the module docstring."""
-    from paired_writer import (  # jobs/ is on sys.path as the script's folder
-        await_batches,
-        build_session,
-        start,
-    )
+    from paired_writer import build_session  # jobs/ is on sys.path as the script's folder
 
     from spark_sb import dedupe, register
     from spark_sb.bus import admin_client
     from spark_sb.config import load_config
     from spark_sb.source import config_options
 
-    (work / "entities.yaml").write_text(ENTITIES)  # the entity on both namespaces
-    namespaces = [NamespaceOptions(n.name) for n in DEFAULT_NAMESPACES] if free_ports else list(DEFAULT_NAMESPACES)
-    _say(f"starting the local Service Bus emulator pair (data in {work / 'emulator'}); '{ENTITY}' on both")
-    with EmulatorProcess.start(data_dir=work / "emulator", namespaces=namespaces, entities=work / "entities.yaml",
-                               log_file=work / "emulator.log") as emu:
-        config = _config(conf, emu)
+    with _emulator(work, free_ports) as emu:
+        config = _config(conf, emu, work, rows, trigger)
         config["replication"] = {"mode": mode, "retry_interval": "2s"}
-        config["sink"] = {
-            "entity": ENTITY,
-            "key_column": "key",
-            "source": {"format": "rate", "rows_per_second": max(1, int(rows / trigger)), "num_partitions": 2},
-            "trigger": f"{trigger}s",
-            "checkpoint_location": str(work / "checkpoint"),
-        }
         _say("starting Spark (local[2]; the first run downloads the Delta jars from Maven Central)")
         spark = build_session("spark-sb-demo")
         spark.sparkContext.setLogLevel("ERROR")
@@ -253,12 +248,7 @@ def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, 
                  f"secondary   [{', '.join(sorted(set(holder['sink'].health.values()))) or '-'}, "
                  f"{summary.seconds:.1f} s]{swaps}")
 
-        query, holder["sink"] = start(spark, config, foreach_batch=each_batch)
-        try:
-            await_batches(query, batches)
-        finally:
-            if query.isActive:
-                query.stop()
+        _stream(spark, config, batches, each_batch, holder)
         for _, side, _ in outages:
             heal(emu[side].admin_url)
         _say("")
