@@ -86,14 +86,12 @@ from .config import SparkSbConfig, load_config
 from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
 from .paired import PRIMARY, PairedSender
 from .paired.sender import pairing_key
+from .replication.sender import SECONDARY
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
 
     from .replication import ReplicatingSender
-
-#: the secondary namespace's destination name in a replicating sender's result
-SECONDARY = "secondary"
 
 _LOGGER = logging.getLogger(__name__)
 
