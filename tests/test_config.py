@@ -705,3 +705,14 @@ def test_the_shipped_configurations_load(name: str) -> None:
     config = load_config(Path(__file__).resolve().parents[1] / "conf" / name)
     assert config.sink.entity == "orders"
     assert config.replication.mode == ("active" if name == "replicated.yaml" else "paired")
+
+
+def test_replication_mode_defaults_to_paired_and_a_bad_mode_or_a_missing_second_namespace_is_named() -> None:
+    assert load_config(minimal()).replication.mode == "paired"
+    assert load_config(minimal(replication={"mode": "passive"})).replication.replicating
+    assert error_of(minimal(replication={"mode": "activ"})) == (
+        "replication.mode: must be one of paired, active, passive (did you mean active?), got 'activ'")
+    alone = {"primary": {"connection_string": PRIMARY}, "replication": {"mode": "active"}}
+    assert error_of(alone).startswith("secondary: required: replication mode 'active' sends to both namespaces")
+    assert error_of(minimal(replication={"mode": "active", "retry_interval": "2h"})).startswith(
+        "replication.retry_interval: must be between")
