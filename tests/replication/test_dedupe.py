@@ -52,16 +52,6 @@ def on_both(emulator: Emulator) -> Callable[..., str]:
     return make
 
 
-@pytest.fixture(scope="module")
-def to_close() -> Iterator[list[DedupeReceiver]]:
-    """The receivers the module opened, closed at its end all at once: closing an SDK receiver waits up to a
-    second for its keep-alive thread."""
-    opened: list[DedupeReceiver] = []
-    yield opened
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(DedupeReceiver.close, opened))
-
-
 @pytest.fixture
 def open_receiver(config: SparkSbConfig, to_close: list[DedupeReceiver]) -> Callable[..., DedupeReceiver]:
     def open_(entity: str, **kwargs: Any) -> DedupeReceiver:
