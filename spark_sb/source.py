@@ -146,8 +146,6 @@ SERVICEBUS_SCHEMA = StructType([
     StructField("time_to_live_ms", LongType()),
     StructField("application_properties", MapType(StringType(), StringType())),
 ])
-#: receivers that receive and defer at once (see DeferringStreamReader._defer)
-RECEIVERS = 2
 #: guards the ``found`` dicts the receivers fill (module-level: Spark pickles the reader)
 _FOUND_LOCK = threading.Lock()
 #: at most this many messages per input partition: a batch from one queue still runs on several cores
@@ -492,10 +490,11 @@ class DeferringStreamReader(DataSourceStreamReader):
         return {"batch": 0, self.OFFSET_FIELD: {}}
 
     def _sweep(self) -> None:
-        """Take back every deferred message of the entities not swept yet (but those of batches whose
-        completion is pending): left by a run that died. An entity is received from only once swept, so that a
-        sweep never takes what this reader deferred."""
-        exclude: dict[str, set[int]] = {}
+        """Take back every deferred message of the entities not swept yet (but those this reader knows: of
+        batches whose completion is pending, or deferred and not yet in a batch): left by a run that died, or by
+        a receive of this reader that failed part way (a message deferred at the broker whose answer was lost).
+        An entity is received from only once swept, so that a sweep never races a receive of this reader."""
+        exclude: dict[str, set[int]] = {key: set(numbers) for key, numbers in self._taken_back.items()}
         for pending in self._uncompleted:
             for key, numbers in (pending.get(self.OFFSET_FIELD) or {}).items():
                 exclude.setdefault(key, set()).update(numbers)
@@ -533,14 +532,14 @@ class DeferringStreamReader(DataSourceStreamReader):
             else:
                 if pending in self._uncompleted:
                     self._uncompleted.remove(pending)
-        if self._unswept:  # the first call of this reader (or an entity unreachable until now)
-            self._sweep()
-        cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
-        batch: dict[str, list[int]] = {}
         if self._ahead is not None:  # what the background receive deferred while the last batch ran
             ahead, self._ahead = self._ahead, None
             for key, numbers in ahead.take().items():
                 self._taken_back.setdefault(key, []).extend(numbers)
+        if self._unswept:  # the first call of this reader, an entity unreachable until now, or a receive failed
+            self._sweep()
+        cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
+        batch: dict[str, list[int]] = {}
         count = 0
         for key in list(self._taken_back):
             numbers = self._taken_back.pop(key)
@@ -569,14 +568,12 @@ class DeferringStreamReader(DataSourceStreamReader):
 
     def _defer(self, cap: int | None, found: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
         """Receive up to ``cap`` messages (None: all there are) from the swept entities in peek-lock and defer
-        them; pings are completed. The entities share ``cap`` evenly and up to :data:`RECEIVERS` of them are
-        received from at once (receiving and deferring is one round trip per message: two receivers keep the
-        client and the broker busy while the other waits). An entity that gives fewer than its share (it has no
-        more for now) leaves the rest of ``cap`` to the others in another round. Returns (and records in
-        ``found``) the deferred sequence numbers by entity key.
-
-        One receiver per entity: two receivers of one queue in this process were measured faster, but a run
-        then saw two messages stay locked until their lock expired (a minute) and has not been explained."""
+        them; pings are completed. The entities share ``cap`` evenly; the two namespaces are received from at
+        once (one thread each), the entities of one namespace one after the other: the SDK's handles share
+        their namespace's connection, and two threads pumping one connection steal each other's settlement
+        answers (measured: a defer then fails, and the rest of its page stays locked until the lock expires). An
+        entity that gives fewer than its share (it has no more for now) leaves the rest of ``cap`` to the others
+        in another round. Returns (and records in ``found``) the deferred sequence numbers by entity key."""
         found = {} if found is None else found
         ready = [e for e in self.entities if e.key not in self._unswept]
         if cap is None:
@@ -587,19 +584,27 @@ class DeferringStreamReader(DataSourceStreamReader):
             return found
         open_work = list(ready)
         count = 0
-        with ThreadPoolExecutor(min(len(open_work), RECEIVERS), thread_name_prefix=f"spark-sb-{self.WHAT}-receive") as pool:
+        sides = list(dict.fromkeys(e.side for e in ready))
+        with ThreadPoolExecutor(len(sides), thread_name_prefix=f"spark-sb-{self.WHAT}-receive") as pool:
             while open_work and count < cap:
                 left = cap - count
-                shares = [left // len(open_work) + (1 if i < left % len(open_work) else 0)
-                          for i in range(len(open_work))]
-                futures = [(entity, share, pool.submit(self._defer_entity, entity, share, found))
-                           for entity, share in zip(open_work, shares, strict=True) if share > 0]
-                for entity, share, future in futures:
-                    got = future.result()
-                    count += got
-                    if got < share:  # this entity has no more for now (or did not answer)
-                        open_work.remove(entity)
+                shares = {e.key: left // len(open_work) + (1 if i < left % len(open_work) else 0)
+                          for i, e in enumerate(open_work)}
+                futures = [pool.submit(self._defer_side, [e for e in open_work if e.side == side], shares, found)
+                           for side in sides]
+                for future in futures:
+                    for entity, got in future.result():
+                        count += got
+                        if got < shares[entity.key]:  # this entity has no more for now (or did not answer)
+                            open_work.remove(entity)
         return found
+
+    def _defer_side(self, entities: Sequence[Entity], shares: Mapping[str, int], found: dict[str, list[int]]
+                    ) -> list[tuple[Entity, int]]:
+        """One namespace's part of a round of :meth:`_defer`: its entities one after the other (the SDK's
+        handles of one connection must not be used from two threads at once)."""
+        return [(entity, self._defer_entity(entity, shares[entity.key], found))
+                for entity in entities if shares[entity.key] > 0]
 
     def _defer_entity(self, entity: Entity, cap: int | None, found: dict[str, list[int]]) -> int:
         """Receive and defer up to ``cap`` messages of one entity; returns how many were deferred (those
@@ -615,19 +620,37 @@ class DeferringStreamReader(DataSourceStreamReader):
                     if not page:
                         break
                     wait = min(wait, 0.2)
+                    failed: Exception | None = None
                     for message in page:
-                        if msgs.is_ping(message):
-                            receiver.complete_message(message)
+                        try:
+                            if msgs.is_ping(message):
+                                receiver.complete_message(message)
+                                continue
+                            receiver.defer_message(message)
+                        except Exception as exc:  # one settlement failed: go on with the page (its locks)
+                            if failed is not None:  # twice: the link is broken, the rest waits for lock expiry
+                                raise
+                            failed = exc
+                            self._resweep(entity)  # it may be deferred at the broker yet in no batch
+                            _LOGGER.warning("%s %r: settling message %s failed (%s); it is swept again",
+                                            self.WHAT, entity.path, message.sequence_number, type(exc).__name__)
                             continue
-                        receiver.defer_message(message)
                         numbers.append(int(message.sequence_number or 0))
                         count += 1
         except Exception as exc:
+            self._resweep(entity)
             self._unavailable(entity, "receiving", exc)
         finally:
             with _FOUND_LOCK:
                 found.setdefault(entity.key, []).extend(numbers)
         return count
+
+    def _resweep(self, entity: Entity) -> None:
+        """A receive of ``entity`` failed part way: a defer whose answer was lost may have deferred a message
+        that is in no batch, so the entity is swept again (and received from once swept)."""
+        with _FOUND_LOCK:
+            if entity.key not in self._unswept:
+                self._unswept.append(entity.key)
 
     def reportLatestOffset(self) -> dict | None:
         if self._depth is None:

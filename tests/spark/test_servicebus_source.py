@@ -189,3 +189,32 @@ def test_dedupe_is_withwatermark_and_drop_duplicates_within_it(spark) -> None:
         dedupe(df, window="soon")
     with pytest.raises(ConfigError, match="time_column.*arrival"):
         dedupe(df, time_column="arrival")
+
+
+def test_a_defer_whose_answer_is_lost_is_taken_back_in_a_later_batch(conf, primary, replicated_queue,
+                                                                     monkeypatch) -> None:
+    """The broker deferred the message but the client saw an error (an answer lost): the message is in no
+    batch, so the reader sweeps the entity again and reads it in a later batch, once."""
+    from azure.servicebus import ServiceBusReceiver
+
+    queue = replicated_queue()
+    _send(primary, queue, [ServiceBusMessage(f"b{i}", message_id=f"m{i}") for i in range(6)])
+    real_defer = ServiceBusReceiver.defer_message
+    calls = {"n": 0}
+
+    def defer_then_fail(self: Any, message: Any) -> None:
+        real_defer(self, message)
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("the settlement's answer was lost")
+
+    monkeypatch.setattr(ServiceBusReceiver, "defer_message", defer_then_fail)
+    reader = _reader(conf, entity=queue)
+    offset, ids = reader.initialOffset(), []
+    for _ in range(4):
+        start, offset = offset, reader.latestOffset(offset, ReadMaxRows(10))
+        ids += [r["message_id"] for r in _rows(reader, start, offset)]
+    monkeypatch.setattr(ServiceBusReceiver, "defer_message", real_defer)
+    assert sorted(ids) == [f"m{i}" for i in range(6)]  # each once, the one whose answer was lost too
+    reader.latestOffset(offset, ReadMaxRows(10))  # completes the last batch
+    assert _peek(primary, queue) == []
