@@ -467,8 +467,8 @@ class DeferringStreamReader(DataSourceStreamReader):
     def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
         raise NotImplementedError
 
-    def _namespace(self, entity: Entity, *, retries: bool = True) -> Any:
-        return shared_namespace(self.config, entity.side, retries=retries)
+    def _namespace(self, entity: Entity, *, retries: bool = True, lane: int = 0) -> Any:
+        return shared_namespace(self.config, entity.side, retries=retries, lane=lane)
 
     def _where(self, entity: Entity) -> str:
         return f"{entity.side} {getattr(self.config, entity.side).fully_qualified_namespace}"
@@ -568,12 +568,14 @@ class DeferringStreamReader(DataSourceStreamReader):
 
     def _defer(self, cap: int | None, found: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
         """Receive up to ``cap`` messages (None: all there are) from the swept entities in peek-lock and defer
-        them; pings are completed. The entities share ``cap`` evenly; the two namespaces are received from at
-        once (one thread each), the entities of one namespace one after the other: the SDK's handles share
-        their namespace's connection, and two threads pumping one connection steal each other's settlement
-        answers (measured: a defer then fails, and the rest of its page stays locked until the lock expires). An
-        entity that gives fewer than its share (it has no more for now) leaves the rest of ``cap`` to the others
-        in another round. Returns (and records in ``found``) the deferred sequence numbers by entity key."""
+        them; pings are completed. The entities share ``cap`` evenly. One thread per connection: the two
+        namespaces are received from at once, the entities of one namespace one after the other (two threads
+        pumping one connection steal each other's settlement answers: measured, a defer then fails and the rest
+        of its page stays locked until the lock expires); an entity read alone gets two receivers on two
+        connections ("lanes"), which doubles what receiving and deferring (one round trip per message) gets
+        done. An entity that gives fewer than its share (it has no more for now) leaves the rest of ``cap`` to
+        the others in another round. Returns (and records in ``found``) the deferred sequence numbers by
+        entity key."""
         found = {} if found is None else found
         ready = [e for e in self.entities if e.key not in self._unswept]
         if cap is None:
@@ -582,37 +584,38 @@ class DeferringStreamReader(DataSourceStreamReader):
             return found
         if not ready:
             return found
-        open_work = list(ready)
+        # (entity, lane) units: a lane is a connection, used by one thread; an entity read alone gets two
+        # lanes, so that two receivers keep the client and the broker busy while the other waits
+        lanes = 2 if len(ready) == 1 else 1
+        open_work = [(entity, lane) for entity in ready for lane in range(lanes)]
         count = 0
-        sides = list(dict.fromkeys(e.side for e in ready))
-        with ThreadPoolExecutor(len(sides), thread_name_prefix=f"spark-sb-{self.WHAT}-receive") as pool:
+        threads = list(dict.fromkeys((entity.side, lane) for entity, lane in open_work))
+        with ThreadPoolExecutor(len(threads), thread_name_prefix=f"spark-sb-{self.WHAT}-receive") as pool:
             while open_work and count < cap:
                 left = cap - count
-                shares = {e.key: left // len(open_work) + (1 if i < left % len(open_work) else 0)
-                          for i, e in enumerate(open_work)}
-                futures = [pool.submit(self._defer_side, [e for e in open_work if e.side == side], shares, found)
-                           for side in sides]
+                shares = {unit: left // len(open_work) + (1 if i < left % len(open_work) else 0)
+                          for i, unit in enumerate(open_work)}
+                futures = [pool.submit(self._defer_lane, [u for u in open_work if (u[0].side, u[1]) == thread],
+                                       shares, found) for thread in threads]
                 for future in futures:
-                    for entity, got in future.result():
+                    for unit, got in future.result():
                         count += got
-                        if got < shares[entity.key]:  # this entity has no more for now (or did not answer)
-                            open_work.remove(entity)
+                        if got < shares[unit]:  # this entity has no more for now (or did not answer)
+                            open_work.remove(unit)
         return found
 
-    def _defer_side(self, entities: Sequence[Entity], shares: Mapping[str, int], found: dict[str, list[int]]
-                    ) -> list[tuple[Entity, int]]:
-        """One namespace's part of a round of :meth:`_defer`: its entities one after the other (the SDK's
-        handles of one connection must not be used from two threads at once)."""
-        return [(entity, self._defer_entity(entity, shares[entity.key], found))
-                for entity in entities if shares[entity.key] > 0]
+    def _defer_lane(self, units: Sequence[tuple[Entity, int]], shares: Mapping[tuple[Entity, int], int],
+                    found: dict[str, list[int]]) -> list[tuple[tuple[Entity, int], int]]:
+        """One connection's part of a round of :meth:`_defer`: its entities one after the other."""
+        return [(unit, self._defer_entity(unit[0], shares[unit], found, unit[1])) for unit in units if shares[unit] > 0]
 
-    def _defer_entity(self, entity: Entity, cap: int | None, found: dict[str, list[int]]) -> int:
-        """Receive and defer up to ``cap`` messages of one entity; returns how many were deferred (those
-        deferred before a failure are kept in ``found``)."""
+    def _defer_entity(self, entity: Entity, cap: int | None, found: dict[str, list[int]], lane: int = 0) -> int:
+        """Receive and defer up to ``cap`` messages of one entity through the connection ``lane``; returns how
+        many were deferred (those deferred before a failure are kept in ``found``)."""
         count = 0
         numbers: list[int] = []
         try:
-            with self._namespace(entity).receiver(entity.path) as receiver:
+            with self._namespace(entity, lane=lane).receiver(entity.path) as receiver:
                 wait = self.receive_timeout
                 while cap is None or count < cap:
                     want = PAGE if cap is None else min(PAGE, cap - count)

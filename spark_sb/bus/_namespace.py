@@ -289,9 +289,10 @@ def admin_client(namespace: NamespaceConfig, **kwargs: Any) -> Any:
 
 
 def shared_namespace(config: SparkSbConfig, side: Literal["primary", "secondary"], *,
-                     retries: bool = True) -> Namespace:
+                     retries: bool = True, lane: int = 0) -> Namespace:
     """The process-wide :class:`Namespace` of ``config``'s ``side`` for ``(config.fingerprint(), side,
-    retries)``. The primary's clients are built with ``send_availability.primary_client_kwargs()`` (the
+    retries, lane)``. Each lane is its own connection: two threads that must use the namespace at once each
+    take a lane (the SDK's handles of one connection must not be used from two threads at once). The primary's clients are built with ``send_availability.primary_client_kwargs()`` (the
     failover interval, not the SDK, decides); the secondary's with the SDK's default retry policy.
     ``retries=False`` adds ``retry_total=0``: for requests whose failure is an answer, e.g. fetching deferred
     messages by sequence number, which the SDK would otherwise retry with backoff. Closed (for good) by
@@ -304,5 +305,5 @@ def shared_namespace(config: SparkSbConfig, side: Literal["primary", "secondary"
         raise ValueError(f"side must be 'primary' or 'secondary', got {side!r}")
     if not retries:
         kwargs["retry_total"] = 0
-    key = (config.fingerprint(), side, retries)
+    key = (config.fingerprint(), side, retries, lane)
     return shared(NAMESPACE_KIND, key, lambda: Namespace(side, namespace, kwargs))
