@@ -22,10 +22,11 @@ def test_every_public_name_loads() -> None:
     assert issubclass(spark_sb.ConfigError, spark_sb.SparkSbError)
 
 
-def test_the_paired_sender_the_syphon_core_and_the_configuration_load_without_pyspark() -> None:
+def test_the_senders_the_syphon_core_the_dedupe_receiver_and_the_configuration_load_without_pyspark() -> None:
     code = ("import sys, spark_sb\n"
             "spark_sb.PairedSender, spark_sb.Syphon, spark_sb.load_config, spark_sb.SparkSbError\n"
             "import spark_sb.syphon, spark_sb.paired, spark_sb.messages\n"
+            "from spark_sb.replication import ReplicatingSender, DedupeReceiver, ReplicationError\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('pyspark', 'py4j', 'delta')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
