@@ -100,8 +100,8 @@ _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
     "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "REPLICATION_MODES", "ReplicationConfig", "Secret", "SendAvailabilityConfig",
-    "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "format_duration",
-    "from_options", "is_literal_secret", "is_secret_name", "load_config", "load_reference", "parse_duration", "redact_connection_string",
+    "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "entity_path", "format_duration",
+    "from_options", "is_literal_secret", "is_secret_name", "load_config", "load_reference", "parse_duration", "positive_duration", "redact_connection_string",
 ]
 
 BACKLOG_QUEUE_SEGMENT = "x-servicebus-transfer"
@@ -123,6 +123,27 @@ def parse_duration(value: object, option: str) -> timedelta:
         return _parse_duration(value)
     except DurationError as err:
         raise ConfigError(option, err.problem, err.value) from None
+
+
+def positive_duration(value: object, option: str) -> timedelta:
+    """:func:`parse_duration`, refusing zero and negative spans (a window, an interval) naming ``option``."""
+    span = parse_duration(value, option)
+    if span <= timedelta(0):
+        raise ConfigError(option, "must be longer than 0 s", format_duration(span))
+    return span
+
+
+def entity_path(value: object, option: str = "entity") -> str:
+    """A queue (its name may hold ``/``, as backlog queues' do) or a topic subscription written
+    ``topic/subscriptions/name``; a :class:`ConfigError` naming ``option`` otherwise."""
+    problem = "must name a queue or a subscription as 'topic/subscriptions/name'"
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(option, problem, repr(value))
+    path = value.strip()
+    topic, marker, subscription = path.partition("/subscriptions/")
+    if marker and (not topic.strip("/") or not subscription.strip("/") or "/" in subscription):
+        raise ConfigError(option, problem, repr(value))
+    return path
 
 
 class _Invalid(ValueError):

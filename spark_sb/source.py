@@ -90,10 +90,12 @@ from .bus.deferred import PAGE, complete_deferred, deferred_numbers, peek_deferr
 from .config import (
     MAX_RECEIVE_BATCH,
     SparkSbConfig,
+    entity_path,
     from_options,
     is_literal_secret,
     load_config,
     load_reference,
+    positive_duration,
 )
 from .errors import ConfigError, EntityNotFoundError, ErrorClass, as_spark_sb_error, classify, redact
 
@@ -170,14 +172,7 @@ def dedupe(df: Any, window: str | float | datetime.timedelta = "10 minutes", *, 
     ``window``: a duration as Spark writes it (``"10 minutes"``) or as the configuration does (``"10m"``,
     seconds, a ``timedelta``). A bad window or a missing column raises :class:`~spark_sb.errors.ConfigError`
     naming it."""
-    from .durations import DurationError, parse_duration
-
-    try:
-        span = parse_duration(window)
-    except DurationError as err:
-        raise ConfigError("window", err.problem, window) from None
-    if span <= datetime.timedelta(0):
-        raise ConfigError("window", "must be positive", window)
+    span = positive_duration(window, "window")
     for option, column in (("id_column", id_column), ("time_column", time_column)):
         if column not in df.columns:
             raise ConfigError(option, f"is not a column of the DataFrame (columns: {', '.join(df.columns)})", column)
@@ -799,12 +794,7 @@ def _entity_option(options: Mapping[str, str]) -> str:
     path = _option(options, "entity")
     if path is None:
         raise ConfigError("entity", "required: the queue, or topic/subscriptions/name, to read")
-    path = path.strip().strip("/")
-    topic, marker, subscription = path.partition("/subscriptions/")
-    if not path or (marker and (not topic or not subscription or "/" in subscription)) or (
-            not marker and "/" in path) or ":" in path:
-        raise ConfigError("entity", "must be a queue name or topic/subscriptions/name", path)
-    return path
+    return entity_path(path)
 
 
 def _namespaces_option(options: Mapping[str, str]) -> tuple[Literal["primary", "secondary"], ...]:

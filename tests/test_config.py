@@ -716,3 +716,13 @@ def test_replication_mode_defaults_to_paired_and_a_bad_mode_or_a_missing_second_
     assert error_of(alone).startswith("secondary: required: replication mode 'active' sends to both namespaces")
     assert error_of(minimal(replication={"mode": "active", "retry_interval": "2h"})).startswith(
         "replication.retry_interval: must be between")
+
+
+def test_entity_paths_are_queues_with_any_name_or_topic_subscriptions() -> None:
+    from spark_sb.config import entity_path
+
+    assert entity_path("sales/orders") == "sales/orders"  # a hierarchical queue name, as backlog queues have
+    assert entity_path(" events/subscriptions/all ") == "events/subscriptions/all"
+    for bad in ("", "  ", "events/subscriptions/", "/subscriptions/all", "events/subscriptions/a/b", None):
+        with pytest.raises(ConfigError, match="^entity: must name a queue or a subscription"):
+            entity_path(bad)

@@ -76,7 +76,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
 from types import TracebackType
 from typing import Any
 
@@ -85,8 +84,8 @@ from azure.servicebus.exceptions import MessageLockLostError
 
 from .. import messages as msgs
 from ..bus import Namespace
-from ..config import SparkSbConfig, load_config
-from ..durations import DurationError, format_duration, parse_duration
+from ..config import SparkSbConfig, entity_path, load_config, positive_duration
+from ..durations import format_duration
 from ..errors import (
     ConfigError,
     ErrorClass,
@@ -180,26 +179,6 @@ def _lock_expired(message: ServiceBusReceivedMessage, now: datetime.datetime) ->
     return until is not None and until <= now
 
 
-def _entity(entity: object) -> str:
-    problem = "must name a queue or a subscription as 'topic/subscriptions/name'"
-    if not isinstance(entity, str) or not entity.strip():
-        raise ConfigError("entity", problem, repr(entity))
-    topic, marker, subscription = entity.partition("/subscriptions/")
-    if marker and (not topic.strip("/") or not subscription.strip("/") or "/" in subscription):
-        raise ConfigError("entity", problem, repr(entity))
-    return entity
-
-
-def _window(window: object) -> timedelta:
-    try:
-        span = parse_duration(window)
-    except DurationError as err:
-        raise ConfigError("window", err.problem, repr(window)) from None
-    if span <= timedelta(0):
-        raise ConfigError("window", "must be longer than 0 s", format_duration(span))
-    return span
-
-
 def _namespace_names(namespaces: object) -> tuple[str, ...]:
     if isinstance(namespaces, str) or not isinstance(namespaces, Iterable):
         raise ConfigError("namespaces", "must be a sequence of namespace names such as ('primary', 'secondary')",
@@ -255,8 +234,8 @@ class DedupeReceiver:
     def __init__(self, namespaces: Mapping[str, Namespace], entity: str, *, window: object = "10m",
                  state_path: str | os.PathLike[str] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        self.entity = _entity(entity)
-        self.window = _window(window)
+        self.entity = entity_path(entity)
+        self.window = positive_duration(window, "window")
         self._names = _namespace_names(namespaces)
         self._namespaces = dict(namespaces)
         self.state_path = None if state_path is None else os.fspath(state_path)
@@ -287,8 +266,8 @@ class DedupeReceiver:
         restart); ``clock``: epoch seconds; ``client_kwargs``: for each namespace's ``ServiceBusClient``
         (default :data:`DEFAULT_CLIENT_KWARGS`). Raises :class:`~spark_sb.errors.ConfigError` naming the
         argument and its value."""
-        _entity(entity)
-        _window(window)
+        entity_path(entity)
+        positive_duration(window, "window")
         names = _namespace_names(namespaces)
         config = load_config(conf)
         kwargs = dict(DEFAULT_CLIENT_KWARGS if client_kwargs is None else client_kwargs)

@@ -218,3 +218,9 @@ def test_a_defer_whose_answer_is_lost_is_taken_back_in_a_later_batch(conf, prima
     assert sorted(ids) == [f"m{i}" for i in range(6)]  # each once, the one whose answer was lost too
     reader.latestOffset(offset, ReadMaxRows(10))  # completes the last batch
     assert _peek(primary, queue) == []
+
+
+def test_the_entity_option_takes_a_hierarchical_queue_name() -> None:
+    from spark_sb.source import _entity_option
+
+    assert _entity_option({"Entity": "sales/orders"}) == "sales/orders"
