@@ -86,12 +86,10 @@ from .config import SparkSbConfig, load_config
 from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
 from .paired import PRIMARY, PairedSender
 from .paired.sender import pairing_key
-from .replication.sender import SECONDARY
+from .replication.sender import SECONDARY, ReplicatingSender
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
-
-    from .replication import ReplicatingSender
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -115,8 +113,6 @@ def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedS
 
     def build() -> PairedSender | ReplicatingSender:
         if config.replication.replicating:
-            from .replication import ReplicatingSender
-
             replicating = ReplicatingSender(config)
             _LOGGER.info("process %d: %s replicating sender ready", os.getpid(), config.replication.mode)
             return replicating
@@ -195,7 +191,9 @@ METRICS_SCHEMA = T.StructType(
 class BatchSummary:
     """Where a batch's rows went (or, for :attr:`PairedSink.totals`, every batch's so far).
 
-    :ivar sent: rows accepted (see ``_COUNTERS``); :ivar primary: / :ivar secondary: copies each namespace accepted.
+    :ivar sent: rows accepted (see ``_COUNTERS``).
+    :ivar primary: copies the primary accepted.
+    :ivar secondary: copies the secondary accepted (active and passive replication only).
     :ivar backlog: ``{backlog queue: rows}``.
     :ivar failed_over: entities left failed over after the batch (passed to the next batch).
     :ivar batches: how many batches are summed (1 for one batch).
