@@ -4,7 +4,6 @@ pair and the shared local Spark session."""
 from __future__ import annotations
 
 import collections
-import importlib.util
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusMessageState, ServiceBusSubQueue
 from chispa import assert_df_equality
 
-from spark_sb import messages
+from spark_sb import jobs, messages
 from spark_sb.bus import close_all
 from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
@@ -30,14 +29,6 @@ from spark_sb.source import BacklogDataSource, BacklogStreamReader, config_optio
 from .conftest import receive_all, sink_config
 
 _JOBS = Path(__file__).resolve().parents[2] / "jobs"
-
-
-def _job() -> Any:
-    sys.path.insert(0, str(_JOBS))
-    spec = importlib.util.spec_from_file_location("syphon_job", _JOBS / "syphon.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -66,10 +57,9 @@ def _park(secondary: Any, queue: str, entity: str, ids: list[str]) -> None:
 
 def _run(spark: Any, config: dict, max_per_trigger: int = 100) -> tuple[Republisher, list[dict]]:
     """Run the job's query until the backlog is empty; the republisher and the query's progress reports."""
-    job = _job()
-    query, republisher = job.start(spark, config, max_per_trigger=max_per_trigger, receive_timeout=0.5)
+    query, republisher = jobs.start_syphon(spark, config, max_per_trigger=max_per_trigger, receive_timeout=0.5)
     try:
-        job.await_until_empty(query, idle_batches=1, timeout=240)
+        jobs.await_until_empty(query, idle_batches=1, timeout=240)
     finally:
         query.stop()
     return republisher, list(query.recentProgress)
@@ -118,7 +108,7 @@ def test_until_empty_waits_for_messages_a_dead_run_still_holds_locked(spark, emu
 def test_the_job_refuses_a_configuration_without_checkpoint_or_ledger(spark, setup) -> None:
     config = {**setup["config"], "syphon": {"ledger": "/tmp/x"}}
     with pytest.raises(ConfigError, match="syphon.checkpoint_location"):
-        _job().start(spark, config)
+        jobs.start_syphon(spark, config)
     assert not [q for q in spark.streams.active if q.name == "spark-sb-syphon"]
 
 
@@ -215,10 +205,9 @@ def test_killing_the_query_at_any_point_loses_and_duplicates_nothing(spark, setu
         with pytest.raises(Exception, match="killed"):
             query.awaitTermination(120)
             pytest.fail(f"run {n} was not killed")
-    job = _job()
     query = _restart(spark, config, Republisher(load_config(config)), 5)
     try:
-        job.await_until_empty(query, idle_batches=1, timeout=240)
+        jobs.await_until_empty(query, idle_batches=1, timeout=240)
     finally:
         query.stop()
 
@@ -345,10 +334,9 @@ def test_no_secret_reaches_the_plan_the_progress_the_source_options_or_the_event
     assert key and key in primary.connection_string  # the secret the test looks for
     queues, entity = setup["queues"], setup["entity"]
     _park(secondary, queues[0], entity, ["s1", "s2"])
-    job = _job()
-    query, republisher = job.start(spark, setup["config"], receive_timeout=0.5)
+    query, republisher = jobs.start_syphon(spark, setup["config"], receive_timeout=0.5)
     try:
-        job.await_until_empty(query, idle_batches=1, timeout=240)
+        jobs.await_until_empty(query, idle_batches=1, timeout=240)
         query.explain(True)
         progress = json.dumps([*query.recentProgress, query.lastProgress], default=str)
     finally:

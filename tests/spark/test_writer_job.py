@@ -1,27 +1,24 @@
-"""The writer job (jobs/paired_writer.py) as a user runs it."""
+"""The writer job (spark_sb.jobs, behind jobs/paired_writer.py and spark-sb-writer) as a user runs it."""
 
 from __future__ import annotations
 
 import collections
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
 from pyspark.errors import StreamingQueryException
 
-from .conftest import receive_all, sink_config, wait_until
+from spark_sb import jobs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "jobs"))
-import paired_writer  # noqa: E402
+from .conftest import receive_all, sink_config, wait_until
 
 
 def _run(spark: Any, config: dict, rows: int) -> int:
     """One run of the job without a checkpoint location until it sent ``rows`` rows or more; returns how many
     it sent."""
-    query, sink = paired_writer.start(spark, config)
+    query, sink = jobs.start_writer(spark, config)
     wait_until(lambda: sink.totals.rows >= rows, timeout=60)
-    paired_writer.await_batches(query, 0)  # stops between two batches
+    jobs.await_batches(query, 0)  # stops between two batches
     return sink.totals.rows
 
 
@@ -51,13 +48,13 @@ def test_a_replayed_batch_keeps_its_message_ids(spark, primary, secondary, make_
             crashed.update(batch=batch_id, rows=summary.rows)
             raise RuntimeError("killed after sending")
 
-    query, sink = paired_writer.start(spark, config, foreach_batch=crash_once_after_sending, checkpoint=checkpoint)
+    query, sink = jobs.start_writer(spark, config, foreach_batch=crash_once_after_sending, checkpoint=checkpoint)
     with pytest.raises(StreamingQueryException, match="killed after sending"):
         query.awaitTermination(60)
     assert crashed
-    query, sink = paired_writer.start(spark, config, checkpoint=checkpoint)
+    query, sink = jobs.start_writer(spark, config, checkpoint=checkpoint)
     wait_until(lambda: sink.totals.batches >= 2, timeout=60)
-    paired_writer.await_batches(query, 0)
+    jobs.await_batches(query, 0)
     ids = [str(m.message_id) for m in receive_all(primary.connection_string, q)]
     twice = [i for i, n in collections.Counter(ids).items() if n == 2]
     assert len(twice) == crashed["rows"] and not [i for i, n in collections.Counter(ids).items() if n > 2]

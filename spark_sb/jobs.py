@@ -1,0 +1,344 @@
+"""The two Spark jobs: the paired writer and the syphon, as functions.
+
+Entry points (``pyproject.toml``): ``spark-sb-writer`` (:func:`writer_main`) and ``spark-sb-syphon``
+(:func:`syphon_main`), which a Databricks ``python_wheel_task`` calls; ``jobs/paired_writer.py`` and
+``jobs/syphon.py`` are thin ``spark-submit`` wrappers over the same functions.
+
+The paired writer reads ``sink.source`` (the rate source by default: each rate row becomes the body
+``row <value>`` with the key ``<timestamp ms>-<value>``, which is the message id: the same when a batch is
+replayed, never the same in another run, even one without a checkpoint), and runs
+``writeStream.foreachBatch(PairedSink)`` with ``sink.checkpoint_location`` and the ``sink.trigger`` trigger.
+
+The syphon runs ``spark.readStream.format("servicebus-backlog") -> foreachBatch(Republisher)`` with
+``syphon.checkpoint_location`` and the Delta ledger ``syphon.ledger`` (a path or a table name): one row per
+moved, dead-lettered or re-parked message. A batch's backlog messages are settled only once the ledger records
+their outcomes, so the query can be killed at any point and restarted from its checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .config import load_config
+from .errors import ConfigError
+
+_LOGGER = logging.getLogger(__name__)
+
+#: Delta Lake's Maven coordinates, fetched by a local session (on Databricks Delta is built in)
+DELTA_PACKAGE = "io.delta:delta-spark_2.13:4.4.0"
+_NEEDS_SPARK = "needs pyspark and delta-spark: pip install 'spark-sb[spark]'"
+
+
+# --- the Spark session ------------------------------------------------------------------------------------
+
+def jvm_log_path(app_name: str) -> Path:
+    """Where a local session's JVM writes its console output (Spark's log lines, the first run's jar download):
+    ``$SPARK_SB_JVM_LOG`` when set, else ``<temp dir>/spark-sb/<app name>.log``."""
+    configured = os.environ.get("SPARK_SB_JVM_LOG")
+    return Path(configured) if configured else Path(tempfile.gettempdir()) / "spark-sb" / f"{app_name}.log"
+
+
+def _delta_jars_cached() -> bool:
+    """Whether Delta's jar is already in Spark's default Ivy cache (``~/.ivy2.5.2`` since Spark 4)."""
+    group, artifact, version = DELTA_PACKAGE.split(":")
+    name = f"{group}_{artifact}-{version}.jar"
+    return any((home / "jars" / name).exists() for home in Path.home().glob(".ivy2*"))
+
+
+@contextlib.contextmanager
+def _console_to(log: Path) -> Iterator[None]:
+    """Point this process's stdout and stderr file descriptors at ``log`` while the JVM starts, so the JVM
+    (and the Python workers it starts later) writes its console there for its whole life; this process's own
+    output is restored at once."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(log, "ab") as sink:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+def build_session(app_name: str = "spark-sb", master: str | None = None, *, jvm_log: Path | None = None) -> Any:
+    """The active session, else a new one: as is on Databricks (Delta built in) and under ``spark-submit``
+    (pass ``--packages io.delta:delta-spark_2.13:4.4.0``: the JVM is already running), else a local session
+    (``local[2]``, or ``master`` / ``$SPARK_MASTER``) with Delta configured through
+    ``configure_spark_with_delta_pip``. A session this function starts writes the JVM's console output to
+    :func:`jvm_log_path` (or ``jvm_log``) and logs one line saying so, and one more when Delta's jars are
+    fetched from Maven Central (the first run on a machine)."""
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    active = SparkSession.getActiveSession()
+    if active is not None:
+        return active
+    builder = SparkSession.builder.appName(app_name)
+    if "DATABRICKS_RUNTIME_VERSION" in os.environ:  # Delta is built in there
+        return builder.getOrCreate()
+    from delta import configure_spark_with_delta_pip
+
+    under_submit = "PYSPARK_GATEWAY_PORT" in os.environ
+    if master or not under_submit:  # a local session
+        builder = builder.master(master or os.environ.get("SPARK_MASTER", "local[2]"))
+        if (master or os.environ.get("SPARK_MASTER", "local")).startswith("local"):
+            # a local session talks to itself over loopback (Spark would take the host's address otherwise)
+            os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    builder = (builder.config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+               .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "2"))
+    builder = configure_spark_with_delta_pip(builder)
+    if under_submit:
+        return builder.getOrCreate()
+    log = jvm_log or jvm_log_path(app_name)
+    if not _delta_jars_cached():
+        _LOGGER.info("fetching Delta Lake's jars (%s) from Maven Central, once for this machine; progress in %s",
+                     DELTA_PACKAGE, log)
+    _LOGGER.info("starting Spark (%s); its console output goes to %s", app_name, log)
+    with _console_to(log):
+        return builder.getOrCreate()
+
+
+def _spark_or_exit(prog: str) -> None:
+    """Exit with a clear message (status 2) when pyspark is not installed."""
+    try:
+        import delta  # noqa: F401
+        import pyspark  # noqa: F401
+    except ImportError:
+        print(f"{prog} {_NEEDS_SPARK}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# --- the paired writer -----------------------------------------------------------------------------------
+
+def read_source(spark: Any, config: Any) -> Any:
+    """The streaming DataFrame of ``sink.source``; rate rows are mapped to ``body`` and ``key``."""
+    from pyspark.sql import functions as F
+
+    source = config.sink.source
+    if source.kind == "table":
+        return spark.readStream.options(**source.options).table(source.table)
+    if source.kind == "path":
+        reader = spark.readStream.format(source.format).options(**source.options)
+        return reader.load(source.path)
+    reader = spark.readStream.format("rate").option("rowsPerSecond", source.rows_per_second)
+    if source.num_partitions is not None:
+        reader = reader.option("numPartitions", source.num_partitions)
+    rows = reader.options(**source.options).load()
+    # the key (the message id) is ``<row timestamp in ms>-<value>``: the rate source counts from 0 again in
+    # every new checkpoint, but its timestamps start at the checkpoint's creation time (kept in the checkpoint),
+    # so a replayed batch gets the same ids and a new run never reuses an earlier run's
+    key = F.concat_ws("-", F.unix_millis(F.col("timestamp")).cast("string"), F.col("value").cast("string"))
+    return rows.select(F.concat(F.lit("row "), F.col("value").cast("string")).alias("body"), key.alias("key"))
+
+
+def start_writer(spark: Any, conf: Any, foreach_batch: Callable[[Any, int], Any] | None = None,
+                 checkpoint: str | None = None) -> tuple[Any, Any]:
+    """Start the paired writer's query; returns ``(query, sink)``. ``foreach_batch`` wraps the sink when given
+    (the demo uses it to print each batch's summary)."""
+    from .sink import PairedSink
+
+    config = load_config(conf)
+    if config.sink.source.kind == "rate" and config.sink.key_column is None and "message_id" not in config.sink.columns:
+        config = load_config({**config.to_dict(secrets=True),
+                              "sink": {**config.sink.to_dict(), "key_column": "key"}})
+    sink = PairedSink.from_config(config)
+    location = checkpoint or config.sink.checkpoint_location
+    if location is None:
+        location = tempfile.mkdtemp(prefix="spark-sb-checkpoint-")
+        _LOGGER.warning("sink.checkpoint_location is not set; using %s (a fresh one each run)", location)
+    writer = read_source(spark, config).writeStream.foreachBatch(foreach_batch or sink)
+    writer = writer.option("checkpointLocation", location).queryName("spark-sb-paired-writer")
+    if config.sink.trigger is not None:
+        writer = writer.trigger(processingTime=f"{config.sink.trigger.total_seconds()} seconds")
+    return writer.start(), sink
+
+
+def await_batches(query: Any, max_batches: int | None, poll: float = 0.2, settle: float = 30.0) -> None:
+    """Wait until ``max_batches`` batches completed, or until the query terminates. The query is then stopped
+    between two batches (waiting up to ``settle`` seconds for the batch in flight), so that no batch is
+    interrupted half-sent: it would be replayed by the next run on the same checkpoint anyway, but an
+    interrupted Python batch also makes Spark 4.2's stream thread die of a StackOverflowError while it
+    matches the long error text."""
+    while query.isActive:
+        progress = query.lastProgress
+        if max_batches is not None and progress is not None and progress["batchId"] >= max_batches - 1:
+            deadline = time.monotonic() + settle
+            while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            query.stop()
+            break
+        query.awaitTermination(poll)
+    query.awaitTermination()
+
+
+def _parser(prog: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--conf", required=True,
+                        help="spark-sb YAML configuration (a local path, or /dbfs/..., /Volumes/..., /Workspace/...)")
+    return parser
+
+
+def _load(prog: str, conf: str, check: Callable[[Any], None] = lambda config: None) -> Any:
+    """The configuration, or exit 2 with the error (which names the option and the value)."""
+    try:
+        config = load_config(Path(conf))
+        check(config)
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return config
+
+
+def _logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def writer_main(argv: Sequence[str] | None = None) -> int:
+    """``spark-sb-writer --conf FILE [--max-batches N] [--checkpoint DIR]``: the paired writer."""
+    parser = _parser("spark-sb-writer", "The paired writer: sends sink.source's rows to Service Bus through "
+                     "the paired sink (writeStream.foreachBatch(PairedSink)).")
+    parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    parser.add_argument("--checkpoint", default=None, help="overrides sink.checkpoint_location")
+    args = parser.parse_args(argv)
+    _spark_or_exit(parser.prog)
+    _logging()
+    config = _load(parser.prog, args.conf)
+    spark = build_session("spark-sb-paired-writer")
+    query, sink = start_writer(spark, config, checkpoint=args.checkpoint)
+    started = time.monotonic()
+    await_batches(query, args.max_batches or config.sink.max_batches)
+    _LOGGER.info("stopped after %d batches in %.0f s: %s", sink.totals.batches, time.monotonic() - started,
+                 sink.totals.describe())
+    return 0
+
+
+# --- the syphon ------------------------------------------------------------------------------------------
+
+def start_syphon(spark: Any, conf: Any, *, max_per_trigger: int | None = None,
+                 receive_timeout: float = 1.0) -> tuple[Any, Any]:
+    """Start the syphon query; returns ``(query, republisher)``. Raises ``ConfigError`` when the checkpoint or
+    the ledger location is missing, before anything starts."""
+    from .republisher import Republisher
+    from .source import config_options, register
+
+    config = load_config(conf)
+    republisher = Republisher(config)  # refuses a configuration without checkpoint or ledger
+    register(spark)
+    stream = (spark.readStream.format("servicebus-backlog")
+              .options(**config_options(config))  # by reference: no secret in the plan
+              .option("maxMessagesPerTrigger", str(max_per_trigger or config.syphon.max_messages_per_trigger))
+              .option("receiveTimeout", str(receive_timeout))
+              .load())
+    log_batch_steps(spark, "spark-sb-syphon")
+    query = (stream.writeStream.foreachBatch(republisher)
+             .option("checkpointLocation", config.syphon.checkpoint_location)
+             .trigger(processingTime=f"{config.syphon.retry_interval.total_seconds()} seconds")
+             .queryName("spark-sb-syphon")
+             .start())
+    return query, republisher
+
+
+_STEPS = ("latestOffset", "addBatch", "walCommit", "commitOffsets")
+_LISTENING: set[int] = set()
+
+
+def log_batch_steps(spark: Any, query_name: str) -> None:
+    """Log Spark's time per step of each batch of the query named ``query_name`` (once per session): the
+    source's ``latestOffset`` (completing the last batch, taking the batch received ahead), ``addBatch`` (the
+    foreachBatch, which logs its own steps) and the offset and commit logs."""
+    from pyspark.sql.streaming import StreamingQueryListener
+
+    if id(spark) in _LISTENING:
+        return
+
+    class _Steps(StreamingQueryListener):
+        def onQueryStarted(self, event: Any) -> None:
+            pass
+
+        def onQueryProgress(self, event: Any) -> None:
+            progress = event.progress
+            if progress.name != query_name or not progress.numInputRows:
+                return
+            durations = progress.durationMs
+            _LOGGER.info("batch %d: %d messages in %.2f s (%s)", progress.batchId, progress.numInputRows,
+                         durations.get("triggerExecution", 0) / 1000,
+                         ", ".join(f"{step} {durations.get(step, 0) / 1000:.2f} s" for step in _STEPS))
+
+        def onQueryIdle(self, event: Any) -> None:
+            pass
+
+        def onQueryTerminated(self, event: Any) -> None:
+            pass
+
+    spark.streams.addListener(_Steps())
+    _LISTENING.add(id(spark))
+
+
+def _backlog_depth(progress: Any) -> int | None:
+    """The backlog depth the source reported in this progress (``None`` when it reported none)."""
+    try:
+        offset = progress["sources"][0].get("latestOffset")
+        return int((json.loads(offset) if isinstance(offset, str) else offset)["backlogDepth"])
+    except (KeyError, IndexError, TypeError, ValueError):
+        return None
+
+
+def await_until_empty(query: Any, idle_batches: int = 2, timeout: float = 300.0, poll: float = 0.5) -> None:
+    """Stop the query once ``idle_batches`` consecutive triggers found nothing and the backlog depth is 0 (or
+    after ``timeout``). The depth counts messages still locked by a run that died (they come back when their
+    lock expires, up to the queue's lock duration later), which a trigger alone does not see."""
+    deadline = time.monotonic() + timeout
+    idle, last = 0, None
+    while query.isActive and time.monotonic() < deadline:
+        progress = query.lastProgress
+        if progress is not None and progress.get("timestamp") != last:
+            last = progress.get("timestamp")
+            empty = progress.get("numInputRows", 0) == 0 and _backlog_depth(progress) in (None, 0)
+            idle = idle + 1 if empty else 0
+            if idle >= idle_batches:
+                break
+        query.awaitTermination(poll)
+    query.stop()
+    query.awaitTermination()
+
+
+def syphon_main(argv: Sequence[str] | None = None) -> int:
+    """``spark-sb-syphon --conf FILE [--until-empty]``: the syphon job."""
+    parser = _parser("spark-sb-syphon", "The syphon: moves the messages parked in the backlog queues back to "
+                     "the primary (servicebus-backlog source -> foreachBatch(Republisher)), recording each in "
+                     "the Delta ledger syphon.ledger; its checkpoint is syphon.checkpoint_location.")
+    parser.add_argument("--until-empty", action="store_true", help="stop when the backlog is empty")
+    args = parser.parse_args(argv)
+    _spark_or_exit(parser.prog)
+    _logging()
+    config = _load(parser.prog, args.conf, lambda config: config.syphon.require_job_locations())
+    spark = build_session("spark-sb-syphon")
+    if args.until_empty:  # an idle stream reports progress every second (default 10 s): stop sooner
+        spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
+    query, republisher = start_syphon(spark, config)
+    if args.until_empty:
+        await_until_empty(query)
+    else:
+        query.awaitTermination()
+    _LOGGER.info("syphon stopped: %s", republisher.totals)
+    return 0
