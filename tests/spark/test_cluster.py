@@ -1,0 +1,155 @@
+"""A real Spark standalone cluster: a master and two workers started from the installed pyspark, the writer job
+submitted to it through a primary outage, then the syphon job. Executors run in their own JVMs (one per
+worker) and their Python workers in their own processes, as for a user who outgrew one machine."""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyspark
+import pytest
+import yaml
+
+from spark_sb.jobs import DELTA_PACKAGE
+
+from .conftest import receive_all, sink_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SPARK_HOME = Path(pyspark.__file__).parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env(work: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
+    env.update(SPARK_HOME=str(SPARK_HOME), PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1",
+               SPARK_LOG_DIR=str(work / "logs"), SPARK_WORKER_DIR=str(work / "worker"),
+               SPARK_SB_JVM_LOG=str(work / "driver-jvm.log"))
+    return env
+
+
+def _wait_for_log(path: Path, text: str, process: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and text in path.read_text(errors="replace"):
+            return
+        assert process.poll() is None, path.read_text(errors="replace")[-3000:]
+        time.sleep(0.2)
+    raise AssertionError(f"{text!r} not in {path} after {timeout} s:\n{path.read_text(errors='replace')[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
+    """``spark://127.0.0.1:PORT`` of a standalone master with two registered workers of one core each, and the
+    folder holding the workers' work directories (``worker-0``, ``worker-1``)."""
+    work = tmp_path_factory.mktemp("cluster")
+    env = _env(work)
+    port = _free_port()
+    url = f"spark://127.0.0.1:{port}"
+    spark_class = str(SPARK_HOME / "bin" / "spark-class")
+    processes: list[subprocess.Popen] = []
+    try:
+        log = work / "master.log"
+        with log.open("w") as out:
+            processes.append(subprocess.Popen(
+                [spark_class, "org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                 "--webui-port", str(_free_port())], stdout=out, stderr=subprocess.STDOUT, env=env))
+        _wait_for_log(log, "I have been elected leader", processes[0])
+        for n in range(2):
+            worker_log = work / f"worker-{n}.log"
+            with worker_log.open("w") as out:
+                processes.append(subprocess.Popen(
+                    [spark_class, "org.apache.spark.deploy.worker.Worker", url, "--host", "127.0.0.1",
+                     "--cores", "1", "--memory", "1g", "--webui-port", str(_free_port()),
+                     "--work-dir", str(work / f"worker-{n}")], stdout=out, stderr=subprocess.STDOUT, env=env))
+            _wait_for_log(worker_log, "Successfully registered with master", processes[-1])
+        yield url, work
+    finally:
+        for process in reversed(processes):
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def _submit(cluster: str, script: str, conf: Path, *args: str, work: Path, timeout: float = 300) -> str:
+    """``spark-submit --master spark://...`` of a job script (client mode); returns its output."""
+    command = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster, "--packages", DELTA_PACKAGE,
+               "--conf", f"spark.pyspark.python={sys.executable}", "--conf", "spark.executor.memory=512m",
+               "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=2",
+               "--conf", "spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension",
+               "--conf", "spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog",
+               str(ROOT / "jobs" / script), "--conf", str(conf), *args]
+    done = subprocess.run(command, capture_output=True, text=True, env=_env(work), timeout=timeout, cwd=work)
+    assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    return done.stdout + done.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
+        cluster: tuple[str, Path], spark: Any, emulator: Any, primary: Any, secondary: Any, make_queue: Any,
+        tmp_path: Path) -> None:
+    entity = make_queue(requires_duplicate_detection=True)
+    config = sink_config(primary, secondary, entity=entity, trigger="1s", max_batches=14,
+                         source={"format": "rate", "rows_per_second": 20, "num_partitions": 2},
+                         checkpoint_location=str(tmp_path / "writer-checkpoint"),
+                         metrics_table=str(tmp_path / "metrics"))
+    config["syphon"] = {"retry_interval": "1s", "checkpoint_location": str(tmp_path / "syphon-checkpoint"),
+                        "ledger": str(tmp_path / "ledger")}
+    conf = tmp_path / "cluster.yaml"
+    conf.write_text(yaml.safe_dump(config))
+
+    # the primary's entity goes down from the writer's third batch for 6 s: the executors fail over to the
+    # backlog queues, ping, and return once it heals
+    def outage() -> None:
+        metrics = tmp_path / "metrics" / "_delta_log"
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and len(list(metrics.glob("*.json"))) < 2:
+            time.sleep(0.2)
+        emulator.fault("primary", "down", entity=entity, duration=6)
+
+    injector = threading.Thread(target=outage, daemon=True)
+    injector.start()
+    url, workers = cluster
+    _submit(url, "paired_writer.py", conf, work=tmp_path)
+    injector.join(timeout=5)
+
+    metrics = spark.read.format("delta").load(str(tmp_path / "metrics"))
+    totals = metrics.selectExpr("sum(rows) AS rows", "sum(primary) AS primary", "max(partitions) AS partitions",
+                                "sum(failovers) AS failovers").first()
+    parked = sum(sum(b.values()) for b in [r["backlog"] or {} for r in metrics.select("backlog").collect()])
+    assert totals["partitions"] == 2 and totals["failovers"] >= 1 and parked > 0, totals
+    assert totals["rows"] == totals["primary"] + parked
+
+    _submit(url, "syphon.py", conf, "--until-empty", work=tmp_path)
+    bodies = [str(m) for m in receive_all(primary.connection_string, entity, wait=1.0)]
+    values = sorted(int(b.removeprefix("row ")) for b in bodies)
+    twice = [v for v, n in collections.Counter(values).items() if n > 1]
+    assert not twice, f"delivered more than once: {twice[:10]}"
+    # every row the writer produced (the rate source counts from 0) is in the primary, once
+    assert values == list(range(totals["rows"])), (len(values), totals["rows"])
+    ledger = spark.read.format("delta").load(str(tmp_path / "ledger"))
+    assert ledger.where("outcome = 'delivered'").count() == parked
+    prefix = config["send_availability"]["backlog_prefix"]
+    backlog = [f"{prefix}/x-servicebus-transfer/{i}" for i in range(2)]
+    assert not [m for q in backlog for m in receive_all(secondary.connection_string, q, wait=0.5)]
+    # each worker ran an executor (its own JVM) for both jobs: the work directory of each holds two apps
+    for n in range(2):
+        apps = [d for d in (workers / f"worker-{n}").glob("app-*") if (d / "0").exists() or any(d.iterdir())]
+        assert len(apps) >= 2, f"worker-{n} ran {len(apps)} applications"
