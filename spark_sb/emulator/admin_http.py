@@ -14,6 +14,13 @@ Routes (entity names may contain ``/``; the SDK percent-encodes them as ``%2F``)
     GET            /{topic}/subscriptions/{sub}/rules?$skip&$top
     GET            /$namespaceinfo
     *              /$emulator/...                          local test controls (no SAS), JSON
+    GET            /msi/token?api-version=2019-08-01&resource=...[&client_id=...]
+                                                           managed-identity tokens (App Service protocol,
+                                                           header X-IDENTITY-HEADER), JSON; see aad.py
+
+Requests are authorized by a SAS token (``Authorization: SharedAccessSignature ...``) or by an Entra ID token
+of the emulator (``Authorization: Bearer <jwt>``) whose roles include Azure Service Bus Data Owner (the
+``Manage`` right). ``/msi/token`` is reserved: a queue of that name cannot be administered here.
 
 Status codes follow the service: 201 on create, 200 otherwise, 401 for a bad or missing token, 404 for a
 missing entity, 409 when it exists, 400 for an invalid description, 503 when busy.
@@ -37,7 +44,7 @@ from typing import Any, Protocol, TypeVar
 from xml.sax.saxutils import escape, quoteattr
 
 from ..durations import DurationError, iso_duration, parse_seconds
-from . import model, sas
+from . import aad, model, sas
 from .broker import Broker, BrokerError, Cond, RuntimeCounts
 from .model import QUEUE, SUBSCRIPTION, TOPIC, QueueSpec, RuleSpec, SubscriptionSpec, TopicSpec
 
@@ -635,7 +642,10 @@ class AdminServer:
         fault: Callable[[str | None], str | None] | None = None,
         control: Callable[[str, str, dict], tuple[int, dict]] | None = None,
         namespace_port: int | None = None,
+        authority: aad.Authority | None = None,
     ) -> None:
+        #: Microsoft Entra ID: serves the token endpoint and verifies Bearer tokens (None: SAS only)
+        self.authority = authority
         #: the AMQP port of the namespace served: a token naming another port is refused
         self.namespace_port = namespace_port
         self._host = host
@@ -873,6 +883,9 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/$emulator" or path.startswith("/$emulator/"):
                 self._control(method, path, body)
                 return
+            if path == aad.TOKEN_PATH:
+                self._identity_token(method, split.query)
+                return
             query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
             route = _route(path.lstrip("/"))
             fault = admin._fault_for(route.fault_entity)
@@ -936,12 +949,31 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_json(self, status: int, data: dict) -> None:
         self._send(status, json.dumps(data).encode("utf-8"), _CT_JSON)
 
+    def _identity_token(self, method: str, query_text: str) -> None:
+        """The managed-identity token endpoint (App Service protocol). Neither the header nor the token is
+        logged."""
+        authority = self.server.admin.authority
+        if authority is None:
+            self._send_json(404, {"statusCode": 404, "message": "Microsoft Entra ID is not enabled on this emulator"})
+            return
+        if method != "GET":
+            self._send_json(405, {"statusCode": 405, "message": f"{method} is not supported here (use GET)"})
+            return
+        query = urllib.parse.parse_qs(query_text, keep_blank_values=True)
+        status, answer = authority.token_response(query, {k: v for k, v in self.headers.items()})
+        if status != 200:
+            _LOGGER.info("identity endpoint: token request refused (%d): %s", status, answer.get("message"))
+        self._send_json(status, answer)
+
     def _authenticate(self, route: _Route) -> str:
-        """Verify the SAS token; returns the namespace host the token names (e.g. ``localhost:5672``)."""
+        """Verify the SAS or Entra ID token; returns the namespace host the token names (e.g.
+        ``localhost:5672``; for an Entra ID token, which names none, ``localhost:<the namespace's port>``)."""
         header = (self.headers.get("Authorization") or "").strip()
         if not header:
             raise _HttpError(401, "MissingToken: the request has no Authorization header.")
         token = header[len("Bearer "):].strip() if header.lower().startswith("bearer ") else header
+        if aad.looks_like_jwt(token):
+            return self._authenticate_jwt(token, route)
         namespace = _token_namespace(token)
         audience = namespace
         if namespace and route.fault_entity:
@@ -954,6 +986,21 @@ class _Handler(BaseHTTPRequestHandler):
         if served is not None and named is not None and named != served:
             raise _HttpError(401, f"InvalidAudience: the token is for {namespace}, not this namespace (port {served})")
         return namespace or "localhost"
+
+    def _authenticate_jwt(self, token: str, route: _Route) -> str:
+        admin = self.server.admin
+        if admin.authority is None:
+            raise _HttpError(401, "InvalidToken: Microsoft Entra ID tokens are not enabled on this namespace.")
+        try:
+            grant = admin.authority.verify(token)
+        except aad.AadError as err:
+            raise _HttpError(401, f"Unauthorized: {err}") from None
+        served = admin.namespace_port
+        namespace = f"localhost:{served}" if served is not None else "localhost"
+        refusal = grant.refusal(aad.MANAGE, f"{namespace}/{route.path}".rstrip("/"), admin.authority.clock())
+        if refusal is not None:
+            raise _HttpError(401, refusal)
+        return namespace
 
     # ------------------------------------------------------------------ the API
     def _handle(

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from proton import Condition, Delivery, Handler, Message, symbol, timestamp
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
-from . import codec, sas
+from . import aad, codec, sas
 from .broker import Broker, BrokerError, Cond, Incoming, Stored
 
 _LOGGER = logging.getLogger(__name__)
@@ -120,12 +120,15 @@ class NamespaceServer(Handler):
         clock: Callable[[], float] = time.time,
         max_message_size: int = 256 * 1024,
         tick_interval: float = 0.05,
+        authority: aad.Authority | None = None,
     ) -> None:
         super().__init__()
         self.name = name
         self.host = host
         self.port = port
         self.keys = dict(keys)
+        #: Microsoft Entra ID: verifies ``jwt`` put-tokens (None: only SAS tokens are accepted)
+        self.authority = authority
         self.clock = clock
         self.max_message_size = max_message_size
         self.tick_interval = tick_interval
@@ -314,7 +317,7 @@ class NamespaceServer(Handler):
         sasl.allowed_mechs("ANONYMOUS PLAIN EXTERNAL")
         sasl.allow_insecure_mechs = True
         conn = event.connection
-        conn.authorized = []  # audiences accepted by put-token on this connection
+        conn.authorized = {}  # entity path (audience) -> the aad.Grant its last accepted put-token gave
         conn.cbs_sender = None
         conn.mgmt_senders = {}
         if self.fault_for(None) == "down" or self._stopping:
@@ -415,8 +418,10 @@ class NamespaceServer(Handler):
             cond, text = _FAULT_CONDITIONS[fault]
             self._refuse_link(link, cond, text.format(e=path))
             return
-        if not self._authorized(conn, path):
-            self._refuse_link(link, Cond.UNAUTHORIZED, f"Unauthorized access to '{path}': no valid token was put on $cbs for it.")
+        # the client's sender (our receiver) sends; the client's receiver listens
+        refusal = self._refusal(conn, path, aad.SEND if link.is_receiver else aad.LISTEN)
+        if refusal is not None:
+            self._refuse_link(link, Cond.UNAUTHORIZED, refusal)
             return
         try:
             assert self.broker is not None
@@ -557,6 +562,10 @@ class NamespaceServer(Handler):
             cond, text = _FAULT_CONDITIONS[fault]
             self._close_link(link, cond, text.format(e=st.path))
             return
+        refusal = self._refusal(link.connection, st.path, aad.LISTEN)
+        if refusal is not None:  # the token expired and was not renewed
+            self._close_link(link, Cond.UNAUTHORIZED, refusal)
+            return
         try:
             messages = self.broker.receive(st.path, n, peek_lock=st.peek_lock, session_id=st.session_id)
         except BrokerError as err:
@@ -635,6 +644,11 @@ class NamespaceServer(Handler):
             cond, text = _FAULT_CONDITIONS[fault]
             self._settle_error(dlv, cond, text.format(e=st.path))
             return
+        refusal = self._refusal(link.connection, st.path, aad.SEND)
+        if refusal is not None:  # the token expired and was not renewed
+            self._settle_error(dlv, Cond.UNAUTHORIZED, refusal)
+            self._close_link(link, Cond.UNAUTHORIZED, refusal)
+            return
         try:
             messages = list(codec.iter_incoming(data))
         except codec.MalformedMessage as err:
@@ -667,6 +681,9 @@ class NamespaceServer(Handler):
         remote = dlv.remote
         assert self.broker is not None
         try:
+            refusal = self._refusal(dlv.link.connection, path, aad.LISTEN)
+            if refusal is not None and state != Delivery.RELEASED:
+                raise BrokerError(Cond.UNAUTHORIZED, refusal)
             if state == Delivery.ACCEPTED:
                 self.broker.complete(path, token)
             elif state == Delivery.REJECTED:
@@ -699,6 +716,7 @@ class NamespaceServer(Handler):
         self._settle_ok(dlv)
         props = _str_keys(msg.properties)
         audience = str(props.get("name", ""))
+        token_type = str(props.get("type", ""))
         token = msg.body.decode() if isinstance(msg.body, bytes) else str(msg.body)
         status, text = 202, "Accepted"
         claimed_port = sas.port_of(audience)
@@ -706,12 +724,27 @@ class NamespaceServer(Handler):
             status, text = 401, "Unauthorized: the token was rejected. (injected fault)"
         elif claimed_port is not None and claimed_port != self.port:
             status, text = 401, f"Unauthorized: audience {audience!r} is not this namespace (port {self.port})"
+        elif not token.startswith("SharedAccessSignature "):
+            # an Entra ID token. The SDK says type "jwt" for SAS tokens too (pyamqp's JWTTokenAuth default), so
+            # the token itself tells which kind it is
+            if self.authority is None:
+                status, text = 401, "Unauthorized: Microsoft Entra ID tokens are not enabled on this namespace"
+            else:
+                try:
+                    grant = self.authority.verify(token, now=self.clock())
+                    # a put-token for the same audience replaces the earlier one: that is how a client renews
+                    link.connection.authorized[entity_path(audience)] = grant
+                except aad.AadError as err:
+                    status, text = 401, f"Unauthorized: {err}"
         else:
             try:
                 sas.verify(token, self.keys, audience=audience, now=self.clock())
-                link.connection.authorized.append(entity_path(audience))
+                link.connection.authorized[entity_path(audience)] = aad.SAS_GRANT
             except sas.SasError as err:
                 status, text = 401, f"Unauthorized: {err}"
+        if status != 202:
+            _LOGGER.info("namespace %s: put-token (%s) for %s refused: %s", self.name, token_type or "no type",
+                         audience, text)
         reply = Message(
             correlation_id=msg.id,
             properties={"status-code": status, "status-description": text},
@@ -720,11 +753,22 @@ class NamespaceServer(Handler):
         if sender is not None:
             sender.send(reply)
 
-    def _authorized(self, conn: Any, path: str) -> bool:
-        for aud in conn.authorized:
-            if aud == "" or path == aud or path.startswith(aud + "/"):
-                return True
-        return False
+    def _refusal(self, conn: Any, path: str, right: str) -> str | None:
+        """None when a token put on ``conn`` covers ``path`` (the audience is the path or a prefix of it) and
+        allows ``right`` now; else why not (no token, an expired one, a missing role), as the service says it."""
+        now = self.clock()
+        reasons: list[tuple[int, str]] = []
+        lowered = path.lower()  # entity names are case-insensitive (topic/Subscriptions/name)
+        for aud, grant in conn.authorized.items():
+            aud = aud.lower()
+            if aud == "" or lowered == aud or lowered.startswith(aud + "/"):
+                reason = grant.refusal(right, path, now)
+                if reason is None:
+                    return None
+                reasons.append((len(aud), reason))
+        if reasons:
+            return max(reasons)[1]  # the most specific token's reason
+        return f"Unauthorized access to '{path}': no valid token was put on $cbs for it."
 
     # ------------------------------------------------------------------ $management
     def _on_mgmt(self, link: Any, dlv: Any, data: bytes) -> None:
@@ -744,8 +788,9 @@ class NamespaceServer(Handler):
             if fault in _FAULT_CONDITIONS:
                 c, text = _FAULT_CONDITIONS[fault]
                 raise BrokerError(c, text.format(e=node))
-            if not self._authorized(link.connection, node):
-                raise BrokerError(Cond.UNAUTHORIZED, f"Unauthorized access to '{node}'.")
+            refusal = self._refusal(link.connection, node, _MGMT_RIGHTS.get(operation.removeprefix("com.microsoft:"), aad.LISTEN))
+            if refusal is not None:
+                raise BrokerError(Cond.UNAUTHORIZED, refusal)
             result = self._management(node, operation, body)
             if result is None:
                 status, desc = 204, "No Content"
@@ -845,6 +890,9 @@ class NamespaceServer(Handler):
             return {"sessions-ids": page, "skip": skip + len(page)}
         raise BrokerError(Cond.NOT_IMPLEMENTED, f"The $management operation {op!r} is not supported by the emulator.")
 
+
+#: the right each $management operation needs (every other one: Listen)
+_MGMT_RIGHTS = {"schedule-message": aad.SEND, "cancel-scheduled-message": aad.SEND}
 
 _MGMT_STATUS = {
     Cond.NOT_FOUND: 404,

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import aad as _aad
 from . import model
 from .amqp import FAULT_KINDS, NamespaceServer
 from .broker import Broker, BrokerError, Cond
@@ -85,9 +86,20 @@ class NamespaceInfo:
     def admin_url(self) -> str:
         return f"http://localhost:{self.admin_port}"
 
+    @property
+    def identity_endpoint(self) -> str:
+        """The managed-identity token endpoint (``IDENTITY_ENDPOINT``) on this namespace's admin port; its
+        tokens are good for every namespace of the emulator."""
+        return f"{self.admin_url}{_aad.TOKEN_PATH}"
+
 
 class Emulator:
-    """Runs namespaces in this process. ``data_dir=None`` keeps messages in memory only."""
+    """Runs namespaces in this process. ``data_dir=None`` keeps messages in memory only.
+
+    ``aad``: Microsoft Entra ID as this emulator plays it (:class:`~spark_sb.emulator.aad.AadOptions`: the
+    managed identities its token endpoint serves, their roles, the tokens' lifetime, the identity header);
+    default: the system-assigned identity as Data Owner, one-hour tokens, the well-known header and key.
+    """
 
     def __init__(
         self,
@@ -96,6 +108,7 @@ class Emulator:
         data_dir: str | Path | None = None,
         entities: str | Path | dict | model.EntitiesFile | None = None,
         clock: Callable[[], float] = time.time,
+        aad: _aad.AadOptions | None = None,
     ) -> None:
         names = [n.name for n in namespaces]
         if len(set(names)) != len(names):
@@ -107,6 +120,8 @@ class Emulator:
         else:
             self.entities = model.load_entities(entities)
         self.clock = clock
+        #: issues (token endpoint) and verifies (put-token, admin API) the emulator's Entra ID tokens
+        self.authority = _aad.Authority(aad, clock)
         self._servers: dict[str, NamespaceServer] = {}
         self._admins: dict[str, Any] = {}
         self.info: dict[str, NamespaceInfo] = {}
@@ -149,6 +164,7 @@ class Emulator:
                 server = NamespaceServer(
                     opt.name, factory, host=opt.host, port=opt.amqp_port,
                     keys={opt.key_name: opt.key}, clock=self.clock, max_message_size=opt.max_message_size,
+                    authority=self.authority,
                 )
                 server.start()
                 self._servers[opt.name] = server
@@ -156,6 +172,7 @@ class Emulator:
                     opt.host, opt.admin_port,
                     broker=_BrokerProxy(server), call=server.call, keys={opt.key_name: opt.key},
                     fault=_fault_reader(server), control=_control(server), namespace_port=server.port,
+                    authority=self.authority,
                 )
                 admin.start()
                 self._admins[opt.name] = admin
@@ -177,6 +194,12 @@ class Emulator:
 
     def server(self, name: str) -> NamespaceServer:
         return self._servers[name]
+
+    def token(self, client_id: str | None = None, **kwargs: Any) -> tuple[str, int]:
+        """An Entra ID access token and its expiry (epoch seconds) for a configured identity, as the token
+        endpoint issues it; ``roles=``, ``lifetime=``, ``resource=`` override (see
+        :meth:`~spark_sb.emulator.aad.Authority.issue`)."""
+        return self.authority.issue(client_id, **kwargs)
 
     def fault(self, namespace: str, kind: str, entity: str | None = None, duration: float | None = None) -> None:
         server = self._servers[namespace]
