@@ -1,10 +1,12 @@
 """Provisioning through the unmodified ``ServiceBusAdministrationClient``.
 
 ``admin_client`` builds the SDK's client. For a real namespace it is exactly the SDK's client (TLS, the
-SDK's default transport). For an emulator connection string (``UseDevelopmentEmulator=true``) the SDK
-would still build ``https://<namespace>/...`` URLs; the emulator serves its admin API over plain HTTP on
-its own port (5300 by Microsoft's convention), so the client gets a transport that sends every request
-to that endpoint instead.
+SDK's default transport). For an emulator connection string (``UseDevelopmentEmulator=true``), or an
+emulator reached with a Microsoft Entra ID credential (``use_tls=False``), the SDK would still build
+``https://<namespace>/...`` URLs; the emulator serves its admin API over plain HTTP on its own port (5300
+by Microsoft's convention), so the client gets a transport that sends every request to that endpoint
+instead. (A credential's bearer token is attached before the transport rewrites the URL, so azure-core's
+"bearer tokens only over https" rule sees the SDK's https URL.)
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ __all__ = [
     "admin_client",
     "admin_endpoint_of",
     "emulator_admin_endpoint",
+    "namespace_admin_endpoint",
 ]
 
 
@@ -122,14 +125,16 @@ def admin_client(
     fully_qualified_namespace: str | None = None,
     credential: Any = None,
     admin_endpoint: str | None = None,
+    use_tls: bool = True,
     **kwargs: Any,
 ) -> ServiceBusAdministrationClient:
     """A ``ServiceBusAdministrationClient`` for a connection string, or a namespace and a credential.
 
     Emulator connection strings (``UseDevelopmentEmulator=true``) get plain HTTP to ``admin_endpoint``
-    (default: the string's ``AdminEndpoint=``, else port 5300 on the Endpoint's host). Anything else is
-    the SDK's own client with TLS; ``admin_endpoint`` is refused there. Other keyword arguments go to the
-    SDK (``retry_total``, ``api_version``, ``connection_timeout``...).
+    (default: the string's ``AdminEndpoint=``, else port 5300 on the Endpoint's host); so does a namespace and
+    credential with ``use_tls=False`` (the emulator with Entra ID; default: port 5300 on the namespace's host).
+    Anything else is the SDK's own client with TLS; ``admin_endpoint`` is refused there. Other keyword
+    arguments go to the SDK (``retry_total``, ``api_version``, ``connection_timeout``...).
     """
     if connection_string is not None:
         if fully_qualified_namespace is not None or credential is not None:
@@ -149,19 +154,42 @@ def admin_client(
         return ServiceBusAdministrationClient.from_connection_string(connection_string, **kwargs)
     if fully_qualified_namespace is None or credential is None:
         raise ValueError("pass a connection string, or fully_qualified_namespace and credential")
+    if not use_tls:
+        if "transport" in kwargs:
+            raise ValueError("a custom transport cannot be used with use_tls=False (the emulator)")
+        endpoint = namespace_admin_endpoint(fully_qualified_namespace, admin_endpoint)
+        _LOGGER.debug("admin client for the emulator's admin API at %s (token credential)", endpoint)
+        return ServiceBusAdministrationClient(fully_qualified_namespace, credential,
+                                              transport=EmulatorAdminTransport(endpoint, **kwargs), **kwargs)
     if admin_endpoint is not None:
         raise ValueError("an admin endpoint applies only to emulator connection strings "
                          "(UseDevelopmentEmulator=true); real namespaces are reached over TLS")
     return ServiceBusAdministrationClient(fully_qualified_namespace, credential, **kwargs)
 
 
+def namespace_admin_endpoint(fully_qualified_namespace: str, admin_endpoint: str | None = None) -> str:
+    """The emulator's admin endpoint for a namespace reached with a credential: ``admin_endpoint`` when given,
+    else ``http://<host>:5300``."""
+    if admin_endpoint:
+        scheme, netloc = _split_endpoint(admin_endpoint)
+        return f"{scheme}://{netloc}"
+    host = urllib.parse.urlsplit("//" + fully_qualified_namespace.split("://", 1)[-1]).hostname
+    if not host:
+        raise ValueError(f"fully_qualified_namespace has no host: {fully_qualified_namespace!r}")
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{EMULATOR_ADMIN_PORT}"
+
+
 def admin_endpoint_of(connection_string: str | None, fully_qualified_namespace: str,
-                      admin_endpoint: str | None = None) -> str:
+                      admin_endpoint: str | None = None, *, use_tls: bool = True) -> str:
     """Where :func:`admin_client` sends requests, for error messages (no secret): the emulator's admin
-    endpoint for an emulator connection string, else ``https://<namespace>``."""
-    if connection_string is not None and is_emulator(connection_string):
-        try:
+    endpoint for an emulator connection string or ``use_tls=False``, else ``https://<namespace>``."""
+    try:
+        if connection_string is not None and is_emulator(connection_string):
             return emulator_admin_endpoint(connection_string, admin_endpoint)
-        except ValueError:
-            pass
+        if connection_string is None and not use_tls:
+            return namespace_admin_endpoint(fully_qualified_namespace, admin_endpoint)
+    except ValueError:
+        pass
     return f"https://{fully_qualified_namespace}"

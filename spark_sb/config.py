@@ -532,7 +532,8 @@ def _admin_endpoint(value: Any) -> str:
     return f"{parsed.scheme}://{parsed.netloc}"
 
 
-_EMULATOR_ONLY = "only used with an emulator connection string (UseDevelopmentEmulator=true)"
+_EMULATOR_ONLY = ("only used with an emulator: a connection string with UseDevelopmentEmulator=true, or "
+                  "fully_qualified_namespace with emulator: true")
 
 
 class NamespaceConfig(_Compact):
@@ -541,13 +542,20 @@ class NamespaceConfig(_Compact):
 
     ``fully_qualified_namespace`` is the host as the SDK wants it (``contoso.servicebus.windows.net``; for a
     development emulator endpoint the port is kept: ``localhost:5672``).
+
+    ``emulator: true`` (with ``fully_qualified_namespace`` only) says the namespace is spark-sb's local
+    emulator reached with a Microsoft Entra ID credential: the SDK talks plain TCP to the port given
+    (``use_tls=False``, as a connection string's ``UseDevelopmentEmulator=true`` does) and provisioning goes to
+    ``admin_endpoint`` over plain HTTP. Real namespaces always use TLS.
     """
 
     fully_qualified_namespace: Annotated[str, BeforeValidator(_namespace_address)]
     connection_string: ConnectionString | None = None
     credential_config: CredentialConfig | None = Field(default=None, alias="credential")
-    #: the emulator's admin REST endpoint (``http://host:port``) for provisioning; only with an emulator
-    #: connection string (``UseDevelopmentEmulator=true``). ``None``: ``http://<Endpoint host>:5300``.
+    #: the spark-sb emulator reached with a credential (plain TCP and HTTP); only with fully_qualified_namespace
+    emulator: bool | None = None
+    #: the emulator's admin REST endpoint (``http://host:port``) for provisioning; only for an emulator (an
+    #: emulator connection string, or ``emulator: true``). ``None``: ``http://<host>:5300``.
     admin_endpoint: Annotated[str, BeforeValidator(_admin_endpoint)] | None = None
 
     @classmethod
@@ -557,8 +565,9 @@ class NamespaceConfig(_Compact):
         credential = data.pop("credential", data.pop("credential_config", None))
         raw = data.get("connection_string")
         admin = data.get("admin_endpoint")
+        emulator = data.get("emulator")
         if raw is None:
-            if admin is not None:
+            if admin is not None and not _true(emulator):
                 raise _Invalid(_EMULATOR_ONLY, repr(admin), field="admin_endpoint")
             if "fully_qualified_namespace" not in data:
                 raise _Invalid("needs connection_string, or fully_qualified_namespace with an optional credential")
@@ -567,6 +576,9 @@ class NamespaceConfig(_Compact):
             raise _Invalid("give either connection_string or fully_qualified_namespace (with credential), not both")
         if credential is not None:
             raise _Invalid("only used with fully_qualified_namespace, not with connection_string", field="credential")
+        if emulator is not None:
+            raise _Invalid("only used with fully_qualified_namespace (a connection string says "
+                           "UseDevelopmentEmulator=true)", repr(emulator), field="emulator")
         try:
             cs = raw if isinstance(raw, ConnectionString) else ConnectionString._parse(raw)
         except _Invalid as err:
@@ -585,7 +597,15 @@ class NamespaceConfig(_Compact):
 
     @property
     def is_emulator(self) -> bool:
-        return bool(self.connection_string and self.connection_string.use_development_emulator)
+        """An emulator connection string, or ``fully_qualified_namespace`` with ``emulator: true``."""
+        if self.connection_string is not None:
+            return self.connection_string.use_development_emulator
+        return bool(self.emulator)
+
+    @property
+    def use_tls(self) -> bool:
+        """False for the emulator (plain TCP for AMQP, plain HTTP for administration)."""
+        return not self.is_emulator
 
     def credential(self) -> TokenCredential | AzureNamedKeyCredential | AzureSasCredential:
         """Build the credential: a named key or SAS credential for a connection string, else the configured
@@ -605,6 +625,8 @@ class NamespaceConfig(_Compact):
 
         if self.connection_string is not None:
             return ServiceBusClient.from_connection_string(self.connection_string.reveal(), **sdk_kwargs)
+        if self.is_emulator:
+            sdk_kwargs = {"use_tls": False, **sdk_kwargs}
         return ServiceBusClient(self.fully_qualified_namespace, self.credential(), **sdk_kwargs)  # type: ignore[arg-type]
 
     @model_serializer(mode="wrap")
@@ -613,6 +635,11 @@ class NamespaceConfig(_Compact):
         if self.connection_string is not None:
             del out["fully_qualified_namespace"]
         return out
+
+
+def _true(value: Any) -> bool:
+    """A raw boolean option's truth as pydantic will read it (``true``, ``"true"``, ``1``...)."""
+    return str(value).strip().lower() in ("true", "1", "yes", "on") if value is not None else False
 
 
 def _split_host_port(address: str) -> tuple[str, int | None]:
