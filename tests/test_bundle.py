@@ -11,6 +11,7 @@ environment the job clusters get."""
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
 from collections.abc import Mapping
@@ -31,6 +32,8 @@ TARGETS = ("dev", "prod")
 WORKSPACE = {"workspace.current_user.short_name": "jane_doe", "workspace.current_user.userName": "jane.doe@example.com",
              "workspace.file_path": "/Workspace/Users/jane.doe@example.com/.bundle/spark-sb/{target}/files"}
 _REFERENCE = re.compile(r"\$\{([A-Za-z_][\w-]*(?:\.[A-Za-z_][\w-]*)*)\}")
+#: the file ``databricks bundle`` reads variable values from, after --var and BUNDLE_VAR_<name>
+_OVERRIDES = ".databricks/bundle/{target}/variable-overrides.json"
 _SECRET = re.compile(r"^\{\{secrets/([^/{}]+)/([^/{}]+)\}\}$")
 
 
@@ -73,7 +76,8 @@ def _substitute(value: Any, values: Mapping[str, Any]) -> Any:
 def resolve_bundle(root: Path, target: str, variables: Mapping[str, str] | None = None,
                    environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The bundle at ``root`` for ``target`` with its variables substituted. ``variables`` are ``--var``
-    assignments, ``environ`` is where ``BUNDLE_VAR_<name>`` is looked up. Workspace references
+    assignments, ``environ`` is where ``BUNDLE_VAR_<name>`` is looked up, then the target's
+    variable-overrides.json, the target's ``variables`` and the default. Workspace references
     (``${workspace.current_user.short_name}``, ``${workspace.file_path}``) get :data:`WORKSPACE`'s
     placeholders; ``${bundle.name}`` and ``${bundle.target}`` their values."""
     bundle = yaml.safe_load((root / "databricks.yml").read_text())
@@ -97,6 +101,8 @@ def resolve_bundle(root: Path, target: str, variables: Mapping[str, str] | None 
             raise BundleError(f"${{{reference}}} is referenced at {where} but variable {reference[4:]} is not "
                               "declared under variables")
     environ = environ or {}
+    overrides_file = root / _OVERRIDES.format(target=target)
+    overrides = json.loads(overrides_file.read_text()) if overrides_file.is_file() else {}
     values: dict[str, Any] = {}
     for name, spec in declared.items():
         spec = spec or {}
@@ -104,14 +110,17 @@ def resolve_bundle(root: Path, target: str, variables: Mapping[str, str] | None 
             values[name] = variables[name]  # type: ignore[index]
         elif environ.get(f"BUNDLE_VAR_{name}") is not None:
             values[name] = environ[f"BUNDLE_VAR_{name}"]
+        elif overrides.get(name) is not None:
+            values[name] = overrides[name]
         elif name in (chosen.get("variables") or {}):
             values[name] = chosen["variables"][name]
         elif "default" in spec:
             values[name] = spec["default"]
         else:
-            raise BundleError(f'no value assigned to required variable {name} in target {target}: set a default, '
-                              f'assign it under targets.{target}.variables, pass --var="{name}=<value>" or set '
-                              f"BUNDLE_VAR_{name}")
+            raise BundleError(f"no value assigned to required variable {name} in target {target}. Variables are "
+                              "usually assigned in databricks.yml, and they can be overridden using "
+                              f'--var="{name}=<value>", the BUNDLE_VAR_{name} environment variable, or '
+                              f"{_OVERRIDES.format(target=target)}")
     context = {"bundle.name": bundle["bundle"]["name"], "bundle.target": target,
                **{k: v.format(target=target) for k, v in WORKSPACE.items()}}
     resolved_vars = {f"var.{k}": _substitute(v, context) for k, v in values.items()}
@@ -251,8 +260,8 @@ def test_variables_are_taken_as_the_cli_takes_them() -> None:
 
 
 def test_prod_without_a_catalog_is_refused_naming_the_variable() -> None:
-    with pytest.raises(BundleError, match=r"no value assigned to required variable catalog in target prod.*"
-                                          r"--var=\"catalog=<value>\".*BUNDLE_VAR_catalog"):
+    with pytest.raises(BundleError, match=r"no value assigned to required variable catalog in target prod\..*"
+                                          r"--var=\"catalog=<value>\", the BUNDLE_VAR_catalog environment variable"):
         resolve_bundle(ROOT, "prod")
 
 
@@ -290,3 +299,47 @@ def test_an_unknown_job_field_in_a_broken_copy_is_refused_by_databricks_bundles(
     job.write_text(job.read_text().replace("python_wheel_task:", "python_wheel_tsk:"))
     with pytest.raises(ValueError, match="Unexpected field 'python_wheel_tsk'"):
         jobs_of(resolve_bundle(root, "dev"))
+
+
+# the keys the CLI's schema allows (databricks/cli bundle/schema/jsonschema.json: the root, config.Target,
+# config.Artifact, config.Sync, config.Presets and variable.Variable; each refuses other keys)
+_ALLOWED = {
+    "root": {"artifacts", "bundle", "experimental", "include", "permissions", "presets", "python", "resources",
+             "run_as", "scripts", "sync", "targets", "variables", "workspace"},
+    "target": {"artifacts", "bundle", "cluster_id", "compute_id", "default", "git", "mode", "permissions", "presets",
+               "resources", "run_as", "sync", "variables", "workspace"},
+    "artifact": {"build", "dynamic_version", "executable", "files", "path", "type"},
+    "sync": {"exclude", "include", "paths"},
+    "presets": {"artifacts_dynamic_version", "jobs_max_concurrent_runs", "name_prefix", "pipelines_development",
+                "source_linked_deployment", "tags", "trigger_pause_status"},
+    "variable": {"default", "description", "lookup", "type"},
+}
+
+
+def test_databricks_yml_uses_only_keys_the_cli_knows() -> None:
+    bundle = yaml.safe_load((ROOT / "databricks.yml").read_text())
+    assert set(bundle) <= _ALLOWED["root"]
+    assert set(bundle["sync"]) <= _ALLOWED["sync"]
+    for artifact in bundle["artifacts"].values():
+        assert set(artifact) <= _ALLOWED["artifact"]
+    for name, variable in bundle["variables"].items():
+        assert set(variable) <= _ALLOWED["variable"] and variable.get("description"), name
+    for name, target in bundle["targets"].items():
+        assert set(target) <= _ALLOWED["target"], name
+        assert target["mode"] in ("development", "production")
+        assert set(target.get("presets") or {}) <= _ALLOWED["presets"], name
+    assert [name for name, target in bundle["targets"].items() if target.get("default")] == ["dev"]
+    for path in sorted((ROOT / "resources").glob("*.yml")):
+        assert set(yaml.safe_load(path.read_text())) == {"resources"}, path.name
+
+
+def test_a_variable_overrides_file_comes_after_bundle_var_and_before_the_target(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    overrides = root / _OVERRIDES.format(target="prod")
+    overrides.parent.mkdir(parents=True)
+    overrides.write_text(json.dumps({"catalog": "from_file", "schema": "orders"}))
+    env = jobs_of(resolve_bundle(root, "prod"))["syphon"].job_clusters[0].new_cluster.spark_env_vars  # type: ignore[union-attr]
+    assert env["SB_LEDGER_TABLE"] == "from_file.orders.syphon_ledger"
+    env = jobs_of(resolve_bundle(root, "prod", environ={"BUNDLE_VAR_catalog": "from_env"}))["syphon"] \
+        .job_clusters[0].new_cluster.spark_env_vars  # type: ignore[union-attr]
+    assert env["SB_LEDGER_TABLE"] == "from_env.orders.syphon_ledger"
