@@ -327,6 +327,8 @@ def test_databricks_yml_uses_only_keys_the_cli_knows() -> None:
     for name, target in bundle["targets"].items():
         assert set(target) <= _ALLOWED["target"], name
         assert target["mode"] in ("development", "production")
+        if target["mode"] == "production":  # the CLI refuses a production target without an explicit root_path
+            assert target["workspace"]["root_path"].endswith("/.bundle/${bundle.name}/${bundle.target}"), name
         assert set(target.get("presets") or {}) <= _ALLOWED["presets"], name
     assert [name for name, target in bundle["targets"].items() if target.get("default")] == ["dev"]
     for path in sorted((ROOT / "resources").glob("*.yml")):
