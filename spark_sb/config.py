@@ -43,6 +43,8 @@ Credentials are either a ``connection_string`` (Endpoint, SharedAccessKeyName + 
 SharedAccessSignature, optional EntityPath and UseDevelopmentEmulator), or a ``fully_qualified_namespace``
 plus ``credential: {type: default|client_secret|managed_identity, tenant_id, client_id, client_secret}``
 (``DefaultAzureCredential`` when omitted). azure.identity is imported only when a credential is built.
+``emulator: true`` next to ``fully_qualified_namespace`` (e.g. ``localhost:5672``) reaches spark-sb's local
+emulator with such a credential: plain TCP, and provisioning through ``admin_endpoint``.
 
 Every error is a :class:`~spark_sb.errors.ConfigError` naming the option path and the bad value; secrets are
 :class:`Secret` values and never appear in an error, a log line, ``repr()``, ``str()``, ``model_dump()`` or a

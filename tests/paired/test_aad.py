@@ -17,7 +17,7 @@ from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusRece
 from spark_sb.admin import admin_client
 from spark_sb.bus import admin_client as bus_admin_client
 from spark_sb.bus import close_all
-from spark_sb.config import load_config
+from spark_sb.config import from_options, load_config, load_reference
 from spark_sb.emulator import Emulator, NamespaceOptions
 from spark_sb.emulator.aad import OWNER_ROLE, RECEIVER_ROLE, SENDER_ROLE, AadOptions, Identity
 from spark_sb.emulator.model import QueueSpec
@@ -239,6 +239,12 @@ def test_the_emulator_option_reaches_plain_tcp_and_is_only_for_a_credential() ->
     assert config.to_dict()["primary"]["emulator"] is True
     assert load_config(config.to_dict()) == config
     assert config.send_availability.backlog_prefix == "localhost-5672"
+    spark = from_options({"primary.fullyQualifiedNamespace": "localhost:5672", "primary.emulator": "true",
+                          "primary.credential.type": "managed_identity", "primary.credential.clientId": "app",
+                          "secondary.fullyQualifiedNamespace": "localhost:5673", "secondary.emulator": "true"})
+    assert spark.primary.is_emulator and spark.secondary.is_emulator
+    assert spark.primary.credential_config is not None and spark.primary.credential_config.client_id == "app"
+    assert load_reference(spark.reference() or {}) == spark  # travels to executors by reference: no secret in it
     real = load_config({"primary": {"fully_qualified_namespace": "contoso.servicebus.windows.net"},
                         "secondary": {"fully_qualified_namespace": "contoso-dr.servicebus.windows.net"}})
     assert real.primary.use_tls and "emulator" not in real.to_dict()["primary"]
