@@ -94,8 +94,8 @@ class OutageSpan:
     """Consecutive sink batches of one outage.
 
     A batch belongs to an outage when it failed over an entity (``failovers`` or ``assumed_failovers``), left
-    one failed over (``failed_over``), began with one failed over (the previous batch's ``failed_over``: the
-    batch that fails back), or sent rows to a backlog queue.
+    one failed over (``failed_over``), or sent rows to a backlog queue. The batch that fails back belongs to it
+    only when it still parked rows (its ``backlog``): once the entity is back, its rows went to the primary.
 
     :ivar first_batch: the outage's first batch id.
     :ivar last_batch: its last batch id.
@@ -143,7 +143,8 @@ def _records(frame: Any, name: str, required: tuple[str, ...]) -> list[dict[str,
         rows = []
         for row in frame:
             if not isinstance(row, Mapping):
-                raise ConfigError(name, "must be a DataFrame or a list of mappings; a row is", type(row).__name__)
+                raise ConfigError(name, "must be a DataFrame or a list of rows (mappings)",
+                                  f"a row of type {type(row).__name__}")
             rows.append(dict(row))
         columns = set.intersection(*(set(r) for r in rows)) if rows else set(required)
     missing = [c for c in required if c not in columns]
@@ -260,7 +261,6 @@ def _spans(batches: list[_Batch]) -> list[OutageSpan]:
     spans: list[OutageSpan] = []
     current: list[_Batch] = []
     entities: dict[str, None] = {}
-    previous: tuple[str, ...] = ()
 
     def close() -> None:
         if current:
@@ -270,12 +270,11 @@ def _spans(batches: list[_Batch]) -> list[OutageSpan]:
             entities.clear()
 
     for batch in batches:
-        if batch.failovers or batch.failed_over or previous or batch.backlog_total:
+        if batch.failovers or batch.failed_over or batch.backlog_total:
             current.append(batch)
-            entities.update(dict.fromkeys(previous + batch.failed_over))
+            entities.update(dict.fromkeys(batch.failed_over))
         else:
             close()
-        previous = batch.failed_over
     close()
     return spans
 
@@ -298,9 +297,9 @@ def _unit(span_seconds: float) -> tuple[float, str]:
 
 
 def _width(times: list[float], scale: float) -> float:
-    """A bar width: 0.8 of the usual gap between consecutive batches (1 s when there is one batch)."""
+    """A bar width: 0.7 of the usual gap between consecutive batches (1 s when there is one batch)."""
     gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
-    return 0.8 * (statistics.median(gaps) if gaps else 1.0) / scale
+    return 0.7 * (statistics.median(gaps) if gaps else 1.0) / scale
 
 
 def _queue_label(queue: str) -> str:
@@ -443,7 +442,11 @@ def read_delta(spark: Any, value: str, option: str) -> Any:
         if not DeltaTable.isDeltaTable(spark, value):
             raise ConfigError(option, "no Delta table at this path", value)
         return spark.read.format("delta").load(value)
-    if not spark.catalog.tableExists(value):
+    try:
+        exists = spark.catalog.tableExists(value)
+    except Exception as err:  # a name Spark cannot parse
+        raise ConfigError(option, "is not a table name (a path needs a '/' or a scheme)", repr(value)) from err
+    if not exists:
         raise ConfigError(option, "no such table (a path needs a '/' or a scheme)", value)
     return spark.read.table(value)
 
