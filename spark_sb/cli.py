@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _emulator_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,11 +55,27 @@ def _paired_parsers(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
 
 
+def _report_parser(sub: argparse._SubParsersAction) -> None:
+    report = sub.add_parser(
+        "report", help="draw the picture of an outage (a PNG) from a run's metrics table and syphon ledger "
+                       "(needs spark-sb[spark])",
+        description="Rows per sink batch to the primary and to each backlog queue over time, the outage shaded, "
+                    "then the syphon moving the parked messages home. PATH_OR_TABLE: a Delta path (it has a "
+                    "'/' or a scheme, e.g. data/metrics or abfss://...) or a table name ([catalog.][schema.]table).")
+    report.add_argument("--metrics", required=True, metavar="PATH_OR_TABLE",
+                        help="the sink's metrics table (sink.metrics_table)")
+    report.add_argument("--ledger", required=True, metavar="PATH_OR_TABLE",
+                        help="the syphon's ledger (syphon.ledger)")
+    report.add_argument("--out", required=True, metavar="FILE.png", help="the PNG to write (replaced if it exists)")
+    report.add_argument("--title", help="the picture's title (default: says whether there was an outage)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="spark-sb", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _emulator_parser(sub)
     _paired_parsers(sub)
+    _report_parser(sub)
     return parser
 
 
@@ -148,6 +165,43 @@ def _emulator(args: argparse.Namespace) -> int:
     return 0
 
 
+def _report(args: argparse.Namespace) -> int:
+    """``spark-sb report``: exit 2 with the option and the value named for bad input."""
+    out = Path(args.out)
+    if out.is_dir():
+        print(f"spark-sb report: --out: is a directory, not a file, got {args.out}", file=sys.stderr)
+        return 2
+    if not out.parent.is_dir():
+        print(f"spark-sb report: --out: the directory {out.parent} does not exist, got {args.out}", file=sys.stderr)
+        return 2
+    try:
+        import delta  # noqa: F401
+        import matplotlib  # noqa: F401
+        import pyspark  # noqa: F401
+    except ImportError as err:
+        print(f"spark-sb report: needs pyspark, delta-spark and matplotlib: pip install 'spark-sb[spark]' "
+              f"({err})", file=sys.stderr)
+        return 2
+    from pyspark.sql import SparkSession
+
+    from .errors import ConfigError
+    from .jobs import build_session
+    from .report import write_report
+
+    started = SparkSession.getActiveSession() is None
+    spark = build_session("spark-sb-report")
+    try:
+        summary = write_report(spark, args.metrics, args.ledger, out, title=args.title)
+    except ConfigError as err:
+        print(f"spark-sb report: {err}", file=sys.stderr)
+        return 2
+    finally:
+        if started:
+            spark.stop()
+    print(f"wrote {out}: {summary.describe()}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "emulator":
@@ -155,6 +209,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("provision", "status"):
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         return _paired(args)
+    if args.command == "report":
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+        return _report(args)
     return 2
 
 
