@@ -8,7 +8,8 @@ heals. Each batch prints where its rows went. After the stream stops, the syphon
 the `servicebus-backlog` source, `foreachBatch(Republisher)`, a checkpoint and a Delta ledger) moves the
 parked messages home and stops once the backlog is empty; the end accounts for every row by message id: in the primary, left in a backlog queue, dead-lettered
 (with reasons), lost, or duplicated. Exits 0 when nothing is lost or duplicated. No cloud account, no
-manual step.
+manual step. Last, it draws the picture of the outage (``spark_sb.report``, as ``spark-sb report`` does from a
+real run) from the sink's metrics table and the syphon's ledger into ``data/demo/outage.png`` (``--picture``).
 
 ``--mode active`` or ``--mode passive`` shows replication instead (behaviour.md, "Active and passive
 replication"): the same stream sends every row to both namespaces (active) or to the active one, swapping on an
@@ -116,6 +117,25 @@ def _dead_lettered(conn_str: str, queues: tuple[str, ...]) -> dict[str, int]:
     return dict(reasons)
 
 
+def _metrics_table(spark: Any, path: str) -> None:
+    """Create the sink's (empty) metrics table before the stream starts, so that the first write of Delta in
+    this JVM (seconds on a small machine) is not inside a batch; and write a Delta checkpoint every 100 commits
+    rather than 10 (each costs seconds here too, and the demo's tables live for a minute), so that the
+    batches of the picture come at the trigger's pace."""
+    from spark_sb.sink import METRICS_SCHEMA
+
+    spark.conf.set("spark.databricks.delta.properties.defaults.checkpointInterval", "100")
+    spark.createDataFrame([], METRICS_SCHEMA).write.format("delta").save(path)
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the current directory when it is below it."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def _stream(spark: Any, config: dict, batches: int, each_batch: Any, holder: dict[str, Any]) -> None:
     """Run the writer stream for ``batches`` batches, each through ``each_batch`` (which calls
     ``holder["sink"]``, the query's sink)."""
@@ -129,15 +149,19 @@ def _stream(spark: Any, config: dict, batches: int, each_batch: Any, holder: dic
             query.stop()
 
 
-def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_ports: bool) -> int:
+def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_ports: bool,
+        picture: Path | None = None) -> int:
     from paired_writer import build_session  # jobs/ is on sys.path as the script's folder
     from syphon import await_until_empty
     from syphon import start as start_syphon
+
+    from spark_sb.report import write_report
 
     with _emulator(work, free_ports) as emu:
         for info in emu.info.values():
             _say(f"  {info.name:9s} amqp://localhost:{info.amqp_port}  admin {info.admin_url}")
         config = _config(conf, emu, work, rows, trigger)
+        config["sink"]["metrics_table"] = str(work / "metrics")  # one row per batch: the picture's input
         sa = config["send_availability"]
         config["syphon"] = {**config.get("syphon", {}), "retry_interval": "1s",
                             "checkpoint_location": str(work / "syphon-checkpoint"), "ledger": str(work / "ledger")}
@@ -151,6 +175,7 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         spark.sparkContext.setLogLevel("ERROR")
         # an idle stream reports progress every second (default 10 s): the syphon sees an empty backlog sooner
         spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
+        _metrics_table(spark, config["sink"]["metrics_table"])
         down_at, heal_at = batches // 4, (2 * batches) // 3
         produced: list[str] = []
         holder: dict[str, Any] = {}
@@ -187,6 +212,12 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         outcomes = {r["outcome"]: r["count"] for r in ledger.groupBy("outcome").count().collect()}
         _say(f"syphon: batches {ledger.select('batch_id').distinct().count()}; ledger rows by outcome: "
              + (", ".join(f"{k} {n}" for k, n in sorted(outcomes.items())) or "none"))
+        if picture is not None:
+            picture.parent.mkdir(parents=True, exist_ok=True)
+            write_report(spark, config["sink"]["metrics_table"], config["syphon"]["ledger"], picture,
+                         options=("sink.metrics_table", "syphon.ledger"))
+            _say(f"the picture of the outage: {_shown(picture)}  "
+                 f"(spark-sb report --metrics PATH --ledger PATH --out FILE.png draws it from a real run)")
         spark.stop()
         dead = _dead_lettered(emu["secondary"].connection_string, backlog_queues)
         in_primary = _primary_ids(emu["primary"].connection_string)
@@ -298,12 +329,16 @@ def main() -> int:
                         help="paired (send availability, the default), or active / passive replication")
     parser.add_argument("--default-ports", action="store_true",
                         help="use 5672/5300 and 5673/5301 (as conf/local.yaml) instead of free ports")
+    parser.add_argument("--picture", type=Path, default=ROOT / "data" / "demo" / "outage.png", metavar="FILE.png",
+                        help="paired mode: where the picture of the outage goes (default: data/demo/outage.png)")
+    parser.add_argument("--no-picture", dest="picture", action="store_const", const=None,
+                        help="paired mode: draw no picture")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="spark-sb-demo-") as tmp:
         if args.mode != "paired":
             return run_replication(Path(tmp), args.conf, args.mode, args.batches, args.rows, args.trigger,
                                    not args.default_ports)
-        return run(Path(tmp), args.conf, args.batches, args.rows, args.trigger, not args.default_ports)
+        return run(Path(tmp), args.conf, args.batches, args.rows, args.trigger, not args.default_ports, args.picture)
 
 
 if __name__ == "__main__":
