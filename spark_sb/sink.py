@@ -81,7 +81,7 @@ from azure.servicebus._pyamqp.utils import amqp_long_value
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from . import bus
+from . import bus, tables
 from .config import SparkSbConfig, load_config
 from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
 from .paired import PRIMARY, PairedSender
@@ -332,6 +332,8 @@ class PairedSink:
     def __call__(self, batch_df: DataFrame, batch_id: int) -> BatchSummary:
         started = time.monotonic()
         sink = self.config.sink
+        if type(batch_df).__module__.startswith("pyspark.sql.connect"):
+            _log_to_stderr_unless_configured()
         present = self.columns(batch_df, batch_id)
         selected = batch_df.select(*[F.col(_quote(column)).alias(name) for name, column in present.items()])
         send = _partition_sender(self.config, self.fingerprint, int(batch_id), self.failed_over,
@@ -396,9 +398,9 @@ class PairedSink:
             "body", F.current_timestamp().alias("rejected_at"))
         count = rejects.count()
         if count:
-            path = str(self.config.sink.reject_table)
-            rejects.write.format("delta").mode("append").save(path)
-            _LOGGER.warning("batch %s: %d rejected rows written to %s", batch_id, count, path)
+            location = str(self.config.sink.reject_table)
+            tables.append(rejects, location)
+            _LOGGER.warning("batch %s: %d rejected rows written to %s", batch_id, count, location)
         return count
 
     def _write_metrics(self, batch_df: DataFrame, summary: BatchSummary) -> None:
@@ -407,10 +409,22 @@ class PairedSink:
         row += [values[name] for name in _COUNTERS]
         row += [dict(summary.backlog), list(summary.failed_over), summary.partitions, summary.seconds]
         spark = batch_df.sparkSession
-        # mergeSchema: a metrics table written before a column was added takes the new column
-        spark.createDataFrame([tuple(row)], METRICS_SCHEMA).write.format("delta").mode("append").option(
-            "mergeSchema", "true").save(
-            str(self.config.sink.metrics_table))
+        tables.append(spark.createDataFrame([tuple(row)], METRICS_SCHEMA), str(self.config.sink.metrics_table),
+                      merge_schema=True)
+
+
+def _log_to_stderr_unless_configured() -> None:
+    """Under Spark Connect the foreachBatch function runs in a Python process of the server, whose logging the
+    user cannot configure: when nothing configured it, spark_sb's INFO lines (the batch summaries) go to its
+    stderr, which is the server's log."""
+    package = logging.getLogger("spark_sb")
+    if logging.getLogger().handlers or package.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    package.addHandler(handler)
+    if package.level == logging.NOTSET:
+        package.setLevel(logging.INFO)
 
 
 def _quote(column: str) -> str:

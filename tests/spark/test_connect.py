@@ -1,6 +1,7 @@
-"""The sink through a local Spark Connect session (Databricks serverless and shared clusters run Connect,
-where the RDD API does not exist): mapInArrow-based sending works there. Runs in a child process, because a
-local Connect server cannot share this process with the classic session of the other tests."""
+"""The sink as a streaming foreachBatch through a local Spark Connect server (Databricks serverless and shared
+clusters run Connect: the RDD API does not exist there, and the foreachBatch function runs in a Python process
+of the server, not in the client). Runs in a child process, because a local Connect server cannot share this
+process with the classic session of the other tests."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
+
+from spark_sb.jobs import DELTA_PACKAGE
 
 from .conftest import receive_all, sink_config
 
@@ -20,29 +24,59 @@ SCRIPT = textwrap.dedent("""
     from pyspark.sql import functions as F
     from spark_sb.sink import PairedSink
 
-    spark = SparkSession.builder.remote("local[2]").config("spark.ui.enabled", "false").getOrCreate()
-    assert spark.is_connect if hasattr(spark, "is_connect") else True
-    sink = PairedSink.from_config(json.loads(sys.argv[1]))
-    df = spark.range(50, numPartitions=2).select(
-        F.concat(F.lit("connect "), F.col("id")).alias("body"), F.col("id").cast("string").alias("key"))
-    summary = sink(df, 0)
-    print("SUMMARY " + json.dumps({"rows": summary.rows, "primary": summary.primary,
-                                   "partitions": summary.partitions, "session": type(spark).__module__}))
+    config, work, package = json.loads(sys.argv[1]), sys.argv[2], sys.argv[3]
+    spark = (SparkSession.builder.remote("local[2]")
+             .config("spark.jars.packages", package)
+             .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
+             .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
+             .config("spark.ui.enabled", "false").getOrCreate())
+    # three files of 20 rows; every tenth row has no body (a row the sink rejects)
+    for f in range(3):
+        spark.range(f * 20, f * 20 + 20, numPartitions=2).select(
+            F.when(F.col("id") % 10 != 9, F.concat(F.lit("connect "), F.col("id"))).alias("body"),
+            F.col("id").cast("string").alias("key")).coalesce(1).write.mode("append").parquet(work + "/input")
+    schema = spark.read.parquet(work + "/input").schema
+    sink = PairedSink.from_config(config)
+    query = (spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(work + "/input")
+             .writeStream.foreachBatch(sink).option("checkpointLocation", work + "/checkpoint")
+             .trigger(availableNow=True).start())
+    query.awaitTermination()
+    metrics = spark.read.format("delta").load(config["sink"]["metrics_table"]).orderBy("batch_id")
+    rejects = spark.read.format("delta").load(config["sink"]["reject_table"])
+    print("RESULT " + json.dumps({
+        "session": type(spark).__module__,
+        "metrics": [{k: r[k] for k in ("batch_id", "rows", "primary", "rejected", "partitions")}
+                    for r in metrics.collect()],
+        "rejects": sorted((r["message_id"], r["reason"]) for r in rejects.collect()),
+    }))
     spark.stop()
 """)
 
 
 @pytest.mark.slow
-def test_the_sink_sends_through_a_spark_connect_session(primary, secondary, make_queue) -> None:
-    q = make_queue()
-    config = sink_config(primary, secondary, entity=q, key_column="key")
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(config)], capture_output=True, text=True,
-                          timeout=240, env=env)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("SUMMARY ")]
-    assert done.returncode == 0 and lines, done.stderr[-3000:]
-    summary = json.loads(lines[-1].removeprefix("SUMMARY "))
-    assert summary["session"].startswith("pyspark.sql.connect")
-    assert (summary["rows"], summary["primary"], summary["partitions"]) == (50, 50, 2)
-    ids = sorted(int(str(m.message_id)) for m in receive_all(primary.connection_string, q, expected=50))
-    assert ids == list(range(50))
+@pytest.mark.timeout(300)
+def test_foreach_batch_sink_under_spark_connect_with_reject_and_metrics_tables(primary, secondary, make_queue,
+                                                                               tmp_path: Path) -> None:
+    q = make_queue(requires_duplicate_detection=True)
+    config = sink_config(primary, secondary, entity=q, key_column="key",
+                         reject_table=str(tmp_path / "rejects"), metrics_table=str(tmp_path / "metrics"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
+    env.update(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(config), str(tmp_path), DELTA_PACKAGE],
+                          capture_output=True, text=True, timeout=280, env=env)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    assert result["session"].startswith("pyspark.sql.connect")
+
+    # one metrics row per file-batch: 20 rows, 18 sent to the primary, 2 rejected
+    assert [(m["rows"], m["primary"], m["rejected"]) for m in result["metrics"]] == [(20, 18, 2)] * 3
+    assert [m["batch_id"] for m in result["metrics"]] == [0, 1, 2]
+    poison = [i for i in range(60) if i % 10 == 9]
+    assert [m for m, _ in result["rejects"]] == sorted(str(i) for i in poison)
+    assert all("body" in reason for _, reason in result["rejects"]), result["rejects"]
+    # every other row arrived once; the summaries also reached the server's log
+    ids = sorted(int(str(m.message_id)) for m in receive_all(primary.connection_string, q, expected=54))
+    assert ids == [i for i in range(60) if i not in poison]
+    for batch in range(3):
+        assert f"batch {batch}: 20 rows: 18 -> primary, 2 rejected" in done.stderr, done.stderr[-3000:]
