@@ -41,11 +41,12 @@ class BundleError(Exception):
     """A bundle configuration the CLI would refuse, naming what is wrong."""
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any], where: str) -> None:
+def _merge(base: dict[str, Any], extra: Mapping[str, Any], where: str, *, override: bool = False) -> None:
+    """Merge ``extra`` into ``base``: an included file may not redefine a value; a target overrides one."""
     for key, value in extra.items():
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value, f"{where}.{key}")
-        elif key in base and base[key] != value:
+            _merge(base[key], value, f"{where}.{key}", override=override)
+        elif key in base and base[key] != value and not override:
             raise BundleError(f"{where}.{key} is defined twice")
         else:
             base[key] = copy.deepcopy(value)
@@ -128,7 +129,7 @@ def resolve_bundle(root: Path, target: str, variables: Mapping[str, str] | None 
     for key in ("workspace", "presets", "artifacts", "sync", "resources"):
         if key in chosen:
             body.setdefault(key, {})
-            _merge(body[key], chosen[key], f"targets.{target}.{key}")
+            _merge(body[key], chosen[key], f"targets.{target}.{key}", override=True)
     out: dict[str, Any] = _substitute(body, {**context, **resolved_vars})
     out["mode"] = chosen.get("mode")
     return out
