@@ -1,0 +1,133 @@
+"""The README's commands, run as written: the block after ``<!-- the README test runs this block -->`` is run
+line by line (a line ending in ``&`` in the background) in a folder that holds the project's ``.venv``,
+``conf`` and ``jobs``, against the emulator on its default ports; then every row the writer produced is in
+the primary once and the picture exists. Every other ``.venv/bin/...`` command the README shows answers
+``--help``."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
+
+from spark_sb import messages
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+MARK = "<!-- the README test runs this block -->"
+DEFAULT_PORTS = (5672, 5673, 5300, 5301)
+PRIMARY = ("Endpoint=sb://localhost:5672;SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=SAS_KEY_VALUE;"
+           "UseDevelopmentEmulator=true")
+
+
+def _blocks(text: str) -> list[tuple[int, str]]:
+    """``(offset, body)`` of every fenced bash block."""
+    return [(m.start(), m.group(1)) for m in re.finditer(r"```bash\n(.*?)```", text, re.S)]
+
+
+def _commands(block: str) -> list[str]:
+    """The block's commands: comments dropped, continuation lines joined."""
+    joined = re.sub(r"\\\n\s*", " ", block)
+    lines = [line.split(" #")[0].strip() for line in joined.splitlines()]
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def walkthrough() -> list[str]:
+    text = README.read_text()
+    at = text.index(MARK)
+    return _commands(next(body for offset, body in _blocks(text) if offset > at))
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _primary_orders() -> list[str]:
+    """Bodies in the primary's ``orders`` queue (received and deleted, pings dropped)."""
+    bodies: list[str] = []
+    with ServiceBusClient.from_connection_string(PRIMARY, retry_total=1) as client:
+        with client.get_queue_receiver("orders", receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as rx:
+            while page := rx.receive_messages(max_message_count=250, max_wait_time=2):
+                bodies.extend(str(m) for m in page if not messages.is_ping(m))
+    return bodies
+
+
+def test_the_walkthrough_block_is_there_and_runnable() -> None:
+    commands = walkthrough()
+    assert commands[0].endswith("&") and "emulator start" in commands[0]
+    assert any("jobs/syphon.py --conf conf/local.yaml" in c for c in commands)
+    assert any(c.startswith(".venv/bin/spark-sb report") for c in commands)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_readme_commands_work_as_written(tmp_path: Path) -> None:
+    busy = [port for port in DEFAULT_PORTS if not _port_free(port)]
+    assert not busy, f"the README's emulator needs ports {DEFAULT_PORTS}; in use: {busy}"
+    for name in (".venv", "conf", "jobs"):
+        (tmp_path / name).symlink_to(ROOT / name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
+    env["SPARK_SB_JVM_LOG"] = str(tmp_path / "jvm.log")
+    background: list[subprocess.Popen] = []
+    outputs: list[str] = []
+    try:
+        for command in walkthrough():
+            if command.endswith("&"):
+                log = (tmp_path / "background.log").open("w")
+                background.append(subprocess.Popen(shlex.split(command[:-1]), cwd=tmp_path, env=env, stdout=log,
+                                                   stderr=subprocess.STDOUT, start_new_session=True))
+                deadline = time.monotonic() + 60
+                while any(_port_free(p) for p in DEFAULT_PORTS) and time.monotonic() < deadline:
+                    assert background[-1].poll() is None, (tmp_path / "background.log").read_text()
+                    time.sleep(0.2)
+                continue
+            done = subprocess.run(shlex.split(command), cwd=tmp_path, env=env, capture_output=True, text=True,
+                                  timeout=300)
+            outputs.append(f"$ {command}\n{done.stdout}{done.stderr}")
+            assert done.returncode == 0, "\n".join(outputs)[-5000:]
+        bodies = _primary_orders()
+    finally:
+        for process in background:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=30)
+
+    values = [int(b.removeprefix("row ")) for b in bodies]
+    assert not [v for v, n in collections.Counter(values).items() if n > 1], "a row arrived twice"
+    # the writer runs share one checkpoint: the rate source's rows 0..n-1, every one in the primary
+    assert values and sorted(values) == list(range(len(values))), sorted(values)[-5:]
+    status = next(o for o in outputs if "spark-sb status" in o.splitlines()[0])
+    parked = sum(int(line.split()[1]) for line in status.splitlines() if "x-servicebus-transfer/" in line)
+    assert parked > 0, f"the outage parked nothing:\n{status}"
+    picture = next(tmp_path.glob("data/*.png"))
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+
+
+def test_every_other_readme_command_answers_help() -> None:
+    text = README.read_text()
+    at = text.index(MARK)
+    seen: set[tuple[str, ...]] = set()
+    for offset, body in _blocks(text):
+        if offset > at and body in text[at:at + len(MARK) + len(body) + 20]:
+            continue
+        for command in _commands(body):
+            words = shlex.split(command.rstrip("&"))
+            if not words[0].startswith(".venv/bin/"):
+                continue
+            program = [str(ROOT / words[0])] + [w for w in words[1:] if w.endswith(".py")][:1]
+            subcommands = tuple(w for w in words[1:3] if re.fullmatch(r"[a-z]+", w)) if len(program) == 1 else ()
+            key = (*program, *subcommands)
+            if key in seen or "bench/" in command:
+                continue
+            seen.add(key)
+            done = subprocess.run([*key, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+            assert done.returncode == 0, f"{command}: {done.stderr[-1000:]}"
