@@ -77,11 +77,23 @@ if TYPE_CHECKING:
     from .syphon import Syphon, SyphonSettleError
 
 
+#: the modules of the Spark edge, which need the ``[spark]`` extra
+_SPARK_MODULES = (".sink", ".source")
+_SPARK_PACKAGES = ("pyspark", "pyarrow", "pandas", "delta", "py4j")
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
+    try:
+        loaded = importlib.import_module(module, __name__)
+    except ModuleNotFoundError as err:
+        if module in _SPARK_MODULES and (err.name or "").split(".")[0] in _SPARK_PACKAGES:
+            raise ImportError(f"spark_sb.{name} needs Spark: pip install 'spark-sb[spark]' ({err})",
+                              name=err.name) from err
+        raise
+    value = getattr(loaded, name)
     globals()[name] = value  # once loaded, a plain attribute
     return value
 

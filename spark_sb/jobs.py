@@ -191,7 +191,7 @@ def await_batches(query: Any, max_batches: int | None, poll: float = 0.2, settle
 
 
 def _parser(prog: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description=description,
+    parser = argparse.ArgumentParser(prog=prog, description=description, epilog=f"This job {_NEEDS_SPARK}.",
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conf", required=True,
                         help="spark-sb YAML configuration (a local path, or /dbfs/..., /Volumes/..., /Workspace/...)")

@@ -32,6 +32,21 @@ def test_the_senders_the_syphon_core_the_dedupe_receiver_and_the_configuration_l
     assert out.strip() == "[]"
 
 
+def test_the_spark_edge_without_pyspark_says_which_extra_to_install() -> None:
+    code = ("import sys\n"
+            "class Gone:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in ('pyspark', 'pyarrow'):\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Gone())\n"
+            "try:\n"
+            "    from spark_sb import PairedSink\n"
+            "except ImportError as err:\n"
+            "    print(err)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "spark_sb.PairedSink needs Spark: pip install 'spark-sb[spark]'" in out, out
+
+
 def _module_name(path: Path) -> str:
     parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
