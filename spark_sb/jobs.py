@@ -211,6 +211,7 @@ def _load(prog: str, conf: str, check: Callable[[Any], None] = lambda config: No
 
 def _logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # one line per gateway call otherwise
 
 
 def writer_main(argv: Sequence[str] | None = None) -> int:

@@ -105,6 +105,11 @@ def test_the_readme_commands_work_as_written(tmp_path: Path) -> None:
     assert not [v for v, n in collections.Counter(values).items() if n > 1], "a row arrived twice"
     # the writer runs share one checkpoint: the rate source's rows 0..n-1, every one in the primary
     assert values and sorted(values) == list(range(len(values))), sorted(values)[-5:]
+    # a quiet run: Spark's console (Ivy's jar resolution, its log lines) goes to the log file the job names
+    writer = next(o for o in outputs if "spark-sb-writer" in o.splitlines()[0])
+    assert "console output goes to" in writer and str(tmp_path / "jvm.log") in writer, writer[-2000:]
+    assert ":: loading settings" not in writer and "Ivy Default Cache" not in writer, writer[-2000:]
+    assert "Ivy Default Cache" in (tmp_path / "jvm.log").read_text()
     status = next(o for o in outputs if "spark-sb status" in o.splitlines()[0])
     parked = sum(int(line.split()[1]) for line in status.splitlines() if "x-servicebus-transfer/" in line)
     assert parked > 0, f"the outage parked nothing:\n{status}"
