@@ -284,8 +284,9 @@ def admin_client(namespace: NamespaceConfig, **kwargs: Any) -> Any:
     credential), built by :func:`spark_sb.admin.admin_client`; ``kwargs`` go to the SDK. Close it."""
     if namespace.connection_string is not None:
         return build_admin_client(namespace.connection_string.reveal(), admin_endpoint=namespace.admin_endpoint, **kwargs)
-    return build_admin_client(fully_qualified_namespace=namespace.fully_qualified_namespace, credential=namespace.credential(),
-                 **kwargs)
+    return build_admin_client(fully_qualified_namespace=namespace.fully_qualified_namespace,
+                              credential=namespace.credential(), admin_endpoint=namespace.admin_endpoint,
+                              use_tls=namespace.use_tls, **kwargs)
 
 
 def shared_namespace(config: SparkSbConfig, side: Literal["primary", "secondary"], *,

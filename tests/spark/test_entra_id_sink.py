@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 
-from spark_sb.config import load_config
 from spark_sb.emulator import Emulator, NamespaceOptions
 from spark_sb.emulator.aad import AadOptions
 from spark_sb.emulator.model import QueueSpec
@@ -23,15 +22,6 @@ _AZURE_ENV = ("AZURE_CLIENT_ID", "AZURE_TENANT_ID", "AZURE_CLIENT_SECRET", "AZUR
               "MSI_ENDPOINT", "MSI_SECRET", "IMDS_ENDPOINT", "IDENTITY_SERVER_THUMBPRINT")
 
 
-def _hooked() -> bool:
-    from spark_sb.bus import admin_client
-
-    config = load_config({"primary": {"fully_qualified_namespace": "localhost:5672", "emulator": True},
-                          "secondary": {"fully_qualified_namespace": "localhost:5673", "emulator": True}})
-    with admin_client(config.secondary) as client:
-        return type(client._pipeline._transport).__name__ == "EmulatorAdminTransport"
-
-
 @pytest.fixture(scope="module")
 def aad_emulator() -> Iterator[Emulator]:
     with Emulator([NamespaceOptions("primary"), NamespaceOptions("secondary")],
@@ -39,8 +29,6 @@ def aad_emulator() -> Iterator[Emulator]:
         yield emu
 
 
-@pytest.mark.skipif(not _hooked(), reason="needs spark_sb/bus/_namespace.py admin_client to pass "
-                    "admin_endpoint=namespace.admin_endpoint, use_tls=namespace.use_tls")
 def test_the_sink_sends_on_entra_id_with_credentials_built_on_the_executors(
     spark: Any, aad_emulator: Emulator, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,7 +15,6 @@ import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
 
 from spark_sb.admin import admin_client
-from spark_sb.bus import admin_client as bus_admin_client
 from spark_sb.bus import close_all
 from spark_sb.config import from_options, load_config, load_reference
 from spark_sb.emulator import Emulator, NamespaceOptions
@@ -96,26 +95,9 @@ def _held(emu: Emulator, side: str, queue: str) -> int:
     return server.call(lambda: server.broker.runtime_counts(queue)).total
 
 
-def _hooked() -> bool:
-    """Whether bus.admin_client passes an emulator namespace's admin endpoint on (the hook in
-    spark_sb/bus/_namespace.py admin_client; without it, provisioning a credential namespace goes to
-    https://<namespace> and pairing cannot work on the emulator)."""
-    config = load_config({"primary": {"fully_qualified_namespace": "localhost:5672", "emulator": True,
-                                      "credential": {"type": "managed_identity"}},
-                          "secondary": {"fully_qualified_namespace": "localhost:5673", "emulator": True,
-                                        "credential": {"type": "managed_identity"}}})
-    with bus_admin_client(config.secondary) as client:
-        return type(client._pipeline._transport).__name__ == "EmulatorAdminTransport"
-
-
-needs_hook = pytest.mark.skipif(not _hooked(), reason="needs spark_sb/bus/_namespace.py admin_client to pass "
-                                "admin_endpoint=namespace.admin_endpoint, use_tls=namespace.use_tls")
-
-
 # --- sends, provisioning, receives -------------------------------------------------------------------------------
 
 
-@needs_hook
 def test_the_paired_sender_and_the_syphon_run_on_entra_id(aad_emulator, identity_env) -> None:
     """DefaultAzureCredential everywhere: the paired sender provisions its backlog queues on the secondary
     (Bearer token on the admin API), sends to the primary, fails over to the backlog through an outage, and the
@@ -166,7 +148,6 @@ def test_provisioning_goes_to_the_admin_endpoint_with_a_bearer_token(aad_emulato
     assert "Azure Service Bus Data Owner" in str(caught.value)
 
 
-@needs_hook
 def test_pairing_without_the_owner_role_is_a_clear_error(aad_emulator, identity_env) -> None:
     config = _config(aad_emulator, secondary={"type": "managed_identity", "client_id": "sender"})
     with PairedSender.from_config(config) as producer:
@@ -178,7 +159,6 @@ def test_pairing_without_the_owner_role_is_a_clear_error(aad_emulator, identity_
 # --- a credential without the Sender role -------------------------------------------------------------------------
 
 
-@needs_hook
 def test_a_token_without_the_sender_role_is_refused_and_nothing_fails_over(aad_emulator, identity_env) -> None:
     emu = aad_emulator
     entity = _queue(emu)
@@ -200,7 +180,6 @@ def test_a_token_without_the_sender_role_is_refused_and_nothing_fails_over(aad_e
 
 
 @pytest.mark.slow
-@needs_hook
 def test_a_token_that_expires_mid_run_is_renewed_and_nothing_is_lost(aad_emulator, identity_env, caplog) -> None:
     """10-second tokens: the paired sender sends for longer than a token lives; the SDK puts a fresh token
     before the old one expires (the emulator refuses transfers on an expired one: see
