@@ -125,10 +125,15 @@ class ReportSummary:
     spans: tuple[OutageSpan, ...]
 
     def describe(self) -> str:
-        outages = "; ".join(f"batches {s.first_batch}-{s.last_batch}" for s in self.spans) or "none"
-        return (f"{self.batches} sink batches ({self.primary} rows to the primary, {self.backlog} to backlog "
-                f"queues), outages: {outages}; the syphon moved {self.drained} messages in {self.drain_batches} "
-                "batches")
+        outages = "; ".join(f"batch {s.first_batch}" if s.first_batch == s.last_batch
+                            else f"batches {s.first_batch}-{s.last_batch}" for s in self.spans) or "none"
+        return (f"{_plural(self.batches, 'sink batch', 'sink batches')} ({self.primary} rows to the primary, "
+                f"{self.backlog} to backlog queues), outages: {outages}; the syphon moved "
+                f"{_plural(self.drained, 'message', 'messages')} in {_plural(self.drain_batches, 'batch', 'batches')}")
+
+
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
 
 
 def _records(frame: Any, name: str, required: tuple[str, ...]) -> list[dict[str, Any]]:
@@ -367,7 +372,9 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
         for axes in (top, bottom):
             axes.axvspan(left, right, color=_OUTAGE_COLOUR, alpha=0.12, linewidth=0)
         what = ", ".join(span.entities) or "the primary"
-        top.annotate(f"outage: batches {span.first_batch}-{span.last_batch}\n{what} failed over\n"
+        span_batches = (f"batch {span.first_batch}" if span.first_batch == span.last_batch
+                        else f"batches {span.first_batch}-{span.last_batch}")
+        top.annotate(f"outage: {span_batches}\n{what} failed over\n"
                      f"{span.backlog_rows} rows parked", xy=((left + right) / 2, 1.0), xycoords=("data", "axes fraction"),
                      xytext=(0, -6), textcoords="offset points", ha="center", va="top", fontsize=9,
                      color="#8b0000")
