@@ -25,7 +25,6 @@ import dataclasses
 import datetime
 import logging
 import math
-import statistics
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -302,9 +301,10 @@ def _unit(span_seconds: float) -> tuple[float, str]:
 
 
 def _width(times: list[float], scale: float) -> float:
-    """A bar width: 0.7 of the usual gap between consecutive batches (1 s when there is one batch)."""
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b > a]
-    return 0.7 * (statistics.median(gaps) if gaps else 1.0) / scale
+    """A bar width: 0.75 of a short gap between consecutive batches (the fifth of the gaps that is shortest: a
+    run of fast batches stays bars apart), 1 s when there is one batch."""
+    gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False) if b > a)
+    return 0.75 * (gaps[len(gaps) // 5] if gaps else 1.0) / scale
 
 
 def _queue_label(queue: str) -> str:
@@ -346,9 +346,11 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
     FigureCanvasAgg(figure)
     top, bottom = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2))
 
-    # the sink: one stacked bar per batch, at the time it finished
+    # the sink: one stacked bar per batch, ending when the batch finished
     width = _width([b.end for b in batches], scale)
-    xs = [x(b.end) - width / 2 for b in batches]
+    xmin = x(min([b.end for b in batches] + [d.time for d in drains])) - 1.5 * width
+    xmax = x(t_end) + 0.5 * width
+    xs = [x(b.end) - width for b in batches]
     queues = sorted({q for b in batches for q in b.backlog})
     bottoms = [0.0] * len(batches)
     layers: list[tuple[str, Any, list[int]]] = [("the primary", _PRIMARY_COLOUR, [b.primary for b in batches])]
@@ -367,16 +369,20 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
     # the outage, shaded over both panels from its first bar to its last
     by_id = {b.batch_id: b for b in batches}
     for span in spans:
-        left = min(x(span.start), x(by_id[span.first_batch].end) - width / 2) - 0.1 * width
-        right = max(x(span.end), x(by_id[span.last_batch].end) + width / 2) + 0.1 * width
+        left = min(x(span.start), x(by_id[span.first_batch].end) - width) - 0.1 * width
+        right = max(x(span.end), x(by_id[span.last_batch].end)) + 0.1 * width
         for axes in (top, bottom):
             axes.axvspan(left, right, color=_OUTAGE_COLOUR, alpha=0.12, linewidth=0)
         what = ", ".join(span.entities) or "the primary"
+        # the label over the span's middle, or along its inner edge when the span is near an end of the axis
+        middle = ((left + right) / 2 - xmin) / (xmax - xmin)
+        anchor, align = ((left, "left") if middle < 0.15 else (right, "right") if middle > 0.85
+                         else ((left + right) / 2, "center"))
         span_batches = (f"batch {span.first_batch}" if span.first_batch == span.last_batch
                         else f"batches {span.first_batch}-{span.last_batch}")
         top.annotate(f"outage: {span_batches}\n{what} failed over\n"
-                     f"{span.backlog_rows} rows parked", xy=((left + right) / 2, 1.0), xycoords=("data", "axes fraction"),
-                     xytext=(0, -6), textcoords="offset points", ha="center", va="top", fontsize=9,
+                     f"{span.backlog_rows} rows parked", xy=(anchor, 1.0), xycoords=("data", "axes fraction"),
+                     xytext=(0, -6), textcoords="offset points", ha=align, va="top", fontsize=9,
                      color="#8b0000")
     top.set_ylim(0, max(bottoms + [1]) * 1.3)
     top.set_ylabel("rows per batch (messages)")
@@ -390,8 +396,8 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
 
     # the syphon: messages per ledger batch by outcome, and what is still parked
     if drains:
-        dwidth = min(width, _width([d.time for d in drains], scale))
-        dxs = [x(d.time) - dwidth / 2 for d in drains]
+        dwidth = width if len(drains) < 2 else min(width, _width([d.time for d in drains], scale))
+        dxs = [x(d.time) - dwidth for d in drains]
         dbottoms = [0.0] * len(drains)
         known = [o for o, _, _ in _OUTCOMES]
         others = sorted({o for d in drains for o in d.outcomes} - set(known))
@@ -412,7 +418,7 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
             level = max(0, level + delta)
             steps_x.append(x(at))
             steps_y.append(level)
-        steps_x.append(x(t_end) + width)
+        steps_x.append(xmax)
         steps_y.append(level)
         bottom.step(steps_x, steps_y, where="post", color="#ff7f0e", linewidth=2,
                     label="waiting in the backlog queues (parked - moved)")
@@ -424,7 +430,7 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
     bottom.grid(axis="y", alpha=0.3)
     start = datetime.datetime.fromtimestamp(t0, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     bottom.set_xlabel(f"time since the first batch began ({unit}); it began at {start}")
-    bottom.set_xlim(min(xs) - width, max([x(t_end)] + [a + width for a in xs]) + width)
+    bottom.set_xlim(xmin, xmax)
 
     summary = ReportSummary(
         batches=len(batches), primary=sum(b.primary for b in batches),
@@ -443,7 +449,9 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
 def read_delta(spark: Any, value: str, option: str) -> Any:
     """The DataFrame of ``value``: a Delta table at a path (``value`` has a ``/`` or a scheme) or a catalog
     table (a name). A clear :class:`~spark_sb.errors.ConfigError` naming ``option`` when there is none."""
-    if "/" in value or ":" in value:
+    from . import tables
+
+    if tables.is_path(value):
         from delta.tables import DeltaTable
 
         if not DeltaTable.isDeltaTable(spark, value):
