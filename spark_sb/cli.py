@@ -190,6 +190,10 @@ def _report(args: argparse.Namespace) -> int:
 
     started = SparkSession.getActiveSession() is None
     spark = build_session("spark-sb-report")
+    if started and spark.sparkContext.master.startswith("local"):
+        # Delta rebuilds a table's state on first read over 50 partitions by default: seconds on a laptop for
+        # two small tables
+        spark.conf.set("spark.databricks.delta.snapshotPartitions", "2")
     try:
         summary = write_report(spark, args.metrics, args.ledger, out, title=args.title)
     except ConfigError as err:
