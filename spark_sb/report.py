@@ -349,7 +349,7 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
     # the sink: one stacked bar per batch, ending when the batch finished
     width = _width([b.end for b in batches], scale)
     xmin = x(min([b.end for b in batches] + [d.time for d in drains])) - 1.5 * width
-    xmax = x(t_end) + 0.5 * width
+    xmax = x(t_end) + 2.5 * width  # room to see the backlog back at 0 after the last drain
     xs = [x(b.end) - width for b in batches]
     queues = sorted({q for b in batches for q in b.backlog})
     bottoms = [0.0] * len(batches)
