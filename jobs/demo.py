@@ -125,8 +125,6 @@ def _metrics_table(spark: Any, path: str) -> None:
     from spark_sb.sink import METRICS_SCHEMA
 
     spark.conf.set("spark.databricks.delta.properties.defaults.checkpointInterval", "100")
-    # and a table's state is rebuilt over 2 partitions rather than 50 on first read (the ledger, the picture)
-    spark.conf.set("spark.databricks.delta.snapshotPartitions", "2")
     spark.createDataFrame([], METRICS_SCHEMA).write.format("delta").save(path)
 
 

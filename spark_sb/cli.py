@@ -182,6 +182,7 @@ def _report(args: argparse.Namespace) -> int:
         print(f"spark-sb report: needs pyspark, delta-spark and matplotlib: pip install 'spark-sb[spark]' "
               f"({err})", file=sys.stderr)
         return 2
+
     from pyspark.sql import SparkSession
 
     from .errors import ConfigError
@@ -189,11 +190,7 @@ def _report(args: argparse.Namespace) -> int:
     from .report import write_report
 
     started = SparkSession.getActiveSession() is None
-    spark = build_session("spark-sb-report")
-    if started and spark.sparkContext.master.startswith("local"):
-        # Delta rebuilds a table's state on first read over 50 partitions by default: seconds on a laptop for
-        # two small tables
-        spark.conf.set("spark.databricks.delta.snapshotPartitions", "2")
+    spark = build_session("spark-sb-report")  # a local one rebuilds a Delta table's state over 2 partitions
     try:
         summary = write_report(spark, args.metrics, args.ledger, out, title=args.title)
     except ConfigError as err:

@@ -100,6 +100,9 @@ def build_session(app_name: str = "spark-sb", master: str | None = None, *, jvm_
         if (master or os.environ.get("SPARK_MASTER", "local")).startswith("local"):
             # a local session talks to itself over loopback (Spark would take the host's address otherwise)
             os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+            # Delta rebuilds a table's state on first read over 50 partitions by default: seconds per small
+            # table (the ledger, the metrics) on a laptop
+            builder = builder.config("spark.databricks.delta.snapshotPartitions", "2")
     builder = (builder.config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
                .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
                .config("spark.ui.enabled", "false")

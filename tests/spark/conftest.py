@@ -38,6 +38,8 @@ def spark(event_log: Any) -> Iterator[Any]:
         .config("spark.sql.extensions", "io.delta.sql.DeltaSparkSessionExtension")
         .config("spark.sql.catalog.spark_catalog", "org.apache.spark.sql.delta.catalog.DeltaCatalog")
         .config("spark.driver.memory", "1g")
+        # a Delta table's state is rebuilt over 2 partitions, not 50, on first read (5 s a table otherwise)
+        .config("spark.databricks.delta.snapshotPartitions", "2")
         .config("spark.eventLog.enabled", "true")
         .config("spark.eventLog.dir", event_log.as_uri())
         .config("spark.eventLog.compress", "false")  # readable by tests/spark/test_syphon_stream.py

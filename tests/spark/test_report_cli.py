@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
 
 from spark_sb import cli
 from spark_sb.republisher import LEDGER_DDL
@@ -24,20 +21,6 @@ def _metrics_row(batch_id: int, primary: int, parked: int, failovers: int, faile
             0, {QUEUE: parked} if parked else {}, failed_over, 2, 0.5)
 
 
-@pytest.fixture
-def few_snapshot_partitions(spark: Any) -> Iterator[None]:
-    """Delta rebuilds a fresh table's state over 50 partitions by default: 5 s a table on two cores, for two
-    rows (as the CLI sets on a local session it starts)."""
-    before = spark.conf.get("spark.databricks.delta.snapshotPartitions", None)
-    spark.conf.set("spark.databricks.delta.snapshotPartitions", "2")
-    yield
-    if before is None:
-        spark.conf.unset("spark.databricks.delta.snapshotPartitions")
-    else:
-        spark.conf.set("spark.databricks.delta.snapshotPartitions", before)
-
-
-@pytest.mark.usefixtures("few_snapshot_partitions")
 def test_report_draws_the_tables_of_a_run_and_names_bad_options(spark: Any, tmp_path: Path, capsys: Any) -> None:
     metrics, ledger = str(tmp_path / "metrics"), str(tmp_path / "ledger")
     rows = [_metrics_row(0, 50, 0, 0, []), _metrics_row(1, 10, 40, 1, ["orders"]),
