@@ -139,7 +139,8 @@ def _shown(path: Path) -> str:
 def _stream(spark: Any, config: dict, batches: int, each_batch: Any, holder: dict[str, Any]) -> None:
     """Run the writer stream for ``batches`` batches, each through ``each_batch`` (which calls
     ``holder["sink"]``, the query's sink)."""
-    from paired_writer import await_batches, start  # jobs/ is on sys.path as the script's folder
+    from spark_sb.jobs import await_batches
+    from spark_sb.jobs import start_writer as start
 
     query, holder["sink"] = start(spark, config, foreach_batch=each_batch)
     try:
@@ -151,10 +152,7 @@ def _stream(spark: Any, config: dict, batches: int, each_batch: Any, holder: dic
 
 def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_ports: bool,
         picture: Path | None = None) -> int:
-    from paired_writer import build_session  # jobs/ is on sys.path as the script's folder
-    from syphon import await_until_empty
-    from syphon import start as start_syphon
-
+    from spark_sb.jobs import await_until_empty, build_session, start_syphon, starting_line
     from spark_sb.report import write_report
 
     with _emulator(work, free_ports) as emu:
@@ -170,7 +168,7 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
             backlog_queues = sender.backlog_queues
         _say(f"provisioned {usable} backlog queues on the secondary "
              f"(failover interval {sa['failover_interval']}, ping interval {sa['ping_primary_interval']})")
-        _say("starting Spark (local[2]; the first run downloads the Delta jars from Maven Central)")
+        _say(starting_line("spark-sb-demo"))
         spark = build_session("spark-sb-demo")
         spark.sparkContext.setLogLevel("ERROR")
         # an idle stream reports progress every second (default 10 s): the syphon sees an empty backlog sooner
@@ -240,17 +238,16 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
 def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, trigger: float,
                     free_ports: bool) -> int:
     """The ``--mode active|passive`` demo: see the module docstring."""
-    from paired_writer import build_session  # jobs/ is on sys.path as the script's folder
-
     from spark_sb import dedupe, register
     from spark_sb.bus import admin_client
     from spark_sb.config import load_config
+    from spark_sb.jobs import build_session, starting_line
     from spark_sb.source import config_options
 
     with _emulator(work, free_ports) as emu:
         config = _config(conf, emu, work, rows, trigger)
         config["replication"] = {"mode": mode, "retry_interval": "2s"}
-        _say("starting Spark (local[2]; the first run downloads the Delta jars from Maven Central)")
+        _say(starting_line("spark-sb-demo"))
         spark = build_session("spark-sb-demo")
         spark.sparkContext.setLogLevel("ERROR")
         register(spark)

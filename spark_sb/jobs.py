@@ -55,6 +55,14 @@ def _delta_jars_cached() -> bool:
     return any((home / "jars" / name).exists() for home in Path.home().glob(".ivy2*"))
 
 
+def starting_line(app_name: str, jvm_log: Path | None = None) -> str:
+    """What :func:`build_session` is about to do for a local session, in one line: where Spark's console output
+    goes, and whether Delta Lake's jars are fetched from Maven Central first (once per machine)."""
+    log = jvm_log or jvm_log_path(app_name)
+    fetch = "" if _delta_jars_cached() else f"fetching Delta Lake's jars ({DELTA_PACKAGE}) from Maven Central, once; "
+    return f"starting Spark ({app_name}): {fetch}its console output goes to {log}"
+
+
 @contextlib.contextmanager
 def _console_to(log: Path) -> Iterator[None]:
     """Point this process's stdout and stderr file descriptors at ``log`` while the JVM starts, so the JVM
@@ -112,10 +120,7 @@ def build_session(app_name: str = "spark-sb", master: str | None = None, *, jvm_
     if under_submit:
         return builder.getOrCreate()
     log = jvm_log or jvm_log_path(app_name)
-    if not _delta_jars_cached():
-        _LOGGER.info("fetching Delta Lake's jars (%s) from Maven Central, once for this machine; progress in %s",
-                     DELTA_PACKAGE, log)
-    _LOGGER.info("starting Spark (%s); its console output goes to %s", app_name, log)
+    _LOGGER.info("%s", starting_line(app_name, log))
     with _console_to(log):
         return builder.getOrCreate()
 
