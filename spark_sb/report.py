@@ -451,19 +451,15 @@ def read_delta(spark: Any, value: str, option: str) -> Any:
     table (a name). A clear :class:`~spark_sb.errors.ConfigError` naming ``option`` when there is none."""
     from . import tables
 
-    if tables.is_path(value):
-        from delta.tables import DeltaTable
-
-        if not DeltaTable.isDeltaTable(spark, value):
-            raise ConfigError(option, "no Delta table at this path", value)
-        return spark.read.format("delta").load(value)
     try:
-        exists = spark.catalog.tableExists(value)
+        df = tables.read(spark, value)
     except Exception as err:  # a name Spark cannot parse
         raise ConfigError(option, "is not a table name (a path needs a '/' or a scheme)", repr(value)) from err
-    if not exists:
+    if df is None and tables.is_path(value):
+        raise ConfigError(option, "no Delta table at this path", value)
+    if df is None:
         raise ConfigError(option, "no such table (a path needs a '/' or a scheme)", value)
-    return spark.read.table(value)
+    return df
 
 
 def _check_columns(df: Any, required: tuple[str, ...], option: str, value: str, what: str) -> None:

@@ -30,6 +30,7 @@ from functools import partial
 from typing import Any
 
 from . import messages as msgs
+from . import tables
 from .config import SparkSbConfig
 from .syphon import Outcome, republish_deferred, republish_received, settle_outcomes
 
@@ -119,15 +120,7 @@ class Republisher:
         self._begun: int | None = None  # the last batch id this process began
 
     def _ledger_df(self, spark: Any) -> Any:
-        if self.config.syphon.ledger_is_path:
-            from delta.tables import DeltaTable
-
-            if not DeltaTable.isDeltaTable(spark, self.ledger):
-                return None
-            return spark.read.format("delta").load(self.ledger)
-        if not spark.catalog.tableExists(self.ledger):
-            return None
-        return spark.read.table(self.ledger)
+        return tables.read(spark, self.ledger)
 
     def recorded(self, spark: Any, batch_id: int) -> list[Outcome]:
         """The outcomes the ledger records for ``batch_id``."""
@@ -154,11 +147,7 @@ class Republisher:
         if table.num_rows:
             # no txnAppId/txnVersion: a replay already skips what the ledger records for its batch, and Delta
             # rebuilds the table's state (a 50-task job) to check a transaction version on every write
-            writer = spark.createDataFrame(table).write.format("delta").mode("append")
-            if self.config.syphon.ledger_is_path:
-                writer.save(self.ledger)
-            else:
-                writer.saveAsTable(self.ledger)
+            tables.append(spark.createDataFrame(table), self.ledger)
         times.append(time.monotonic())
         self._after("recorded", batch_id)
         new = [_ledger_outcome(r) for r in table.to_pylist()]

@@ -12,6 +12,20 @@ def is_path(location: str) -> bool:
     return "/" in location or ":" in location
 
 
+def read(spark: Any, location: str) -> Any | None:
+    """The DataFrame of the Delta table at ``location``, or None when there is none (yet). A table name Spark
+    cannot parse raises Spark's error."""
+    if is_path(location):
+        from delta.tables import DeltaTable
+
+        if not DeltaTable.isDeltaTable(spark, location):
+            return None
+        return spark.read.format("delta").load(location)
+    if not spark.catalog.tableExists(location):
+        return None
+    return spark.read.table(location)
+
+
 def append(df: Any, location: str, *, merge_schema: bool = False) -> None:
     """Append ``df`` to the Delta table at ``location``, creating it when missing; ``merge_schema`` lets a
     table written before a column was added take the new column."""
