@@ -144,6 +144,8 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
     assert not twice, f"delivered more than once: {twice[:10]}"
     # every row the writer produced (the rate source counts from 0) is in the primary, once
     assert values == list(range(totals["rows"])), (len(values), totals["rows"])
+    print(f"cluster: {totals['rows']} rows, {totals['primary']} sent to the primary, {parked} parked and moved home, "
+          f"{len(values)} in the primary once each")
     ledger = spark.read.format("delta").load(str(tmp_path / "ledger"))
     assert ledger.where("outcome = 'delivered'").count() == parked
     prefix = config["send_availability"]["backlog_prefix"]
