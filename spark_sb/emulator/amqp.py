@@ -20,7 +20,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from proton import Condition, Delivery, Handler, Message, symbol, timestamp
+from proton import Condition, Delivery, Handler, Message, Terminus, symbol, timestamp
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
 from . import aad, codec, sas
@@ -53,6 +53,8 @@ _FAULT_CONDITIONS = {
 _CREDIT = 1000
 _BATCH_ENVELOPE_SLACK = 1024
 MGMT_SUFFIX = "/$management"
+#: a ``last-updated-time`` at or after 9999-01-01 means "every session" (the SDK's DateTime.MaxValue marker)
+_ALL_SESSIONS_MS = 253370764800000
 
 
 def _ticks(epoch_seconds: float) -> int:
@@ -76,9 +78,13 @@ class Fault:
     until: float | None  # epoch seconds, None = until healed
 
 
-@dataclass
+@dataclass(eq=False)
 class LinkState:
-    """What we know of one attached entity link."""
+    """What we know of one attached entity link.
+
+    Proton hands a new Python wrapper for the same link on each event, but attributes set on a wrapper live
+    in the link's record, so ``link.sb`` is the same object for the link's whole life: it is the link's
+    identity (the owner of a session lock), compared by identity (``eq=False``)."""
 
     path: str  # entity path as the broker knows it (queue, topic, subscription, or a DLQ path)
     kind: str
@@ -467,14 +473,14 @@ class NamespaceServer(Handler):
         if link in self._waiting_attach:
             self._waiting_attach.remove(link)
         try:
-            sid, locked_until = self.broker.lock_session(state.path, state.session_id, owner=id(link))
+            sid, locked_until = self.broker.lock_session(state.path, state.session_id, owner=state)
         except BrokerError as err:
             if err.condition == Cond.TIMEOUT and state.next_available:
                 waited = self.clock() - (state.waiting_since or self.clock())
                 if waited < state.wait_timeout:
                     self._waiting_attach.append(link)
                     return
-            self._refuse_link(link, err.condition, err.description)
+            self._refuse_link(link, err.condition, err.description, null_source=True)
             return
         state.session_id = sid
         link.source.filter.clear()
@@ -492,16 +498,23 @@ class NamespaceServer(Handler):
     def _register(self, link: Any) -> None:
         self._links_by_path.setdefault(link.sb.path, []).append(link)
 
-    def _refuse_link(self, link: Any, condition: str, description: str) -> None:
+    def _refuse_link(self, link: Any, condition: str, description: str, *, null_source: bool = False) -> None:
         """Attach (echoing source and target, as the SDK requires) and detach with the error.
 
         A client's sender takes the attach as readiness and sends at once, so for it the error is put on
-        the first transfer's rejection (which the SDK maps to the right exception), then the link closes."""
+        the first transfer's rejection (which the SDK maps to the right exception), then the link closes.
+
+        ``null_source``: refuse a client's receiver as the service refuses a session it cannot lock (AMQP's
+        link refusal: an attach with a null source, then the detach with the error). The SDK then skips its
+        session attach callback and raises the error (SessionCannotBeLockedError, OperationTimeoutError)
+        while it opens the receiver, not at the first receive."""
         if link.is_receiver:
             link.sb = LinkState(path="", kind="refused", sending=True, error=(condition, description))
             link.open()
             link.flow(1)
             return
+        if null_source:
+            link.source.type = Terminus.UNSPECIFIED
         link.open()
         link.condition = _condition(condition, description)
         link.close()
@@ -522,7 +535,7 @@ class NamespaceServer(Handler):
             links.remove(link)
         if state.wants_session and state.session_id is not None and self.broker is not None:
             try:
-                self.broker.release_session(state.path, state.session_id, owner=id(link))
+                self.broker.release_session(state.path, state.session_id, owner=state)
             except BrokerError:
                 pass
         link.sb = None
@@ -881,6 +894,9 @@ class NamespaceServer(Handler):
             return {}
         if op == "get-message-sessions":
             since = body.get("last-updated-time")
+            # no date: the SDK sends .NET's DateTime.MaxValue (year 10000, some clients 9999-12-31) for "all"
+            if since is not None and int(since) >= _ALL_SESSIONS_MS:
+                since = None
             ids = b.list_sessions(path, None if since is None else float(since) / 1000.0)
             skip = int(body.get("skip", 0))
             top = int(body.get("top", len(ids)))

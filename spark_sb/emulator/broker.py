@@ -1112,6 +1112,7 @@ class Broker:
         until = now + self._specs[box.owner].lock_duration
         self._session_locks[(box.path, session_id)] = (owner, until)
         self._push_deadline(until, _SESSION_LOCK_EXPIRY, box.path, session_id)
+        self._extend_session_messages(box, session_id, until)
         return session_id, until
 
     def renew_session_lock(self, path: str, session_id: str, owner: Any) -> float:
@@ -1125,16 +1126,38 @@ class Broker:
         until = now + self._specs[box.owner].lock_duration
         self._session_locks[(box.path, session_id)] = (lock[0], until)
         self._push_deadline(until, _SESSION_LOCK_EXPIRY, box.path, session_id)
+        self._extend_session_messages(box, session_id, until)
         return until
 
+    def _extend_session_messages(self, box: _Box, session_id: str, until: float) -> None:
+        """The session lock covers the messages received in the session: theirs move with it (the SDK
+        refuses to renew a message lock on a session receiver: it renews the session)."""
+        for path, seq in list(self._locks.values()):
+            if path != box.path:
+                continue
+            msg = box.msgs.get(seq)
+            if msg is not None and msg.session_id == session_id and msg.lock_token is not None:
+                if msg.locked_until is None or msg.locked_until < until:
+                    msg.locked_until = until
+                    self._push_deadline(until, _LOCK_EXPIRY, msg.lock_token, None)
+
     def release_session(self, path: str, session_id: str, owner: Any) -> None:
-        """The session link closed: unlock the session (messages it held locked stay locked until settled
-        or expired, as the service does)."""
+        """The session link closed: unlock the session. The messages it held locked and did not settle can
+        no longer be settled (settling needs the session lock), so they are receivable again at once, their
+        delivery counted, as when a lock expires."""
+        now = self._clock()
         box = self._box(path)
         key = (box.path, session_id)
         lock = self._session_locks.get(key)
         if lock is not None and lock[0] == owner:
             del self._session_locks[key]
+            held = [m for p, seq in list(self._locks.values()) if p == box.path
+                    and (m := box.msgs.get(seq)) is not None and m.session_id == session_id]
+            if held:
+                with self._store.transaction():
+                    for msg in sorted(held, key=lambda m: m.sequence_number):
+                        self._unlock(msg)
+                        self._release(box, msg, now, abandoned=False)
             if box.ready.get(session_id):
                 self._notify[box.path] = None
         self._flush()
@@ -1196,6 +1219,8 @@ class Broker:
         max_delivery = spec.max_delivery_count
         lock_duration = spec.lock_duration
         check = not box.is_dlq
+        # in a session the session lock covers its messages: they are locked as long as it is
+        session_until = self._session_locks[(box.path, key)][1] if key is not None else None
         taken: list[Stored] = []
         with self._store.transaction():
             while len(out) < count:
@@ -1216,7 +1241,7 @@ class Broker:
                 if peek_lock:
                     token = uuid.uuid4()
                     msg.lock_token = token
-                    msg.locked_until = until = now + lock_duration
+                    msg.locked_until = until = now + lock_duration if session_until is None else session_until
                     self._locks[token] = (box.path, seq)
                     self._push_deadline(until, _LOCK_EXPIRY, token, None)
                 else:
@@ -1315,8 +1340,10 @@ class Broker:
         now = self._clock()
         box = self._box(path)
         self._check_receive(box)
+        session_until = None
         if box.sessionful:
-            self._session_key(box, session_id, now)
+            key = self._session_key(box, session_id, now)
+            session_until = self._session_locks[(box.path, key)][1] if key is not None else None
         wanted = list(dict.fromkeys(sequence_numbers))
         msgs: list[Stored] = []
         for seq in wanted:
@@ -1342,7 +1369,7 @@ class Broker:
                 if peek_lock:
                     token = uuid.uuid4()
                     msg.lock_token = token
-                    msg.locked_until = until = now + spec.lock_duration
+                    msg.locked_until = until = now + spec.lock_duration if session_until is None else session_until
                     self._locks[token] = (box.path, msg.sequence_number)
                     self._push_deadline(until, _LOCK_EXPIRY, token, None)
                 else:
