@@ -325,13 +325,23 @@ def parse_rule(desc: ET.Element, name: str, *, check_tag: bool = True) -> RuleSp
             raise _HttpError(400, f"RuleDescription/Filter: unsupported filter type {ftype!r} "
                                   "(expected CorrelationFilter, SqlFilter, TrueFilter or FalseFilter)")
     action = parts.get("Action")
+    rule_action: dict[str, Any] | None = None
     if action is not None:
         atype = _xsi_type(action)
-        expr = _children(action).get("SqlExpression")
-        if atype not in (None, "EmptyRuleAction") and expr is not None and (expr.text or "").strip():
-            raise _HttpError(400, f"RuleDescription/Action: rule actions are not supported by the emulator, "
-                                  f"got {atype} {expr.text!r}")
-    return RuleSpec(name=name, filter=spec)
+        aparts = _children(action)
+        expr = aparts.get("SqlExpression")
+        text = (expr.text or "").strip() if expr is not None else ""
+        if atype == "SqlRuleAction":
+            if not text:
+                raise _HttpError(400, "RuleDescription/Action/SqlExpression: a SQL rule action needs an expression")
+            rule_action = {"expression": expr.text if expr is not None else ""}
+            params = _parse_key_values(aparts.get("Parameters"), "RuleDescription/Action/Parameters")
+            if params:
+                rule_action["parameters"] = params
+        elif atype not in (None, "EmptyRuleAction"):
+            raise _HttpError(400, f"RuleDescription/Action: unsupported action type {atype!r} "
+                                  "(expected SqlRuleAction or EmptyRuleAction)")
+    return RuleSpec(name=name, filter=spec, action=rule_action)
 
 
 # --------------------------------------------------------------------------- rendering responses
@@ -345,6 +355,8 @@ class _Snapshot:
     counts: RuntimeCounts | None
     created_at: float
     subscription_count: int = 0
+    sql_filter_count: int = 0
+    correlation_filter_count: int = 0
 
 
 def _el(name: str, value: str | None) -> str:
@@ -433,6 +445,8 @@ class _Renderer:
             + _el("SupportOrdering", _bool(s.support_ordering))
             + _count_details(c)
             + _el("SubscriptionCount", str(snap.subscription_count))
+            + _el("SqlFilterCount", str(snap.sql_filter_count))
+            + _el("CorrelationFilterCount", str(snap.correlation_filter_count))
             + _el("AutoDeleteOnIdle", format_duration(s.auto_delete_on_idle))
             + _el("EnablePartitioning", "false")
             + _el("EntityAvailabilityStatus", "Available")
@@ -485,6 +499,15 @@ class _Renderer:
             )
         return "".join(out)
 
+    def _action(self, action: dict[str, Any] | None) -> str:
+        if not action:
+            return '<Action i:type="EmptyRuleAction"/>'
+        params = action.get("parameters") or {}
+        return ('<Action i:type="SqlRuleAction">' + _el("SqlExpression", action.get("expression", ""))
+                + "<CompatibilityLevel>20</CompatibilityLevel>"
+                + (f"<Parameters>{self._key_values(params)}</Parameters>" if params else "")
+                + "</Action>")
+
     def rule(self, rule: RuleSpec, created_at: float) -> str:
         f = rule.filter
         ftype = f.get("type")
@@ -507,7 +530,7 @@ class _Renderer:
                     "<CompatibilityLevel>20</CompatibilityLevel></Filter>")
         return (
             f'<RuleDescription xmlns="{SB_NS}" xmlns:i="{XSI_NS}">{filt}'
-            '<Action i:type="EmptyRuleAction"/>'
+            + self._action(rule.action)
             + _el("CreatedAt", _format_time(created_at))
             + _el("Name", rule.name)
             + "</RuleDescription>"
@@ -743,8 +766,14 @@ class _AdminHTTPServer(ThreadingHTTPServer):
 
 
 def _snapshot(broker: Broker, spec: Any, path: str) -> _Snapshot:
-    subs = len(broker.list_entities(SUBSCRIPTION, topic=path)) if spec.kind == TOPIC else 0
-    return _Snapshot(spec, broker.runtime_counts(path), broker.entity_created_at(path), subs)
+    if spec.kind != TOPIC:
+        return _Snapshot(spec, broker.runtime_counts(path), broker.entity_created_at(path))
+    subs = broker.list_entities(SUBSCRIPTION, topic=path)
+    # as the service counts: true and false filters are SQL filters (1=1, 1=0)
+    kinds = [rule.filter.get("type") for sub in subs for rule in sub.rules]
+    correlation = sum(1 for k in kinds if k == "correlation")
+    return _Snapshot(spec, broker.runtime_counts(path), broker.entity_created_at(path), len(subs),
+                     len(kinds) - correlation, correlation)
 
 
 def _find_entity(broker: Broker, path: str) -> Any | None:

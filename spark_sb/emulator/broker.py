@@ -17,14 +17,14 @@ import dataclasses
 import heapq
 import itertools
 import logging
-import re
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
+from . import sql
 from .model import (
     DISABLED,
     QUEUE,
@@ -271,140 +271,47 @@ def _properties(m: Incoming) -> dict[str, Any]:
     return m.filter_fields.get("properties") or {}
 
 
-_SYS_PROPERTIES = {
-    "label": "subject",
-    "subject": "subject",
-    "correlationid": "correlation_id",
-    "messageid": "message_id",
-    "to": "to",
-    "replyto": "reply_to",
-    "sessionid": "session_id",
-    "replytosessionid": "reply_to_session_id",
-    "contenttype": "content_type",
-}
-
-_NAME = r"(?:\[[^\]]+\]|[A-Za-z_][A-Za-z0-9_]*)"
-_TOKEN_RE = re.compile(
-    rf"\s*(?:(?P<str>'(?:[^']|'')*')|(?P<num>-?\d+(?:\.\d+)?)|(?P<ident>{_NAME}(?:\.{_NAME})?)|(?P<op>[=()]))"
-)
+def _context(m: Incoming) -> sql.Context:
+    fields = dict(m.filter_fields)
+    fields.setdefault("message_id", m.message_id)
+    fields.setdefault("session_id", m.session_id)
+    return sql.Context(fields, _properties(m), {})
 
 
-def _number(text: str) -> int | float:
-    return float(text) if "." in text else int(text)
+@dataclass
+class _Rule:
+    """A rule compiled: its filter, and its action's statements (None: no action)."""
+
+    match: Predicate
+    action: list[sql.Change] | None = None
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+#: what a subscription's rules say of a message: None = not taken; else the actions of the matching rules
+Router = Callable[[Incoming], "list[list[sql.Change]] | None"]
 
 
-def _sql_equal(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return False  # SQL NULL: a missing property matches nothing
-    if _is_number(a) or _is_number(b):
-        return _is_number(a) and _is_number(b) and a == b
-    return type(a) is type(b) and a == b
+def _invalid_sql(label: str, rule: RuleSpec, err: sql.SqlError) -> BrokerError:
+    return BrokerError(Cond.INVALID, f"{label} rule {rule.name!r}: {err}")
 
 
-class _SqlFilter:
-    """The SQL filter subset: conjunctions (AND, parentheses) of ``operand = operand``, where an operand is a
-    'string', a number, ``sys.<Property>`` or a user property (``name``, ``user.name``, ``[name]``)."""
-
-    def __init__(self, expression: str, label: str) -> None:
-        self.label = label
-        self.expression = expression
-        self.tokens: list[tuple[str, Any]] = []
-        pos, text = 0, expression.rstrip()
-        while pos < len(text):
-            m = _TOKEN_RE.match(text, pos)
-            if m is None:
-                self._fail(f"unsupported text at {text[pos:pos + 20]!r}")
-            pos = m.end()
-            kind = m.lastgroup or ""
-            value: Any = m.group(kind)
-            if kind == "str":
-                value = value[1:-1].replace("''", "'")
-            elif kind == "num":
-                value = _number(value)
-            elif kind == "ident" and value.upper() == "AND":
-                kind = "and"
-            self.tokens.append((kind, value))
-        self.pos = 0
-        self.terms: list[tuple[Callable[[Incoming], Any], Callable[[Incoming], Any]]] = []
-        if not self.tokens:
-            self._fail("the expression is empty")
-        self._conjunction()
-        if self.pos != len(self.tokens):
-            self._fail(f"unsupported {self.tokens[self.pos][1]!r}")
-
-    def _fail(self, why: str) -> NoReturn:
-        raise BrokerError(
-            Cond.INVALID,
-            f"{self.label}: the SQL filter {self.expression!r} is not supported by the emulator ({why}); it "
-            "understands 1=1, 1=0 and conjunctions of property = 'value' or property = number joined by AND.",
-        )
-
-    def _next(self) -> tuple[str, Any]:
-        if self.pos >= len(self.tokens):
-            self._fail("unexpected end")
-        tok = self.tokens[self.pos]
-        self.pos += 1
-        return tok
-
-    def _conjunction(self) -> None:
-        self._primary()
-        while self.pos < len(self.tokens) and self.tokens[self.pos][0] == "and":
-            self.pos += 1
-            self._primary()
-
-    def _primary(self) -> None:
-        if self.tokens[self.pos:self.pos + 1] == [("op", "(")]:
-            self.pos += 1
-            self._conjunction()
-            if self._next() != ("op", ")"):
-                self._fail("missing ')'")
-            return
-        left = self._operand()
-        if self._next() != ("op", "="):
-            self._fail("only '=' comparisons are understood")
-        self.terms.append((left, self._operand()))
-
-    def _operand(self) -> Callable[[Incoming], Any]:
-        kind, value = self._next()
-        if kind in ("str", "num"):
-            return lambda _m: value
-        if kind != "ident":
-            self._fail(f"unexpected {value!r}")
-        prefix, _, name = value.rpartition(".")
-        name = name[1:-1] if name.startswith("[") else name
-        if prefix.lower() == "sys":
-            field_name = _SYS_PROPERTIES.get(name.lower())
-            if field_name is None:
-                self._fail(f"unknown system property {value!r}")
-            return lambda m: _field(m, field_name)
-        if prefix and prefix.lower() != "user":
-            self._fail(f"unknown property scope {prefix!r}")
-        return lambda m: _properties(m).get(name)
-
-    def predicate(self) -> Predicate:
-        terms = self.terms
-
-        def match(m: Incoming) -> bool:
-            return all(_sql_equal(left(m), right(m)) for left, right in terms)
-
-        return match
-
-
-def _compile_filter(label: str, rule: RuleSpec) -> Predicate:
+def _compile_filter(label: str, rule: RuleSpec) -> _Rule:
+    """The rule compiled; BrokerError(INVALID) naming the text for a filter or action that does not parse."""
     try:
         validate_rule(label, rule)
     except EntityConfigError as err:
         raise BrokerError(Cond.INVALID, str(err)) from err
+    action = None
+    if rule.action is not None:
+        try:
+            action = sql.compile_action(rule.action["expression"], rule.action.get("parameters"))
+        except sql.SqlError as err:
+            raise _invalid_sql(label, rule, err) from err
     f = rule.filter
     kind = f["type"]
     if kind == "true":
-        return _always
+        return _Rule(_always, action)
     if kind == "false":
-        return _never
+        return _Rule(_never, action)
     if kind == "correlation":
         fields = [(k, v) for k, v in f.items() if k not in ("type", "properties") and v is not None]
         props = list((f.get("properties") or {}).items())
@@ -415,12 +322,28 @@ def _compile_filter(label: str, rule: RuleSpec) -> Predicate:
             have = _properties(m)
             return all(k in have and have[k] == v for k, v in props)
 
-        return correlation
-    return _SqlFilter(f["expression"], f"{label} rule {rule.name!r}").predicate()
+        return _Rule(correlation, action)
+    try:
+        predicate = sql.compile_filter(f["expression"], f.get("parameters"))
+    except sql.SqlError as err:
+        raise _invalid_sql(label, rule, err) from err
+
+    def sql_match(m: Incoming) -> bool:
+        try:
+            return predicate(_context(m))
+        except Exception:  # noqa: BLE001 - a filter that fails on a message does not match it
+            _LOGGER.debug("%s rule %s: the filter failed on message %s", label, rule.name, m.message_id, exc_info=True)
+            return False
+
+    return _Rule(sql_match, action)
 
 
-def _compile_rules(label: str, rules: list[RuleSpec]) -> Predicate:
-    """A subscription takes a message when any of its rules matches (no rule: nothing matches)."""
+_TAKE_ALL: list[list[sql.Change]] = []
+
+
+def _compile_rules(label: str, rules: list[RuleSpec]) -> Router:
+    """A subscription takes a message when any of its rules matches (no rule: nothing matches); the actions
+    of every matching rule apply, in rule order, to the subscription's one copy."""
     seen: set[str] = set()
     compiled = []
     for rule in rules:
@@ -428,14 +351,39 @@ def _compile_rules(label: str, rules: list[RuleSpec]) -> Predicate:
         if rule.name.lower() in seen:
             raise BrokerError(Cond.INVALID, f"{label}: the rule name {rule.name!r} is used twice.")
         seen.add(rule.name.lower())
-    if _always in compiled:
-        return _always
-    preds = [p for p in compiled if p is not _never]
-    if not preds:
-        return _never
-    if len(preds) == 1:
-        return preds[0]
-    return lambda m: any(p(m) for p in preds)
+    live = [r for r in compiled if r.match is not _never]
+    if not live:
+        return lambda _m: None
+    if not any(r.action for r in live):
+        if any(r.match is _always for r in live):
+            return lambda _m: _TAKE_ALL
+        preds = [r.match for r in live]
+        return lambda m: _TAKE_ALL if any(p(m) for p in preds) else None
+
+    def route(m: Incoming) -> list[list[sql.Change]] | None:
+        matched = [r for r in live if r.match(m)]
+        if not matched:
+            return None
+        return [r.action for r in matched if r.action]
+
+    return route
+
+
+def _apply_actions(m: Incoming, actions: list[list[sql.Change]]) -> bytes:
+    """The raw message a subscription keeps after its matching rules' actions."""
+    from . import codec  # codec imports this module
+
+    ctx = _context(m)
+    fields: dict[str, Any] = {}
+    props = dict(ctx.properties)
+    for changes in actions:
+        try:
+            props, changed = sql.apply_action(changes, sql.Context({**ctx.fields, **fields}, props, {}))
+        except Exception:  # noqa: BLE001 - an action that fails leaves the message as it was
+            _LOGGER.debug("a rule action failed on message %s", m.message_id, exc_info=True)
+            continue
+        fields.update(changed)
+    return codec.rewrite(m.raw, props, fields)
 
 
 # --------------------------------------------------------------------------- the broker
@@ -470,7 +418,7 @@ class Broker:
         self._created: dict[str, float] = {}
         self._lower: dict[str, str] = {}  # entity names are case-insensitive, as on the service
         self._subscriptions: dict[str, dict[str, str]] = {}  # topic -> {subscription name: path}
-        self._filters: dict[str, Predicate] = {}  # subscription path -> its rules, compiled
+        self._filters: dict[str, Router] = {}  # subscription path -> its rules, compiled
         self._boxes: dict[str, _Box] = {}  # queue, subscription and dead-letter paths
         self._topic_refs: dict[str, dict[int, int]] = {}  # topic -> {seq: copies held by its subscriptions}
         self._topic_size: dict[str, int] = {}  # topic -> bytes of the distinct messages its subscriptions hold
@@ -959,7 +907,7 @@ class Broker:
                     f"message size of {limit} bytes.",
                 )
         # (box, default TTL, filter or None, requires session) for each place a copy may go
-        targets: list[tuple[_Box, float | None, Predicate | None, bool]]
+        targets: list[tuple[_Box, float | None, Router | None, bool]]
         if spec.kind == QUEUE:
             targets = [(self._boxes[canon], spec.default_message_time_to_live, None, spec.requires_session)]
         else:
@@ -999,9 +947,14 @@ class Broker:
             else:
                 state, enqueued = STATE_ACTIVE, now
             ttl = m.ttl if m.ttl is not None and m.ttl > 0 else None
-            for box, entity_ttl, match, needs_session in targets:
-                if match is not None and not match(m):
-                    continue
+            for box, entity_ttl, route, needs_session in targets:
+                copy_raw = raw
+                if route is not None:
+                    actions = route(m)
+                    if actions is None:
+                        continue
+                    if actions:
+                        copy_raw = _apply_actions(m, actions)
                 if needs_session and m.session_id is None:
                     raise BrokerError(
                         Cond.INVALID,
@@ -1010,7 +963,7 @@ class Broker:
                     )
                 effective = entity_ttl if ttl is None else (ttl if entity_ttl is None else min(ttl, entity_ttl))
                 accepted.append((box, Stored(
-                    box.path, seq, raw, mid, m.session_id, enqueued,
+                    box.path, seq, copy_raw, mid, m.session_id, enqueued,
                     None if effective is None else enqueued + effective, scheduled, m.partition_key, 0, state,
                 )))
             if history is not None and mid is not None:

@@ -315,3 +315,52 @@ def render(
 def iter_incoming(raw: bytes) -> Iterator[Incoming]:
     for payload in unpack(raw):
         yield incoming(payload)
+
+
+#: filter field -> its index in the AMQP properties list (the system properties a rule action may set)
+_SETTABLE_PROPERTY_INDEX = {"to": 2, "subject": 3, "reply_to": 4, "correlation_id": 5, "content_type": 6,
+                            "reply_to_session_id": 12}
+
+
+def rewrite(raw: bytes, properties: dict[str, Any], fields: dict[str, Any]) -> bytes:
+    """The message with its application properties replaced by ``properties`` and the system ``fields``
+    (filter field names: ``subject``, ``to``, ...) set: what a subscription rule's action does to its copy."""
+    sections = split_sections(raw)
+    out: list[bytes] = []
+    wrote_props = wrote_app = False
+    new_app = _encode(Described(ulong(APPLICATION_PROPERTIES), {str(k): v for k, v in properties.items()}))
+
+    def props_section(original: bytes | None) -> bytes:
+        values = list(_decode(original).value or []) if original is not None else []
+        values += [None] * (13 - len(values))
+        for name, value in fields.items():
+            i = _SETTABLE_PROPERTY_INDEX[name]
+            if value is not None and not isinstance(value, str):
+                value = str(value)
+            values[i] = symbol(value) if name == "content_type" and value is not None else value
+        while values and values[-1] is None:
+            values.pop()
+        return _encode(Described(ulong(PROPERTIES), values))
+
+    for code, sec in sections:
+        if code == PROPERTIES and not wrote_props:
+            out.append(props_section(sec) if fields else sec)
+            wrote_props = True
+            continue
+        if code == APPLICATION_PROPERTIES and not wrote_app:
+            out.append(new_app)
+            wrote_app = True
+            continue
+        if code in _BODY or code == FOOTER:
+            if fields and not wrote_props:
+                out.append(props_section(None))
+                wrote_props = True
+            if not wrote_app:
+                out.append(new_app)
+                wrote_app = True
+        out.append(sec)
+    if fields and not wrote_props:
+        out.append(props_section(None))
+    if not wrote_app:
+        out.append(new_app)
+    return b"".join(out)

@@ -77,12 +77,16 @@ class RuleSpec:
     - ``{"type": "correlation", "correlation_id": ..., "message_id": ..., "to": ..., "reply_to": ...,
       "subject": ..., "session_id": ..., "reply_to_session_id": ..., "content_type": ...,
       "properties": {...}}`` (every given field must match exactly)
-    - ``{"type": "sql", "expression": "..."}`` (``1=1`` and ``1=0`` are understood; other expressions
-      are stored and reported but evaluate as a match of ``prop = 'value'`` conjunctions only)
+    - ``{"type": "sql", "expression": "...", "parameters": {"@name": value}}`` (the grammar of
+      :mod:`spark_sb.emulator.sql`: comparisons, AND/OR/NOT, IN, LIKE, IS NULL, arithmetic, parameters)
+
+    ``action`` is None or ``{"expression": "SET a = 'x'; REMOVE b", "parameters": {...}}``: applied to the
+    subscription's copy of each message the rule's filter matches.
     """
 
     name: str = "$Default"
     filter: dict[str, Any] = field(default_factory=lambda: {"type": "true"})
+    action: dict[str, Any] | None = None
 
     kind = RULE
 
@@ -186,6 +190,12 @@ def validate_rule(label: str, rule: RuleSpec) -> None:
     if f["type"] == "sql":
         _check(rlabel, "filter.expression", f.get("expression"), isinstance(f.get("expression"), str),
                "a SQL filter expression string")
+        _check(rlabel, "filter.parameters", f.get("parameters"),
+               f.get("parameters") is None or isinstance(f.get("parameters"), dict), "a mapping of @name: value")
+    a = rule.action
+    _check(rlabel, "action", a, a is None or (isinstance(a, dict) and isinstance(a.get("expression"), str)
+                                             and (a.get("parameters") is None or isinstance(a.get("parameters"), dict))),
+           "a mapping with an expression (SET/REMOVE statements) and optional parameters")
 
 
 # --------------------------------------------------------------------------- serialisation

@@ -1,0 +1,483 @@
+"""Service Bus SQL filters and rule actions: a small recursive-descent parser and evaluator.
+
+The grammar is the part of Service Bus's SQL syntax that filters and actions use in practice (Microsoft's
+samples and documentation):
+
+- filter:     an expression with AND, OR, NOT, parentheses; comparisons ``= <> != < <= > >=``;
+              ``[NOT] IN (v, ...)``; ``[NOT] LIKE 'pattern' [ESCAPE 'c']`` (``%`` and ``_``);
+              ``IS [NOT] NULL``; arithmetic ``+ - * / %``; ``TRUE``/``FALSE``; literals ('text', numbers);
+              parameters ``@name``; properties ``name``, ``user.name``, ``[a name]``, ``sys.Label`` etc.
+- action:     statements separated by ``;``: ``SET property = expression`` and ``REMOVE property``
+              (user properties; ``SET sys.Label``/``sys.To``/... for the system properties that may be set).
+
+SQL's three-valued logic holds: a missing property is NULL, a comparison with NULL is unknown, and a filter
+matches only when its value is TRUE. Not understood (refused with a clear error): functions such as
+``EXISTS(...)`` and ``newid()``, and the system properties not listed in ``SYS_PROPERTIES``.
+
+Errors are ``SqlError`` naming the text and the position; the broker turns them into the service's 400.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+_LOGGER = logging.getLogger(__name__)
+
+#: sys.<name> (case-insensitive) -> the filter field of ``broker.Incoming.filter_fields``
+SYS_PROPERTIES = {
+    "label": "subject",
+    "subject": "subject",
+    "correlationid": "correlation_id",
+    "messageid": "message_id",
+    "to": "to",
+    "replyto": "reply_to",
+    "sessionid": "session_id",
+    "replytosessionid": "reply_to_session_id",
+    "contenttype": "content_type",
+}
+
+_KEYWORDS = {"AND", "OR", "NOT", "IN", "LIKE", "ESCAPE", "IS", "NULL", "TRUE", "FALSE", "SET", "REMOVE"}
+_NAME = r"(?:\[[^\]]+\]|[A-Za-z_][A-Za-z0-9_$]*)"
+_TOKEN = re.compile(
+    r"\s*(?:"
+    r"(?P<str>'(?:[^']|'')*')"
+    r"|(?P<num>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)"
+    r"|(?P<param>@[A-Za-z_][A-Za-z0-9_]*)"
+    rf"|(?P<ident>{_NAME}(?:\.{_NAME})?)"
+    r"|(?P<op><>|!=|<=|>=|[=<>()+\-*/%,;])"
+    r")"
+)
+
+
+class SqlError(ValueError):
+    """An expression the emulator cannot parse or evaluate; the message names the text."""
+
+
+@dataclass(frozen=True)
+class _Tok:
+    kind: str  # str, num, param, ident, op, kw, end
+    value: Any
+    pos: int
+
+
+def _tokens(text: str, what: str) -> list[_Tok]:
+    out: list[_Tok] = []
+    pos = 0
+    stripped = text.rstrip()
+    while pos < len(stripped):
+        m = _TOKEN.match(stripped, pos)
+        if m is None or m.end() == pos:
+            at = pos + (len(stripped[pos:]) - len(stripped[pos:].lstrip()))
+            raise SqlError(f"{what} {text!r}: unexpected {stripped[at:at + 20]!r} at position {at}")
+        kind = m.lastgroup or ""
+        raw = m.group(kind)
+        start = m.start(kind)
+        pos = m.end()
+        value: Any = raw
+        if kind == "str":
+            value = raw[1:-1].replace("''", "'")
+        elif kind == "num":
+            value = float(raw) if any(c in raw for c in ".eE") else int(raw)
+        elif kind == "ident" and raw.upper() in _KEYWORDS:
+            kind, value = "kw", raw.upper()
+        out.append(_Tok(kind, value, start))
+    out.append(_Tok("end", None, len(stripped)))
+    return out
+
+
+@dataclass
+class Context:
+    """What an expression reads: the message's system fields and user properties, and the parameters."""
+
+    fields: Mapping[str, Any]
+    properties: Mapping[str, Any]
+    parameters: Mapping[str, Any]
+
+
+Expr = Callable[[Context], Any]
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _text(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if v is not None and not isinstance(v, str | bool | int | float):
+        return str(v)  # symbols, uuids: compared as their text
+    return v
+
+
+def _compare(op: str, a: Any, b: Any) -> bool | None:
+    a, b = _text(a), _text(b)
+    if a is None or b is None:
+        return None
+    if _is_num(a) and _is_num(b):
+        pass
+    elif type(a) is not type(b):
+        return None if op not in ("=", "<>", "!=") else op != "="  # different types never equal
+    if op == "=":
+        return bool(a == b)
+    if op in ("<>", "!="):
+        return bool(a != b)
+    if isinstance(a, bool):
+        return None  # booleans are not ordered
+    if op == "<":
+        return bool(a < b)
+    if op == "<=":
+        return bool(a <= b)
+    if op == ">":
+        return bool(a > b)
+    return bool(a >= b)
+
+
+def _like(pattern: str, escape: str | None) -> re.Pattern[str]:
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if escape is not None and c == escape and i + 1 < len(pattern):
+            out.append(re.escape(pattern[i + 1]))
+            i += 2
+            continue
+        out.append(".*" if c == "%" else "." if c == "_" else re.escape(c))
+        i += 1
+    return re.compile("".join(out), re.DOTALL)
+
+
+def _arith(op: str, a: Any, b: Any) -> Any:
+    if a is None or b is None:
+        return None
+    if op == "+" and isinstance(a, str) and isinstance(b, str):
+        return a + b
+    if not (_is_num(a) and _is_num(b)):
+        return None
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if b == 0:
+        return None
+    if op == "/":
+        return a // b if isinstance(a, int) and isinstance(b, int) else a / b
+    return a % b
+
+
+class _Parser:
+    def __init__(self, text: str, what: str, parameters: Mapping[str, Any]) -> None:
+        self.text = text
+        self.what = what
+        self.toks = _tokens(text, what)
+        self.i = 0
+        self.parameters = {str(k).lstrip("@").lower(): v for k, v in (parameters or {}).items()}
+
+    # -- helpers
+    def fail(self, why: str, tok: _Tok | None = None) -> SqlError:
+        tok = tok or self.toks[self.i]
+        where = "the end" if tok.kind == "end" else f"{tok.value!r} at position {tok.pos}"
+        return SqlError(f"{self.what} {self.text!r}: {why} (at {where})")
+
+    def peek(self) -> _Tok:
+        return self.toks[self.i]
+
+    def take(self) -> _Tok:
+        tok = self.toks[self.i]
+        if tok.kind != "end":
+            self.i += 1
+        return tok
+
+    def accept(self, kind: str, value: Any = None) -> bool:
+        tok = self.peek()
+        if tok.kind == kind and (value is None or tok.value == value):
+            self.i += 1
+            return True
+        return False
+
+    def expect(self, kind: str, value: Any, why: str) -> None:
+        if not self.accept(kind, value):
+            raise self.fail(why)
+
+    def done(self) -> None:
+        if self.peek().kind != "end":
+            raise self.fail("unexpected text")
+
+    # -- expressions
+    def expression(self) -> Expr:
+        left = self.conjunction()
+        while self.accept("kw", "OR"):
+            right = self.conjunction()
+            left = _or(left, right)
+        return left
+
+    def conjunction(self) -> Expr:
+        left = self.negation()
+        while self.accept("kw", "AND"):
+            right = self.negation()
+            left = _and(left, right)
+        return left
+
+    def negation(self) -> Expr:
+        if self.accept("kw", "NOT"):
+            inner = self.negation()
+
+            def neg(c: Context) -> Any:
+                v = inner(c)
+                return None if v is None else not _truth(v)
+
+            return neg
+        return self.predicate()
+
+    def predicate(self) -> Expr:
+        left = self.additive()
+        tok = self.peek()
+        if tok.kind == "op" and tok.value in ("=", "<>", "!=", "<", "<=", ">", ">="):
+            self.take()
+            right = self.additive()
+            op = str(tok.value)
+            return lambda c: _compare(op, left(c), right(c))
+        negate = False
+        if tok.kind == "kw" and tok.value == "NOT" and self.toks[self.i + 1].value in ("IN", "LIKE"):
+            self.take()
+            negate = True
+            tok = self.peek()
+        if self.accept("kw", "IN"):
+            self.expect("op", "(", "IN needs a parenthesised list")
+            items = [self.additive()]
+            while self.accept("op", ","):
+                items.append(self.additive())
+            self.expect("op", ")", "missing ')' after the IN list")
+
+            def in_list(c: Context) -> Any:
+                v = left(c)
+                if v is None:
+                    return None
+                found = any(_compare("=", v, item(c)) for item in items)
+                return found != negate
+
+            return in_list
+        if self.accept("kw", "LIKE"):
+            pat = self.take()
+            if pat.kind != "str":
+                raise self.fail("LIKE needs a 'pattern' string", pat)
+            escape = None
+            if self.accept("kw", "ESCAPE"):
+                esc = self.take()
+                if esc.kind != "str" or len(esc.value) != 1:
+                    raise self.fail("ESCAPE needs a one-character string", esc)
+                escape = esc.value
+            regex = _like(pat.value, escape)
+
+            def like(c: Context) -> Any:
+                v = _text(left(c))
+                if v is None or not isinstance(v, str):
+                    return None
+                return (regex.fullmatch(v) is not None) != negate
+
+            return like
+        if negate:
+            raise self.fail("NOT must be followed by IN or LIKE here")
+        if self.accept("kw", "IS"):
+            negated = self.accept("kw", "NOT")
+            self.expect("kw", "NULL", "IS needs NULL or NOT NULL")
+            return lambda c: (left(c) is None) != negated
+        return left
+
+    def additive(self) -> Expr:
+        left = self.multiplicative()
+        while self.peek().kind == "op" and self.peek().value in ("+", "-"):
+            op = str(self.take().value)
+            right = self.multiplicative()
+            left = _binary(op, left, right)
+        return left
+
+    def multiplicative(self) -> Expr:
+        left = self.unary()
+        while self.peek().kind == "op" and self.peek().value in ("*", "/", "%"):
+            op = str(self.take().value)
+            right = self.unary()
+            left = _binary(op, left, right)
+        return left
+
+    def unary(self) -> Expr:
+        if self.accept("op", "-"):
+            inner = self.unary()
+            return lambda c: -v if _is_num(v := inner(c)) else None
+        if self.accept("op", "+"):
+            return self.unary()
+        return self.primary()
+
+    def primary(self) -> Expr:
+        tok = self.take()
+        if tok.kind in ("str", "num"):
+            value = tok.value
+            return lambda _c: value
+        if tok.kind == "kw" and tok.value in ("TRUE", "FALSE"):
+            flag = tok.value == "TRUE"
+            return lambda _c: flag
+        if tok.kind == "kw" and tok.value == "NULL":
+            return lambda _c: None
+        if tok.kind == "param":
+            key = tok.value[1:].lower()
+            if key not in self.parameters:
+                raise self.fail(f"the parameter {tok.value} has no value (parameters: "
+                                f"{', '.join('@' + k for k in self.parameters) or 'none'})", tok)
+            value = self.parameters[key]
+            return lambda _c: value
+        if tok.kind == "op" and tok.value == "(":
+            inner = self.expression()
+            self.expect("op", ")", "missing ')'")
+            return inner
+        if tok.kind == "ident":
+            if self.peek().kind == "op" and self.peek().value == "(":
+                raise self.fail(f"functions such as {tok.value}(...) are not supported by the emulator", tok)
+            return self.property(tok)
+        raise self.fail("expected a value, a property or '('", tok)
+
+    def property(self, tok: _Tok) -> Expr:
+        scope, name = _split(tok.value)
+        if scope == "sys":
+            field = SYS_PROPERTIES.get(name.lower())
+            if field is None:
+                raise self.fail(f"the system property {tok.value!r} is not supported by the emulator", tok)
+            return lambda c: c.fields.get(field)
+        if scope not in ("", "user"):
+            raise self.fail(f"unknown property scope {scope!r} (sys or user)", tok)
+        return lambda c: _user(c.properties, name)
+
+
+def _split(ident: str) -> tuple[str, str]:
+    scope, _, name = ident.rpartition(".")
+    if name.startswith("["):
+        name = name[1:-1]
+    return scope.lower(), name
+
+
+def _user(props: Mapping[str, Any], name: str) -> Any:
+    if name in props:
+        return props[name]
+    low = name.lower()
+    for k, v in props.items():
+        if str(k).lower() == low:
+            return v
+    return None
+
+
+def _truth(v: Any) -> bool:
+    return v is True
+
+
+def _and(left: Expr, right: Expr) -> Expr:
+    def conj(c: Context) -> Any:
+        a, b = left(c), right(c)
+        if a is False or b is False:
+            return False
+        if a is None or b is None:
+            return None
+        return _truth(a) and _truth(b)
+
+    return conj
+
+
+def _or(left: Expr, right: Expr) -> Expr:
+    def disj(c: Context) -> Any:
+        a, b = left(c), right(c)
+        if a is True or b is True:
+            return True
+        if a is None or b is None:
+            return None
+        return False
+
+    return disj
+
+
+def _binary(op: str, left: Expr, right: Expr) -> Expr:
+    return lambda c: _arith(op, left(c), right(c))
+
+
+# --------------------------------------------------------------------------- the public API
+
+
+def compile_filter(expression: str, parameters: Mapping[str, Any] | None = None) -> Callable[[Context], bool]:
+    """A predicate that is True only when the expression is TRUE for the context. SqlError if unparsable."""
+    if not isinstance(expression, str) or not expression.strip():
+        raise SqlError(f"SQL filter {expression!r}: the expression is empty")
+    p = _Parser(expression, "SQL filter", parameters or {})
+    expr = p.expression()
+    p.done()
+    return lambda c: expr(c) is True
+
+
+#: system properties an action may set: sys.<name> -> filter field
+SETTABLE_SYS = {k: v for k, v in SYS_PROPERTIES.items() if k not in ("messageid", "sessionid")}
+
+
+@dataclass(frozen=True)
+class Change:
+    """One statement of an action: set (value is an expression) or remove a property."""
+
+    scope: str  # "user" or "sys"
+    name: str  # a user property's name, or the filter field of a system property
+    value: Expr | None  # None: REMOVE
+
+
+def compile_action(expression: str, parameters: Mapping[str, Any] | None = None) -> list[Change]:
+    """The statements of a rule action (``SET a = expr; REMOVE b``). SqlError if unparsable."""
+    if not isinstance(expression, str) or not expression.strip():
+        raise SqlError(f"SQL action {expression!r}: the action is empty")
+    p = _Parser(expression, "SQL action", parameters or {})
+    changes: list[Change] = []
+    while True:
+        tok = p.take()
+        if tok.kind != "kw" or tok.value not in ("SET", "REMOVE"):
+            raise p.fail("a statement starts with SET or REMOVE", tok)
+        target = p.take()
+        if target.kind != "ident":
+            raise p.fail("expected a property name", target)
+        scope, name = _split(target.value)
+        if scope == "sys":
+            field = SETTABLE_SYS.get(name.lower())
+            if field is None or tok.value == "REMOVE":
+                raise p.fail(f"the system property {target.value!r} cannot be changed by the emulator", target)
+            name = field
+        elif scope not in ("", "user"):
+            raise p.fail(f"unknown property scope {scope!r} (sys or user)", target)
+        if tok.value == "SET":
+            p.expect("op", "=", "SET needs '='")
+            changes.append(Change("sys" if scope == "sys" else "user", name, p.expression()))
+        else:
+            changes.append(Change("user", name, None))
+        if not p.accept("op", ";") or p.peek().kind == "end":
+            break
+    p.done()
+    return changes
+
+
+def apply_action(changes: list[Change], context: Context) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(new user properties, changed system fields) after the statements, evaluated in order."""
+    props = dict(context.properties)
+    fields: dict[str, Any] = {}
+    for ch in changes:
+        now = Context({**context.fields, **fields}, props, context.parameters)
+        if ch.value is None:
+            for k in [k for k in props if str(k).lower() == ch.name.lower()]:
+                del props[k]
+        elif ch.scope == "sys":
+            fields[ch.name] = ch.value(now)
+        else:
+            for k in [k for k in props if str(k).lower() == ch.name.lower() and k != ch.name]:
+                del props[k]
+            value = ch.value(now)
+            if value is None:
+                props.pop(ch.name, None)
+            else:
+                props[ch.name] = value
+    return props, fields
+
+
+__all__ = ["SqlError", "Context", "Change", "compile_filter", "compile_action", "apply_action", "SYS_PROPERTIES"]
