@@ -102,7 +102,7 @@ class Stored:
     """A message held by an entity (queue, subscription, or a dead-letter sub-queue)."""
 
     entity: str  # queue path, "topic/subscriptions/sub", or either + "/$DeadLetterQueue"
-    sequence_number: int  # unique and increasing per namespace
+    sequence_number: int  # unique and increasing per queue or topic, from 1 (a subscription's: its topic's)
     raw: bytes
     message_id: str | None
     session_id: str | None
@@ -429,7 +429,7 @@ class Broker:
         self._deadlines: list[tuple[float, int, int, Any, Any]] = []  # (time, tiebreak, kind, a, b)
         self._tiebreak = itertools.count()
         self._notify: dict[str, None] = {}  # paths to pass to on_available, in order
-        self._last_seq = 0
+        self._seqs: dict[str, int] = {}  # queue or topic path -> its last sequence number (per entity, from 1)
         self._load()
 
     def _load(self) -> None:
@@ -440,7 +440,12 @@ class Broker:
                 _LOGGER.warning("store: subscription %s of a missing topic is ignored", spec.path)
                 continue
             self._install(spec, created)
-        last = loaded.last_sequence_number
+        # a store written before numbers were per entity has only the namespace's last one: entities without
+        # their own continue from it, so numbers never go back
+        legacy = loaded.last_sequence_number
+        seqs = self._seqs
+        for path in seqs:
+            seqs[path] = max(loaded.sequences.get(path, legacy), 0)
         orphans = 0
         for msg in loaded.messages:
             box = self._boxes.get(msg.entity)
@@ -450,21 +455,22 @@ class Broker:
             self._attach(box, msg)
             if box.topic is not None:
                 self._ref(box.topic, msg.sequence_number, len(msg.raw))
-            last = max(last, msg.sequence_number)
+            base = box.topic or box.owner
+            if seqs.get(base, 0) < msg.sequence_number:
+                seqs[base] = msg.sequence_number
         if orphans:
             _LOGGER.warning("store: %d messages of entities that no longer exist are ignored", orphans)
         for entity, message_id, seq, seen in sorted(loaded.duplicates, key=lambda d: d[3]):
             history = self._history.get(entity)
             if history is not None:
                 history[message_id] = (seq, seen)
-                last = max(last, seq)
+                if seqs.get(entity, 0) < seq:
+                    seqs[entity] = seq
         for entity, session_id, state, updated in loaded.session_states:
             if entity in self._boxes:
                 self._session_states[(entity, session_id)] = (state, updated)
-        self._last_seq = last
         _LOGGER.debug(
-            "broker loaded %d entities and %d messages, last sequence number %d",
-            len(self._specs), len(loaded.messages) - orphans, last,
+            "broker loaded %d entities and %d messages", len(self._specs), len(loaded.messages) - orphans,
         )
 
     # ------------------------------------------------------------------ internal bookkeeping
@@ -487,6 +493,7 @@ class Broker:
                 self._filters[path] = _compile_rules(path, spec.rules)
         if spec.kind != SUBSCRIPTION:
             self._history[path] = OrderedDict()
+            self._seqs[path] = 0
 
     def _uninstall(self, path: str) -> None:
         spec = self._specs.pop(path)
@@ -506,6 +513,7 @@ class Broker:
             for key in [k for k in self._session_states if k[0] == box_path]:
                 del self._session_states[key]
         self._history.pop(path, None)
+        self._seqs.pop(path, None)
         if spec.kind == SUBSCRIPTION:
             self._subscriptions[spec.topic].pop(spec.name, None)
             self._filters.pop(path, None)
@@ -920,7 +928,7 @@ class Broker:
                 targets.append((self._boxes[sub_path], ttl, self._filters[sub_path], sub.requires_session))
         history = self._history[canon] if spec.requires_duplicate_detection else None
         window = getattr(spec, "duplicate_detection_history_time_window", 0.0)
-        seq = self._last_seq
+        seq = first = self._seqs[canon]
         results: list[int] = []
         accepted: list[tuple[_Box, Stored]] = []
         new_history: list[tuple[str, str, int, float]] = []
@@ -981,11 +989,11 @@ class Broker:
                     f"The maximum entity size has been reached or exceeded for '{canon}'. Size of entity in bytes: "
                     f"{current}, max entity size in bytes: {max_bytes}, size of the messages sent: {new_bytes}.",
                 )
-        if seq == self._last_seq:
+        if seq == first:
             return results  # only duplicates
-        self._store.add_messages([s for _b, s in accepted], new_history, seq)
+        self._store.add_messages([s for _b, s in accepted], new_history, {canon: seq})
         # committed: now the indexes
-        self._last_seq = seq
+        self._seqs[canon] = seq
         notify = self._notify
         attach = self._attach
         for box, stored in accepted:

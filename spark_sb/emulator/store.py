@@ -10,7 +10,7 @@ Two implementations share one small interface:
 What is stored: entity descriptions (kind, path, the JSON of ``model.spec_to_dict(spec)``, creation
 time), messages (every field of ``broker.Stored`` except the lock, which lives in memory only: after a
 restart every message is unlocked, as when a lock expires on the service), session state, the
-duplicate-detection history and the namespace's last sequence number.
+duplicate-detection history and each queue's and topic's last sequence number.
 
 Every method runs in the current transaction when one is open (``with store.transaction():``), else
 in a transaction of its own that is committed before the method returns. The broker opens one
@@ -44,7 +44,8 @@ class Loaded:
     messages: list[Stored] = field(default_factory=list)  # in sequence order, unlocked
     session_states: list[tuple[str, str, bytes, float]] = field(default_factory=list)  # entity, id, state, updated
     duplicates: list[tuple[str, str, int, float]] = field(default_factory=list)  # entity, message id, seq, time
-    last_sequence_number: int = 0
+    last_sequence_number: int = 0  # stores written before per-entity numbers: the namespace-wide last one
+    sequences: dict[str, int] = field(default_factory=dict)  # queue or topic path -> its last sequence number
 
 
 def entity_path(spec: Any) -> str:
@@ -116,9 +117,10 @@ class Store:
         raise NotImplementedError
 
     def add_messages(
-        self, messages: list[Stored], duplicates: list[tuple[str, str, int, float]], last_sequence_number: int
+        self, messages: list[Stored], duplicates: list[tuple[str, str, int, float]], sequences: dict[str, int]
     ) -> None:
-        """One accepted send: the new messages, their duplicate-detection history rows, the new last number."""
+        """One accepted send: the new messages, their duplicate-detection history rows, and the new last
+        sequence number of the queue or topic they were sent to ({path: number})."""
         raise NotImplementedError
 
     def update_messages(self, messages: Iterable[Stored]) -> None:
@@ -152,6 +154,10 @@ CREATE TABLE IF NOT EXISTS meta (
     last_sequence_number INTEGER NOT NULL
 );
 INSERT OR IGNORE INTO meta (id, last_sequence_number) VALUES (0, 0);
+CREATE TABLE IF NOT EXISTS sequences (
+    entity TEXT PRIMARY KEY,
+    last INTEGER NOT NULL
+);
 CREATE TABLE IF NOT EXISTS entities (
     path TEXT PRIMARY KEY,
     kind TEXT NOT NULL,
@@ -235,6 +241,7 @@ class SqliteStore(Store):
         out.session_states = list(c.execute("SELECT entity, session_id, state, updated FROM session_state"))
         out.duplicates = list(c.execute("SELECT entity, message_id, seq, time FROM duplicates"))
         out.last_sequence_number = c.execute("SELECT last_sequence_number FROM meta").fetchone()[0]
+        out.sequences = dict(c.execute("SELECT entity, last FROM sequences"))
         return out
 
     def put_entity(self, spec: Any, created_at: float) -> None:
@@ -252,9 +259,10 @@ class SqliteStore(Store):
                 c.execute("DELETE FROM messages WHERE entity = ?", (entity,))
                 c.execute("DELETE FROM session_state WHERE entity = ?", (entity,))
             c.execute("DELETE FROM duplicates WHERE entity = ?", (path,))
+            c.execute("DELETE FROM sequences WHERE entity = ?", (path,))
 
     def add_messages(
-        self, messages: list[Stored], duplicates: list[tuple[str, str, int, float]], last_sequence_number: int
+        self, messages: list[Stored], duplicates: list[tuple[str, str, int, float]], sequences: dict[str, int]
     ) -> None:
         c = self._conn
         with self.transaction():
@@ -262,7 +270,7 @@ class SqliteStore(Store):
                 c.executemany(_INSERT_MESSAGE, map(_row, messages))
             if duplicates:
                 c.executemany("INSERT OR REPLACE INTO duplicates VALUES (?,?,?,?)", duplicates)
-            c.execute("UPDATE meta SET last_sequence_number = ?", (last_sequence_number,))
+            c.executemany("INSERT OR REPLACE INTO sequences VALUES (?,?)", sequences.items())
 
     def update_messages(self, messages: Iterable[Stored]) -> None:
         with self.transaction():
@@ -320,10 +328,10 @@ class MemoryStore(Store):
         self._messages: dict[tuple[str, int], list[Any]] = {}  # (entity, seq) -> row
         self._session_state: dict[tuple[str, str], tuple[bytes, float]] = {}
         self._duplicates: dict[tuple[str, str], tuple[int, float]] = {}
-        self._last_sequence_number = 0
+        self._sequences: dict[str, int] = {}
 
     def load_all(self) -> Loaded:
-        out = Loaded(last_sequence_number=self._last_sequence_number)
+        out = Loaded(sequences=dict(self._sequences))
         for _path, (kind, spec, created) in sorted(self._entities.items()):
             out.entities.append((spec_from_stored(kind, json.loads(spec)), created))
         out.messages = [Stored(*row) for _k, row in sorted(self._messages.items(), key=lambda kv: (kv[0][1], kv[0][0]))]
@@ -343,16 +351,17 @@ class MemoryStore(Store):
             del self._session_state[skey]
         for dkey in [k for k in self._duplicates if k[0] == path]:
             del self._duplicates[dkey]
+        self._sequences.pop(path, None)
 
     def add_messages(
-        self, messages: list[Stored], duplicates: list[tuple[str, str, int, float]], last_sequence_number: int
+        self, messages: list[Stored], duplicates: list[tuple[str, str, int, float]], sequences: dict[str, int]
     ) -> None:
         store = self._messages
         for m in messages:
             store[(m.entity, m.sequence_number)] = list(_row(m))
         for entity, message_id, seq, t in duplicates:
             self._duplicates[(entity, message_id)] = (seq, t)
-        self._last_sequence_number = last_sequence_number
+        self._sequences.update(sequences)
 
     def update_messages(self, messages: Iterable[Stored]) -> None:
         for m in messages:

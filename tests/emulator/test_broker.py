@@ -80,6 +80,28 @@ def raises(condition: str):
 # --------------------------------------------------------------------------- basic queue behaviour
 
 
+def test_sequence_numbers_are_per_entity_from_one_and_survive_a_restart(env: Env) -> None:
+    b = env.broker
+    b.create_entity(QueueSpec("a"))
+    b.create_entity(QueueSpec("b"))
+    b.create_entity(TopicSpec("t"))
+    b.create_entity(SubscriptionSpec("t", "s1"))
+    b.create_entity(SubscriptionSpec("t", "s2"))
+    assert b.send("a", [msg("a1"), msg("a2")]) == [1, 2]
+    assert b.send("b", [msg("b1")]) == [1]
+    assert b.send("t", [msg("t1")]) == [1]  # both subscriptions' copies carry the topic's number
+    assert [m.sequence_number for m in b.peek("t/subscriptions/s2", 0, 5)] == [1]
+    assert b.schedule("a", [msg("later")], T0 + 60) == [3]
+    assert len(b.receive("a", 5, peek_lock=False)) == 2  # the queue is empty but for the scheduled one
+    restarted = env.reopen()
+    # numbers keep growing after a restart, even where every message is gone
+    assert restarted.send("a", [msg("a4")]) == [4]
+    assert restarted.send("b", [msg("b2")]) == [2]
+    restarted.delete_entity("queue", "b")
+    restarted.create_entity(QueueSpec("b"))
+    assert restarted.send("b", [msg("new")]) == [1]  # a new entity of the same name starts again
+
+
 def test_messages_come_back_in_order_with_increasing_sequence_numbers(env: Env) -> None:
     b = env.broker
     b.create_entity(QueueSpec("orders"))

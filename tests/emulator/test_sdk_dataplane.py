@@ -372,3 +372,16 @@ def test_many_concurrent_clients_are_served_at_once(primary, make_queue) -> None
             while batch := r.receive_messages(max_message_count=n, max_wait_time=2):
                 got.extend(batch)
     assert sorted(int(str(m)) for m in got) == list(range(n))
+
+
+def test_sequence_numbers_are_counted_per_queue_from_one(client: ServiceBusClient, make_queue) -> None:
+    first, second = make_queue(), make_queue()
+    for q, n in ((first, 3), (second, 2)):
+        with client.get_queue_sender(q) as s:
+            s.send_messages([ServiceBusMessage(f"{q}-{i}") for i in range(n)])
+    with client.get_queue_sender(first) as s:
+        [scheduled] = s.schedule_messages(ServiceBusMessage("later"), _utc(3600))
+    assert scheduled == 4
+    for q, expected in ((first, [1, 2, 3, 4]), (second, [1, 2])):
+        with client.get_queue_receiver(q) as r:
+            assert [m.sequence_number for m in r.peek_messages(max_message_count=10, sequence_number=1)] == expected
