@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 import uuid
 from collections.abc import Callable
 
@@ -649,3 +650,19 @@ def test_everything_survives_a_killed_process(tmp_path) -> None:
     assert bodies(b2.receive("orders", 5, peek_lock=True)) == ["later", "new"]
     b2.close()
     b.close()
+
+
+def test_a_store_from_before_per_entity_numbers_continues_from_its_namespace_number(tmp_path) -> None:
+    db = tmp_path / "old.db"
+    b = Broker(SqliteStore(db), clock=FakeClock())
+    b.create_entity(QueueSpec("orders"))
+    b.send("orders", [msg("a")])
+    b.close()
+    conn = sqlite3.connect(db)  # what an older emulator left: no per-entity row, the namespace's last number
+    conn.execute("DELETE FROM sequences")
+    conn.execute("UPDATE meta SET last_sequence_number = 50")
+    conn.commit()
+    conn.close()
+    again = Broker(SqliteStore(db), clock=FakeClock())
+    assert again.send("orders", [msg("b")]) == [51]
+    again.close()
