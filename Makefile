@@ -15,7 +15,7 @@ demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist worksteal
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
