@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import sql
+from . import sections, sql
 from .model import (
     DISABLED,
     QUEUE,
@@ -371,8 +371,6 @@ def _compile_rules(label: str, rules: list[RuleSpec]) -> Router:
 
 def _apply_actions(m: Incoming, actions: list[list[sql.Change]]) -> bytes:
     """The raw message a subscription keeps after its matching rules' actions."""
-    from . import codec  # codec imports this module
-
     ctx = _context(m)
     fields: dict[str, Any] = {}
     props = dict(ctx.properties)
@@ -383,7 +381,7 @@ def _apply_actions(m: Incoming, actions: list[list[sql.Change]]) -> bytes:
             _LOGGER.debug("a rule action failed on message %s", m.message_id, exc_info=True)
             continue
         fields.update(changed)
-    return codec.rewrite(m.raw, props, fields)
+    return sections.rewrite(m.raw, props, fields)
 
 
 # --------------------------------------------------------------------------- the broker

@@ -14,29 +14,24 @@ from typing import Any
 from proton import Data, Described, int32, symbol, timestamp, ulong
 
 from .broker import DLQ_SUFFIX, Incoming, Stored
-
-HEADER = 0x70
-DELIVERY_ANNOTATIONS = 0x71
-MESSAGE_ANNOTATIONS = 0x72
-PROPERTIES = 0x73
-APPLICATION_PROPERTIES = 0x74
-DATA = 0x75
-SEQUENCE = 0x76
-VALUE = 0x77
-FOOTER = 0x78
-_BODY = (DATA, SEQUENCE, VALUE)
-_SYMBOLIC = {
-    b"amqp:header:list": HEADER,
-    b"amqp:delivery-annotations:map": DELIVERY_ANNOTATIONS,
-    b"amqp:message-annotations:map": MESSAGE_ANNOTATIONS,
-    b"amqp:properties:list": PROPERTIES,
-    b"amqp:application-properties:map": APPLICATION_PROPERTIES,
-    b"amqp:data:binary": DATA,
-    b"amqp:amqp-sequence:list": SEQUENCE,
-    b"amqp:amqp-value:*": VALUE,
-    b"amqp:footer:map": FOOTER,
-}
-_FIXED = {4: 0, 5: 1, 6: 2, 7: 4, 8: 8, 9: 16}
+from .sections import (  # noqa: F401 - part of this module's interface
+    _BODY,
+    APPLICATION_PROPERTIES,
+    DATA,
+    DELIVERY_ANNOTATIONS,
+    FOOTER,
+    HEADER,
+    MESSAGE_ANNOTATIONS,
+    PROPERTIES,
+    SEQUENCE,
+    VALUE,
+    MalformedMessage,
+    _decode,
+    _encode,
+    _skip,
+    rewrite,
+    split_sections,
+)
 
 X_OPT_SEQUENCE_NUMBER = symbol("x-opt-sequence-number")
 X_OPT_ENQUEUED_TIME = symbol("x-opt-enqueued-time")
@@ -48,54 +43,6 @@ X_OPT_SCHEDULED = "x-opt-scheduled-enqueue-time"
 X_OPT_PARTITION_KEY = "x-opt-partition-key"
 
 
-class MalformedMessage(ValueError):
-    """The transfer is not a well-formed AMQP message."""
-
-
-def _skip(buf: bytes | memoryview, pos: int) -> int:
-    """Position just after the AMQP value starting at ``pos`` (every AMQP type's width follows from its
-    constructor's high nibble)."""
-    c = buf[pos]
-    if c == 0x00:
-        return _skip(buf, _skip(buf, pos + 1))
-    hi = c >> 4
-    if hi in _FIXED:
-        return pos + 1 + _FIXED[hi]
-    if hi in (0xA, 0xC, 0xE):
-        return pos + 2 + buf[pos + 1]
-    if hi in (0xB, 0xD, 0xF):
-        return pos + 5 + int.from_bytes(buf[pos + 1 : pos + 5], "big")
-    raise MalformedMessage(f"invalid AMQP constructor 0x{c:02x} at byte {pos}")
-
-
-def split_sections(raw: bytes) -> list[tuple[int, bytes]]:
-    """[(section code, encoded section bytes)] in order. Raises MalformedMessage."""
-    out: list[tuple[int, bytes]] = []
-    pos, end = 0, len(raw)
-    try:
-        while pos < end:
-            if raw[pos] != 0x00:
-                raise MalformedMessage(f"expected a described section at byte {pos}")
-            d = raw[pos + 1]
-            if d == 0x53:
-                code = raw[pos + 2]
-            elif d == 0x80:
-                code = int.from_bytes(raw[pos + 2 : pos + 10], "big")
-            elif d == 0xA3:
-                n = raw[pos + 2]
-                code = _SYMBOLIC.get(bytes(raw[pos + 3 : pos + 3 + n]), -1)
-            else:
-                raise MalformedMessage(f"unsupported section descriptor 0x{d:02x}")
-            nxt = _skip(raw, pos)
-            if nxt > end:
-                raise MalformedMessage("section runs past the end of the transfer")
-            out.append((code, raw[pos:nxt]))
-            pos = nxt
-    except IndexError:
-        raise MalformedMessage("truncated AMQP message") from None
-    if not out:
-        raise MalformedMessage("empty transfer")
-    return out
 
 
 def _data_payload(section: bytes) -> bytes:
@@ -216,19 +163,6 @@ def incoming(raw: bytes) -> Incoming:
     )
 
 
-def _encode(obj: Any) -> bytes:
-    d = Data()
-    d.put_object(obj)
-    return bytes(d.encode())
-
-
-def _decode(section: bytes) -> Any:
-    d = Data()
-    d.decode(section)
-    d.rewind()
-    d.next()
-    return d.get_object()
-
 
 def _header(original: bytes | None, delivery_count: int) -> bytes:
     durable, priority, ttl, first = False, None, None, None
@@ -317,50 +251,3 @@ def iter_incoming(raw: bytes) -> Iterator[Incoming]:
         yield incoming(payload)
 
 
-#: filter field -> its index in the AMQP properties list (the system properties a rule action may set)
-_SETTABLE_PROPERTY_INDEX = {"to": 2, "subject": 3, "reply_to": 4, "correlation_id": 5, "content_type": 6,
-                            "reply_to_session_id": 12}
-
-
-def rewrite(raw: bytes, properties: dict[str, Any], fields: dict[str, Any]) -> bytes:
-    """The message with its application properties replaced by ``properties`` and the system ``fields``
-    (filter field names: ``subject``, ``to``, ...) set: what a subscription rule's action does to its copy."""
-    sections = split_sections(raw)
-    out: list[bytes] = []
-    wrote_props = wrote_app = False
-    new_app = _encode(Described(ulong(APPLICATION_PROPERTIES), {str(k): v for k, v in properties.items()}))
-
-    def props_section(original: bytes | None) -> bytes:
-        values = list(_decode(original).value or []) if original is not None else []
-        values += [None] * (13 - len(values))
-        for name, value in fields.items():
-            i = _SETTABLE_PROPERTY_INDEX[name]
-            if value is not None and not isinstance(value, str):
-                value = str(value)
-            values[i] = symbol(value) if name == "content_type" and value is not None else value
-        while values and values[-1] is None:
-            values.pop()
-        return _encode(Described(ulong(PROPERTIES), values))
-
-    for code, sec in sections:
-        if code == PROPERTIES and not wrote_props:
-            out.append(props_section(sec) if fields else sec)
-            wrote_props = True
-            continue
-        if code == APPLICATION_PROPERTIES and not wrote_app:
-            out.append(new_app)
-            wrote_app = True
-            continue
-        if code in _BODY or code == FOOTER:
-            if fields and not wrote_props:
-                out.append(props_section(None))
-                wrote_props = True
-            if not wrote_app:
-                out.append(new_app)
-                wrote_app = True
-        out.append(sec)
-    if fields and not wrote_props:
-        out.append(props_section(None))
-    if not wrote_app:
-        out.append(new_app)
-    return b"".join(out)
