@@ -83,6 +83,9 @@ def test_the_session_lock_covers_its_messages_while_it_is_renewed(
     emulator_with_clock: Any, fake_clock: Any
 ) -> None:
     q = emulator_with_clock.make_queue(requires_session=True, lock_duration=30.0)
+    # the SDK compares the session's locked-until with the real time: start the emulator's clock no earlier
+    # (the session-wide fake clock stood still while other tests ran)
+    fake_clock.advance(max(0.0, time.time() - fake_clock()))
     with ServiceBusClient.from_connection_string(emulator_with_clock["clocked"].connection_string) as client:
         _send(client, q, {"R": 2})
         with client.get_queue_receiver(q, session_id="R", max_wait_time=5) as r:
