@@ -330,9 +330,11 @@ def _peek_all(connection_string: str, queue: str) -> list:
 
 
 def _drain_home(cfg: dict) -> list[Outcome]:
-    """A single-process syphon run until the backlog is empty; its outcomes."""
+    """A single-process syphon run until a round finds the backlog empty; its outcomes. A round waits up to
+    3 s for its first message: on a loaded machine a receiver's first messages took longer than 0.5 s, and the
+    drain ended before moving anything."""
     with Syphon.from_config(cfg) as syphon:
-        return syphon.drain(max_wait_time=0.5).outcomes
+        return syphon.drain(max_wait_time=3.0).outcomes
 
 
 def _parked(queue: str, ids: list[str], size: int = 0) -> list[ServiceBusMessage]:
