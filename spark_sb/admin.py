@@ -97,20 +97,14 @@ def is_emulator(connection_string: str) -> bool:
 def emulator_admin_endpoint(connection_string: str, admin_endpoint: str | None = None) -> str:
     """The admin endpoint for an emulator connection string: ``admin_endpoint`` when given, else the
     string's ``AdminEndpoint=``, else ``http://<Endpoint host>:5300`` (Microsoft's emulator convention)."""
-    if admin_endpoint:
-        scheme, netloc = _split_endpoint(admin_endpoint)
-        return f"{scheme}://{netloc}"
     settings = _settings(connection_string)
-    if settings.get("adminendpoint"):
-        scheme, netloc = _split_endpoint(settings["adminendpoint"])
-        return f"{scheme}://{netloc}"
-    endpoint = settings.get("endpoint", "")
-    host = urllib.parse.urlsplit(endpoint if "://" in endpoint else "sb://" + endpoint).hostname
-    if not host:
-        raise ValueError("the connection string has no Endpoint=sb://host[:port]")
-    if ":" in host:
-        host = f"[{host}]"
-    return f"http://{host}:{EMULATOR_ADMIN_PORT}"
+    explicit = admin_endpoint or settings.get("adminendpoint")
+    if explicit:
+        return namespace_admin_endpoint("", explicit)
+    try:
+        return namespace_admin_endpoint(settings.get("endpoint", ""))
+    except ValueError:
+        raise ValueError("the connection string has no Endpoint=sb://host[:port]") from None
 
 
 def _without_admin_endpoint(connection_string: str) -> str:
@@ -168,8 +162,8 @@ def admin_client(
 
 
 def namespace_admin_endpoint(fully_qualified_namespace: str, admin_endpoint: str | None = None) -> str:
-    """The emulator's admin endpoint for a namespace reached with a credential: ``admin_endpoint`` when given,
-    else ``http://<host>:5300``."""
+    """The emulator's admin endpoint for a namespace (``host[:port]``, or an ``sb://`` endpoint): ``admin_endpoint``
+    when given, else ``http://<host>:5300``."""
     if admin_endpoint:
         scheme, netloc = _split_endpoint(admin_endpoint)
         return f"{scheme}://{netloc}"

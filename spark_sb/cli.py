@@ -174,19 +174,16 @@ def _report(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         print(f"spark-sb report: --out: the directory {out.parent} does not exist, got {args.out}", file=sys.stderr)
         return 2
+    from .jobs import build_session, require_spark
+
     try:
-        import delta  # noqa: F401
-        import matplotlib  # noqa: F401
-        import pyspark  # noqa: F401
-    except ImportError as err:
-        print(f"spark-sb report: needs pyspark, delta-spark and matplotlib: pip install 'spark-sb[spark]' "
-              f"({err})", file=sys.stderr)
-        return 2
+        require_spark("spark-sb report", "matplotlib")
+    except SystemExit as exit_:
+        return int(exit_.code or 2)
 
     from pyspark.sql import SparkSession
 
     from .errors import ConfigError
-    from .jobs import build_session
     from .report import write_report
 
     started = SparkSession.getActiveSession() is None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import logging
 import os
@@ -125,14 +126,15 @@ def build_session(app_name: str = "spark-sb", master: str | None = None, *, jvm_
         return builder.getOrCreate()
 
 
-def _spark_or_exit(prog: str) -> None:
-    """Exit with a clear message (status 2) when pyspark is not installed."""
-    try:
-        import delta  # noqa: F401
-        import pyspark  # noqa: F401
-    except ImportError:
-        print(f"{prog} {_NEEDS_SPARK}", file=sys.stderr)
-        raise SystemExit(2) from None
+def require_spark(prog: str, *also: str) -> None:
+    """Exit with a clear message (status 2) naming the ``[spark]`` extra when pyspark, delta-spark or one of
+    the modules ``also`` (e.g. ``matplotlib``) is not installed."""
+    for module in ("pyspark", "delta", *also):
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            print(f"{prog} {_NEEDS_SPARK} ({err})", file=sys.stderr)
+            raise SystemExit(2) from None
 
 
 # --- the paired writer -----------------------------------------------------------------------------------
@@ -229,7 +231,7 @@ def writer_main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
     parser.add_argument("--checkpoint", default=None, help="overrides sink.checkpoint_location")
     args = parser.parse_args(argv)
-    _spark_or_exit(parser.prog)
+    require_spark(parser.prog)
     _logging()
     config = _load(parser.prog, args.conf)
     spark = build_session("spark-sb-paired-writer")
@@ -338,7 +340,7 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
                      "the Delta ledger syphon.ledger; its checkpoint is syphon.checkpoint_location.")
     parser.add_argument("--until-empty", action="store_true", help="stop when the backlog is empty")
     args = parser.parse_args(argv)
-    _spark_or_exit(parser.prog)
+    require_spark(parser.prog)
     _logging()
     config = _load(parser.prog, args.conf, lambda config: config.syphon.require_job_locations())
     spark = build_session("spark-sb-syphon")
