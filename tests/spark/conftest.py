@@ -81,6 +81,15 @@ def backlog_ids(connection_string: str, queues: tuple[str, ...]) -> list[str]:
     return ids
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process that starts its own Spark: this one without the gateway of the
+    test session's JVM (the child would attach to it), with this Python for its workers, and ``extra``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
+    env["PYSPARK_PYTHON"] = sys.executable
+    env.update(extra)
+    return env
+
+
 def wait_until(condition: Any, timeout: float = 30.0, step: float = 0.2) -> None:
     deadline = time.monotonic() + timeout
     while not condition():

@@ -5,7 +5,6 @@ worker) and their Python workers in their own processes, as for a user who outgr
 from __future__ import annotations
 
 import collections
-import os
 import socket
 import subprocess
 import sys
@@ -21,7 +20,7 @@ import yaml
 
 from spark_sb.jobs import DELTA_PACKAGE
 
-from .conftest import receive_all, sink_config
+from .conftest import child_env, receive_all, sink_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -34,11 +33,8 @@ def _free_port() -> int:
 
 
 def _env(work: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
-    env.update(SPARK_HOME=str(SPARK_HOME), PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1",
-               SPARK_LOG_DIR=str(work / "logs"), SPARK_WORKER_DIR=str(work / "worker"),
-               SPARK_SB_JVM_LOG=str(work / "driver-jvm.log"))
-    return env
+    return child_env(SPARK_HOME=str(SPARK_HOME), SPARK_LOCAL_IP="127.0.0.1", SPARK_LOG_DIR=str(work / "logs"),
+                     SPARK_WORKER_DIR=str(work / "worker"), SPARK_SB_JVM_LOG=str(work / "driver-jvm.log"))
 
 
 def _wait_for_log(path: Path, text: str, process: subprocess.Popen, timeout: float = 60) -> None:

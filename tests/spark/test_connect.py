@@ -6,7 +6,6 @@ process with the classic session of the other tests."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ import pytest
 
 from spark_sb.jobs import DELTA_PACKAGE
 
-from .conftest import receive_all, sink_config
+from .conftest import child_env, receive_all, sink_config
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -60,8 +59,7 @@ def test_foreach_batch_sink_under_spark_connect_with_reject_and_metrics_tables(p
     q = make_queue(requires_duplicate_detection=True)
     config = sink_config(primary, secondary, entity=q, key_column="key",
                          reject_table=str(tmp_path / "rejects"), metrics_table=str(tmp_path / "metrics"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
-    env.update(PYSPARK_PYTHON=sys.executable, SPARK_LOCAL_IP="127.0.0.1")
+    env = child_env(SPARK_LOCAL_IP="127.0.0.1")
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(config), str(tmp_path), DELTA_PACKAGE],
                           capture_output=True, text=True, timeout=280, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

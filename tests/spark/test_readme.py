@@ -21,6 +21,8 @@ from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
 
 from spark_sb import messages
 
+from .conftest import child_env
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 MARK = "<!-- the README test runs this block -->"
@@ -76,8 +78,7 @@ def test_the_readme_commands_work_as_written(tmp_path: Path) -> None:
     assert not busy, f"the README's emulator needs ports {DEFAULT_PORTS}; in use: {busy}"
     for name in (".venv", "conf", "jobs"):
         (tmp_path / name).symlink_to(ROOT / name)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
-    env["SPARK_SB_JVM_LOG"] = str(tmp_path / "jvm.log")
+    env = child_env(SPARK_SB_JVM_LOG=str(tmp_path / "jvm.log"))
     background: list[subprocess.Popen] = []
     outputs: list[str] = []
     try:

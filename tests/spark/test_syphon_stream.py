@@ -26,7 +26,7 @@ from spark_sb.errors import ConfigError
 from spark_sb.republisher import Republisher
 from spark_sb.source import BacklogDataSource, BacklogStreamReader, config_options, register
 
-from .conftest import receive_all, sink_config
+from .conftest import child_env, receive_all, sink_config
 
 _JOBS = Path(__file__).resolve().parents[2] / "jobs"
 
@@ -296,8 +296,7 @@ def test_the_syphon_job_killed_with_sigkill_mid_stream_loses_and_duplicates_noth
     conf = tmp_path / "syphon.yaml"
     conf.write_text(json.dumps({**setup["config"], "syphon": {**setup["config"]["syphon"],
                                                                         "max_messages_per_trigger": 25}}))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
-    env["PYSPARK_PYTHON"] = sys.executable
+    env = child_env()
     command = [sys.executable, str(_JOBS / "syphon.py"), "--conf", str(conf), "--until-empty"]
 
     log = tmp_path / "first.log"
