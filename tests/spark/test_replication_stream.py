@@ -88,7 +88,7 @@ def test_active_sink_through_an_outage_then_source_with_dedupe_yields_each_row_o
     assert [s.sent for s in summaries] == [per_file] * FILES  # every row accepted by at least one namespace
     assert [s.secondary for s in summaries] == [per_file] * FILES
     assert summaries[0].primary == per_file and sum(s.primary for s in summaries[1:4]) == 0
-    assert _left(primary, queue) < ROWS  # so the reader must merge the two namespaces
+    assert 0 < _left(primary, queue) < ROWS  # the primary holds copies of some rows only
     close_all()
 
     # the reader, stopped after a few batches and restarted from its checkpoint
@@ -109,4 +109,7 @@ def test_active_sink_through_an_outage_then_source_with_dedupe_yields_each_row_o
     counts = collections.Counter(r.message_id for r in rows)
     assert set(counts) == {f"id-{i}" for i in range(ROWS)}
     assert [mid for mid, n in counts.items() if n > 1] == []  # each row exactly once
-    assert {r.namespace for r in rows} == {"primary", "secondary"}
+    # both namespaces were drained above, the secondary holding every row and the primary those of batches 0
+    # and 4: the copies read second were suppressed. Which copy of a row comes first is the race of two
+    # receivers (one CI run took all 100 from the secondary), so the namespaces kept are not asserted.
+    assert {r.namespace for r in rows} <= {"primary", "secondary"}
