@@ -132,6 +132,9 @@ class NamespaceServer(Handler):
         self.name = name
         self.host = host
         self.port = port
+        #: the port of this namespace's AMQPS (TLS) endpoint, when it has one: a client that came through it names
+        #: that port in its token audiences
+        self.tls_port: int | None = None
         self.keys = dict(keys)
         #: Microsoft Entra ID: verifies ``jwt`` put-tokens (None: only SAS tokens are accepted)
         self.authority = authority
@@ -735,7 +738,7 @@ class NamespaceServer(Handler):
         claimed_port = sas.port_of(audience)
         if self.fault_for(None) == "unauthorized" or self.fault_for(entity_path(audience) or None) == "unauthorized":
             status, text = 401, "Unauthorized: the token was rejected. (injected fault)"
-        elif claimed_port is not None and claimed_port != self.port:
+        elif claimed_port is not None and claimed_port not in (self.port, self.tls_port):
             status, text = 401, f"Unauthorized: audience {audience!r} is not this namespace (port {self.port})"
         elif not token.startswith("SharedAccessSignature "):
             # an Entra ID token. The SDK says type "jwt" for SAS tokens too (pyamqp's JWTTokenAuth default), so
