@@ -20,9 +20,16 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                        help="where messages and entities are stored (default: %(default)s)")
     start.add_argument("--in-memory", action="store_true",
                        help="keep messages in memory only (nothing survives a restart); for comparisons")
-    start.add_argument("--namespace", action="append", default=[], metavar="NAME=AMQP_PORT:ADMIN_PORT",
-                       help="a namespace to serve; repeatable; port 0 picks a free port "
-                            "(default: primary=5672:5300 and secondary=5673:5301)")
+    start.add_argument("--namespace", action="append", default=[], metavar="NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT]",
+                       help="a namespace to serve; repeatable; port 0 picks a free port; a TLS_PORT serves AMQP "
+                            "over TLS there (default: primary=5672:5300 and secondary=5673:5301)")
+    start.add_argument("--tls", action="store_true",
+                       help="also serve AMQP over TLS (AMQPS), for clients built from a namespace and a credential: "
+                            "the default namespaces on 5671 (primary, the SDK's AMQPS port) and 5674 (secondary), "
+                            "a --namespace on its TLS_PORT or a free port. The emulator makes its own CA and server "
+                            "certificate (kept in DATA_DIR/tls, reused while valid) and prints the CA file: pass it "
+                            "as connection_verify= (SSL_CERT_FILE has no effect on the SDK). The admin port stays "
+                            "plain HTTP")
     start.add_argument("--entities", metavar="FILE", help="YAML/JSON file of queues, topics and subscriptions "
                                                           "to create in every namespace")
     start.add_argument("--key-name", default="RootManageSharedAccessKey",
@@ -142,11 +149,12 @@ def _emulator(args: argparse.Namespace) -> int:
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         try:
-            namespaces = [server.NamespaceOptions.parse(t) for t in args.namespace] or list(server.DEFAULT_NAMESPACES)
+            namespaces = ([server.NamespaceOptions.parse(t) for t in args.namespace]
+                          or server.default_namespaces(args.tls))
             key = os.environ.get(args.key_env) or server.DEFAULT_KEY
             namespaces = [dataclasses.replace(n, key_name=args.key_name, key=key) for n in namespaces]
             data_dir = None if args.in_memory else args.data_dir
-            return server.run_foreground(namespaces, data_dir, args.entities, args.status_file)
+            return server.run_foreground(namespaces, data_dir, args.entities, args.status_file, tls=args.tls)
         except (ValueError, EntityConfigError, OSError) as err:
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2

@@ -1,4 +1,5 @@
-"""The emulator as a whole: several namespaces, each an AMQP port and an admin HTTP port.
+"""The emulator as a whole: several namespaces, each an AMQP port and an admin HTTP port, and optionally an
+AMQPS (TLS) port (:mod:`spark_sb.emulator.tls`).
 
 In-process::
 
@@ -14,9 +15,11 @@ As a subprocess (what tests and the demo use when they need kill -9)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,12 +28,15 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import aad as _aad
 from . import model
 from .amqp import FAULT_KINDS, NamespaceServer
 from .broker import Broker, BrokerError, Cond
+
+if TYPE_CHECKING:
+    from . import tls as _tls
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -47,18 +53,32 @@ class NamespaceOptions:
     key: str = field(default=DEFAULT_KEY, repr=False)
     max_message_size: int = 256 * 1024
     host: str = "127.0.0.1"
+    #: AMQP over TLS (AMQPS) on this port (0: a free port); None: none, unless the Emulator is asked for TLS
+    tls_port: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> NamespaceOptions:
-        """``NAME=AMQP_PORT:ADMIN_PORT`` (ports may be 0 for a free port)."""
+        """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT]`` (ports may be 0 for a free port)."""
         name, sep, ports = text.partition("=")
-        amqp, sep2, admin = ports.partition(":")
-        if not sep or not sep2 or not name or not amqp.isdigit() or not admin.isdigit():
-            raise ValueError(f"--namespace must look like NAME=AMQP_PORT:ADMIN_PORT, got {text!r}")
-        return cls(name=name, amqp_port=int(amqp), admin_port=int(admin))
+        parts = ports.split(":")
+        if not sep or not name or len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
+            raise ValueError(f"--namespace must look like NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT], got {text!r}")
+        for what, port in zip(("AMQP_PORT", "ADMIN_PORT", "TLS_PORT"), parts, strict=False):
+            if int(port) > 65535:
+                raise ValueError(f"--namespace {text!r}: {what} must be a port number (0-65535), got {port}")
+        return cls(name=name, amqp_port=int(parts[0]), admin_port=int(parts[1]),
+                   tls_port=int(parts[2]) if len(parts) == 3 else None)
+
+    def spec(self) -> str:
+        """The ``--namespace`` text for these ports."""
+        tls = "" if self.tls_port is None else f":{self.tls_port}"
+        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}"
 
 
 DEFAULT_NAMESPACES = (NamespaceOptions("primary", 5672, 5300), NamespaceOptions("secondary", 5673, 5301))
+#: the default namespaces' AMQPS ports with TLS on: 5671 is the SDK's own AMQPS port, so a client built with
+#: ``fully_qualified_namespace="localhost"`` reaches the primary
+DEFAULT_TLS_PORTS = {"primary": 5671, "secondary": 5674}
 
 
 def connection_string(host: str, port: int, key_name: str, key: str) -> str:
@@ -77,10 +97,26 @@ class NamespaceInfo:
     admin_port: int
     key_name: str
     key: str = field(repr=False)
+    #: the AMQPS (TLS) port, when the namespace has one
+    tls_port: int | None = None
+    #: the CA certificate TLS clients trust (``connection_verify=``), when the namespace has a TLS port
+    ca_file: str | None = None
 
     @property
     def connection_string(self) -> str:
         return connection_string("localhost", self.amqp_port, self.key_name, self.key)
+
+    @property
+    def tls_client_kwargs(self) -> dict[str, Any]:
+        """What ``ServiceBusClient("localhost", credential, **kwargs)`` (sync or aio) needs to reach this
+        namespace over TLS on any port: with TLS the SDK ignores a port in the namespace and connects to 5671
+        unless given a custom endpoint (which it would take as a WebSocket one without ``transport_type``)."""
+        if self.tls_port is None or self.ca_file is None:
+            raise ValueError(f"namespace {self.name!r} has no TLS port (start the emulator with TLS)")
+        from azure.servicebus import TransportType
+
+        return {"custom_endpoint_address": f"sb://localhost:{self.tls_port}", "transport_type": TransportType.Amqp,
+                "connection_verify": self.ca_file}
 
     @property
     def admin_url(self) -> str:
@@ -99,6 +135,10 @@ class Emulator:
     ``aad``: Microsoft Entra ID as this emulator plays it (:class:`~spark_sb.emulator.aad.AadOptions`: the
     managed identities its token endpoint serves, their roles, the tokens' lifetime, the identity header);
     default: the system-assigned identity as Data Owner, one-hour tokens, the well-known header and key.
+
+    ``tls=True``: every namespace also serves AMQP over TLS, on its ``tls_port`` or, when that is None, a free
+    port (a namespace with a ``tls_port`` has TLS either way). The certificates are made by the emulator and kept
+    in ``<data_dir>/tls`` (a temporary directory without a data_dir); ``info[name].ca_file`` is the CA to trust.
     """
 
     def __init__(
@@ -109,6 +149,7 @@ class Emulator:
         entities: str | Path | dict | model.EntitiesFile | None = None,
         clock: Callable[[], float] = time.time,
         aad: _aad.AadOptions | None = None,
+        tls: bool = False,
     ) -> None:
         names = [n.name for n in namespaces]
         if len(set(names)) != len(names):
@@ -125,10 +166,21 @@ class Emulator:
         self._servers: dict[str, NamespaceServer] = {}
         self._admins: dict[str, Any] = {}
         self.info: dict[str, NamespaceInfo] = {}
+        self.tls = tls
+        self.certificates: _tls.Certificates | None = None
+        self._relay: _tls.TlsRelay | None = None
+        self._tls_tmp: str | None = None
 
     @classmethod
-    def default(cls, **kwargs: Any) -> Emulator:
-        return cls(DEFAULT_NAMESPACES, **kwargs)
+    def default(cls, *, tls: bool = False, **kwargs: Any) -> Emulator:
+        """The primary (5672, admin 5300) and the secondary (5673, admin 5301); with ``tls=True`` their AMQPS
+        ports are 5671 and 5674 (:data:`DEFAULT_TLS_PORTS`)."""
+        return cls(default_namespaces(tls), tls=tls, **kwargs)
+
+    def _tls_port(self, opt: NamespaceOptions) -> int | None:
+        if opt.tls_port is not None:
+            return opt.tls_port
+        return 0 if self.tls else None
 
     def __getitem__(self, name: str) -> NamespaceInfo:
         try:
@@ -179,18 +231,48 @@ class Emulator:
                 self.info[opt.name] = NamespaceInfo(opt.name, server.port, admin.port, opt.key_name, opt.key)
                 _LOGGER.info("namespace %s: AMQP on %s:%d, admin on http://%s:%d", opt.name, opt.host,
                              server.port, opt.host, admin.port)
+            self._start_tls()
         except BaseException:
             self.stop()
             raise
         return self
 
+    def _start_tls(self) -> None:
+        """The AMQPS endpoints: TLS on each TLS port, the plain bytes relayed to the namespace's AMQP port."""
+        wanted = [(opt, port) for opt in self.options if (port := self._tls_port(opt)) is not None]
+        if not wanted:
+            return
+        from . import tls as _tls  # cryptography is imported only when TLS is on
+
+        if self.data_dir is not None:
+            directory = self.data_dir / "tls"
+        else:
+            self._tls_tmp = tempfile.mkdtemp(prefix="sb-emu-tls-")
+            directory = Path(self._tls_tmp)
+        hosts = [h for opt, _ in wanted for h in _tls.certificate_hosts(opt.host)]
+        # certificates are checked by clients against the real time, whatever clock the broker follows
+        self.certificates = certs = _tls.ensure_certificates(directory, hosts)
+        routes = [_tls.Route(opt.name, opt.host, port, _loopback(opt.host), self._servers[opt.name].port)
+                  for opt, port in wanted]
+        self._relay = _tls.TlsRelay(routes, certs.server_context()).start()
+        for route in routes:
+            self._servers[route.name].tls_port = route.port
+            self.info[route.name].tls_port = route.port
+            self.info[route.name].ca_file = str(certs.ca_file)
+
     def stop(self) -> None:
+        if self._relay is not None:
+            self._relay.stop()
+            self._relay = None
         for admin in self._admins.values():
             admin.stop()
         for server in self._servers.values():
             server.stop()
         self._admins.clear()
         self._servers.clear()
+        if self._tls_tmp is not None:
+            shutil.rmtree(self._tls_tmp, ignore_errors=True)
+            self._tls_tmp = None
 
     def server(self, name: str) -> NamespaceServer:
         return self._servers[name]
@@ -208,6 +290,18 @@ class Emulator:
     def heal(self, namespace: str, entity: str | None = None) -> None:
         server = self._servers[namespace]
         server.call(lambda: server.heal(entity))
+
+
+def default_namespaces(tls: bool = False) -> list[NamespaceOptions]:
+    """:data:`DEFAULT_NAMESPACES`, with their :data:`DEFAULT_TLS_PORTS` when ``tls``."""
+    if not tls:
+        return list(DEFAULT_NAMESPACES)
+    return [dataclasses.replace(n, tls_port=DEFAULT_TLS_PORTS.get(n.name, 0)) for n in DEFAULT_NAMESPACES]
+
+
+def _loopback(host: str) -> str:
+    """Where the relay reaches a namespace's plain AMQP port listening on ``host``."""
+    return {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
 
 
 class _BrokerProxy:
@@ -323,13 +417,16 @@ class EmulatorProcess:
         entities: str | Path | None = None,
         timeout: float = 30.0,
         log_file: str | Path | None = None,
+        tls: bool = False,
     ) -> EmulatorProcess:
-        """``data_dir=None`` keeps messages in memory only."""
+        """``data_dir=None`` keeps messages in memory only; ``tls`` as for :class:`Emulator`."""
         status = Path(tempfile.mkdtemp(prefix="sb-emu-")) / "status.json"
         store = ["--in-memory"] if data_dir is None else ["--data-dir", str(data_dir)]
         args = [sys.executable, "-m", "spark_sb.cli", "emulator", "start", *store, "--status-file", str(status)]
+        if tls:
+            args.append("--tls")
         for n in namespaces:
-            args += ["--namespace", f"{n.name}={n.amqp_port}:{n.admin_port}"]
+            args += ["--namespace", n.spec()]
         if entities is not None:
             args += ["--entities", str(entities)]
         return cls._launch(args, status, timeout, log_file)
@@ -371,7 +468,7 @@ class EmulatorProcess:
                 continue
             out.append(a)
         for n in self.info.values():
-            out += ["--namespace", f"{n.name}={n.amqp_port}:{n.admin_port}"]
+            out += ["--namespace", NamespaceOptions(n.name, n.amqp_port, n.admin_port, tls_port=n.tls_port).spec()]
         return self._launch(out, status, timeout, None)
 
     def kill(self) -> None:
@@ -401,11 +498,13 @@ def run_foreground(
     entities: str | Path | None,
     status_file: str | Path | None,
     out: Any = sys.stdout,
+    tls: bool = False,
 ) -> int:
-    """What ``spark-sb emulator start`` does: start, print one line per namespace, wait for a signal."""
+    """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
+    then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace and ``CA <file>``; wait for a signal."""
     import threading
 
-    emu = Emulator(namespaces, data_dir=data_dir, entities=entities)
+    emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls)
     emu.start()
     stop = threading.Event()
 
@@ -418,6 +517,11 @@ def run_foreground(
         for info in emu.info.values():
             print(f"{info.name} {info.connection_string}", file=out, flush=True)
             _LOGGER.info("%s: admin API and fault control at %s", info.name, info.admin_url)
+        for info in emu.info.values():
+            if info.tls_port is not None:
+                print(f"AMQPS {info.name} localhost:{info.tls_port}", file=out, flush=True)
+        if emu.certificates is not None:
+            print(f"CA {emu.certificates.ca_file}", file=out, flush=True)
         if status_file is not None:
             tmp = Path(str(status_file) + ".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "namespaces": [asdict(i) for i in emu.info.values()]}))

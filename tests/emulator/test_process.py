@@ -142,3 +142,55 @@ def test_kill_9_keeps_every_accepted_unsettled_message_and_every_entity(tmp_path
         restarted.stop()
     finally:
         emu.stop()
+
+
+def test_start_with_tls_prints_the_tls_ports_and_the_ca_file_and_serves_amqps(tmp_path) -> None:
+    from azure.core.credentials import AzureNamedKeyCredential
+    from azure.servicebus import TransportType
+
+    from spark_sb.emulator.server import default_namespaces
+
+    # without --namespace, --tls puts the primary on the SDK's own AMQPS port
+    assert [(n.name, n.tls_port) for n in default_namespaces(tls=True)] == [("primary", 5671), ("secondary", 5674)]
+    entities = tmp_path / "entities.yaml"
+    entities.write_text(ENTITIES)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--data-dir", str(tmp_path / "data"), "--tls",
+         "--namespace", "alpha=0:0", "--namespace", "beta=0:0:0", "--entities", str(entities)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        lines = [proc.stdout.readline().strip() for _ in range(5)]
+        assert [line.split(" ", 1)[0] for line in lines[:2]] == ["alpha", "beta"]
+        amqps = [line.split(" ") for line in lines[2:4]]
+        assert [(tag, name) for tag, name, _ in amqps] == [("AMQPS", "alpha"), ("AMQPS", "beta")]
+        tag, ca_file = lines[4].split(" ", 1)
+        assert tag == "CA" and ca_file == str((tmp_path / "data" / "tls" / "ca.pem").absolute())
+        port = int(amqps[0][2].removeprefix("localhost:"))
+        with ServiceBusClient("localhost", AzureNamedKeyCredential("RootManageSharedAccessKey", "SAS_KEY_VALUE"),
+                              custom_endpoint_address=f"sb://localhost:{port}", transport_type=TransportType.Amqp,
+                              connection_verify=ca_file, retry_total=0) as client:
+            with client.get_queue_sender("orders") as sender:
+                sender.send_messages(ServiceBusMessage("over tls"))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert proc.returncode == 0
+
+
+def test_the_subprocess_emulator_keeps_its_tls_port_across_a_restart(tmp_path) -> None:
+    emu = EmulatorProcess.start(data_dir=tmp_path, namespaces=[NamespaceOptions("p")], tls=True)
+    restarted = None
+    try:
+        before = emu["p"]
+        assert before.tls_port and before.ca_file == str(tmp_path.absolute() / "tls" / "ca.pem")
+        ca_pem = open(before.ca_file).read()
+        emu.kill()
+        restarted = emu.restart()
+        after = restarted["p"]
+        assert (after.tls_port, after.ca_file) == (before.tls_port, before.ca_file)
+        assert open(after.ca_file).read() == ca_pem
+    finally:
+        emu.stop()
+        if restarted is not None:
+            restarted.stop()
