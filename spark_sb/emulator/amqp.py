@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 from proton import Condition, Delivery, Handler, Message, Terminus, symbol, timestamp
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
-from . import aad, codec, sas
+from . import aad, codec, frames, sas
 from .broker import Broker, BrokerError, Cond, Incoming, Stored
 
 _LOGGER = logging.getLogger(__name__)
@@ -322,6 +322,10 @@ class NamespaceServer(Handler):
     @_guard
     def on_connection_bound(self, event: Any) -> None:
         transport = event.transport
+        # the reactor pushes the socket's bytes into the Transport object the acceptor made, not this wrapper
+        selectable = getattr(transport, "_selectable", None)
+        if selectable is not None and getattr(selectable, "_transport", None) is not None:
+            frames.install(selectable._transport, _tracking_info(), label=f"namespace {self.name}")
         sasl = transport.sasl()
         sasl.allowed_mechs("ANONYMOUS PLAIN EXTERNAL")
         sasl.allow_insecure_mechs = True
@@ -932,7 +936,11 @@ _MGMT_STATUS = {
 def _condition(name: str, description: str) -> Condition:
     """An error with a tracking id in its info, as the service sends: the SDK reads the info field of a
     rejected outcome by position, so it must be present."""
-    return Condition(name, description, {symbol("com.microsoft:tracking-id"): uuid.uuid4().hex})
+    return Condition(name, description, _tracking_info())
+
+
+def _tracking_info() -> dict:
+    return {symbol("com.microsoft:tracking-id"): uuid.uuid4().hex}
 
 
 def _data_object(data: Any) -> Any:
