@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-import fcntl
 import functools
 import ipaddress
 import logging
@@ -36,6 +35,11 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: one emulator per data directory there
+    fcntl = None  # type: ignore[assignment]
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -93,7 +97,8 @@ def ensure_certificates(
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with open(directory / ".lock", "a") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # two emulators on one data directory make one set
+            if fcntl is not None:
+                fcntl.flock(lock, fcntl.LOCK_EX)  # two emulators on one data directory make one set
             problem = _problem(certs, wanted, clock())
             if problem is not None:
                 _LOGGER.log(logging.WARNING if problem.startswith("cannot") else logging.INFO,
