@@ -1,6 +1,7 @@
 """Provisioning through the unmodified ``ServiceBusAdministrationClient``.
 
-``admin_client`` builds the SDK's client. For a real namespace it is exactly the SDK's client (TLS, the
+``admin_client`` builds the SDK's client (``async_admin_client``: its ``azure.servicebus.aio.management``
+counterpart, which needs aiohttp, as the SDK's async admin client does). For a real namespace it is exactly the SDK's client (TLS, the
 SDK's default transport). For an emulator connection string (``UseDevelopmentEmulator=true``), or an
 emulator reached with a Microsoft Entra ID credential (``use_tls=False``), the SDK would still build
 ``https://<namespace>/...`` URLs; the emulator serves its admin API over plain HTTP on its own port (5300
@@ -11,12 +12,16 @@ instead. (A credential's bearer token is attached before the transport rewrites 
 
 from __future__ import annotations
 
+import functools
 import logging
 import urllib.parse
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from azure.core.pipeline.transport import RequestsTransport
 from azure.servicebus.management import ServiceBusAdministrationClient
+
+if TYPE_CHECKING:
+    from azure.servicebus.aio.management import ServiceBusAdministrationClient as AsyncAdministrationClient
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -26,24 +31,24 @@ __all__ = [
     "EMULATOR_ADMIN_PORT",
     "EmulatorAdminTransport",
     "admin_client",
+    "async_admin_client",
     "admin_endpoint_of",
     "emulator_admin_endpoint",
     "namespace_admin_endpoint",
 ]
 
 
-class EmulatorAdminTransport(RequestsTransport):
-    """A ``RequestsTransport`` that sends every request to the emulator's admin endpoint.
+class _ToEmulator:
+    """Sends every request to the emulator's admin endpoint.
 
     The SDK builds ``https://<namespace>/<path>?...``; this rewrites scheme and host:port to
-    ``admin_endpoint`` (e.g. ``http://localhost:5300``) and keeps path and query. Used only for emulator
-    connection strings. Environment proxy settings are ignored unless ``use_env_settings=True`` is given:
-    the emulator is local.
+    ``admin_endpoint`` (e.g. ``http://localhost:5300``) and keeps path and query. Used only for the emulator.
+    Environment proxy settings are ignored unless ``use_env_settings=True`` is given: the emulator is local.
     """
 
     def __init__(self, admin_endpoint: str, **kwargs: Any) -> None:
         kwargs.setdefault("use_env_settings", False)
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[call-arg]
         self._scheme, self._netloc = _split_endpoint(admin_endpoint)
 
     @property
@@ -51,7 +56,7 @@ class EmulatorAdminTransport(RequestsTransport):
         return f"{self._scheme}://{self._netloc}"
 
     def __repr__(self) -> str:
-        return f"EmulatorAdminTransport(admin_endpoint={self.admin_endpoint!r})"
+        return f"{type(self).__name__}(admin_endpoint={self.admin_endpoint!r})"
 
     def rewrite(self, url: str) -> str:
         parts = urllib.parse.urlsplit(url)
@@ -59,9 +64,31 @@ class EmulatorAdminTransport(RequestsTransport):
             return url
         return urllib.parse.urlunsplit((self._scheme, self._netloc, parts.path, parts.query, parts.fragment))
 
+
+class EmulatorAdminTransport(_ToEmulator, RequestsTransport):
+    """A ``RequestsTransport`` that sends every request to the emulator's admin endpoint (see ``_ToEmulator``)."""
+
     def send(self, request: Any, **kwargs: Any) -> Any:  # type: ignore[override]
         request.url = self.rewrite(request.url)
         return super().send(request, **kwargs)
+
+
+@functools.cache
+def _async_classes() -> tuple[type, type]:
+    """The async admin client and an aiohttp transport to the emulator; ImportError naming aiohttp without it."""
+    try:
+        from azure.core.pipeline.transport import AioHttpTransport
+        from azure.servicebus.aio.management import ServiceBusAdministrationClient as AsyncClient
+    except ImportError as err:
+        raise ImportError("async_admin_client needs aiohttp, as the SDK's async admin client does: "
+                          "pip install aiohttp") from err
+
+    class AsyncEmulatorAdminTransport(_ToEmulator, AioHttpTransport):
+        async def send(self, request: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+            request.url = self.rewrite(request.url)
+            return await super().send(request, **kwargs)
+
+    return AsyncClient, AsyncEmulatorAdminTransport
 
 
 def _split_endpoint(endpoint: str) -> tuple[str, str]:
@@ -130,6 +157,30 @@ def admin_client(
     Anything else is the SDK's own client with TLS; ``admin_endpoint`` is refused there. Other keyword
     arguments go to the SDK (``retry_total``, ``api_version``, ``connection_timeout``...).
     """
+    return _build(ServiceBusAdministrationClient, EmulatorAdminTransport, connection_string,
+                  fully_qualified_namespace, credential, admin_endpoint, use_tls, kwargs)
+
+
+def async_admin_client(
+    connection_string: str | None = None,
+    *,
+    fully_qualified_namespace: str | None = None,
+    credential: Any = None,
+    admin_endpoint: str | None = None,
+    use_tls: bool = True,
+    **kwargs: Any,
+) -> AsyncAdministrationClient:
+    """:func:`admin_client` for ``azure.servicebus.aio.management``: the same arguments and choices, an async
+    client (``async with async_admin_client(conn) as admin: await admin.create_queue(...)``). Needs aiohttp;
+    ``credential`` is an async credential (``azure.identity.aio``)."""
+    client_class, transport_class = _async_classes()
+    return _build(client_class, transport_class, connection_string, fully_qualified_namespace, credential,
+                  admin_endpoint, use_tls, kwargs)
+
+
+def _build(client_class: Any, transport_class: type, connection_string: str | None,
+           fully_qualified_namespace: str | None, credential: Any, admin_endpoint: str | None, use_tls: bool,
+           kwargs: dict[str, Any]) -> Any:
     if connection_string is not None:
         if fully_qualified_namespace is not None or credential is not None:
             raise ValueError("pass either a connection string or fully_qualified_namespace and credential, not both")
@@ -137,15 +188,15 @@ def admin_client(
             if "transport" in kwargs:
                 raise ValueError("a custom transport cannot be used with an emulator connection string")
             endpoint = emulator_admin_endpoint(connection_string, admin_endpoint)
-            transport = EmulatorAdminTransport(endpoint, **kwargs)
+            transport = transport_class(endpoint, **kwargs)
             _LOGGER.debug("admin client for the emulator's admin API at %s", endpoint)
-            return ServiceBusAdministrationClient.from_connection_string(
+            return client_class.from_connection_string(
                 _without_admin_endpoint(connection_string), transport=transport, **kwargs
             )
         if admin_endpoint is not None or "adminendpoint" in _settings(connection_string):
             raise ValueError("an admin endpoint applies only to emulator connection strings "
                              "(UseDevelopmentEmulator=true); real namespaces are reached over TLS")
-        return ServiceBusAdministrationClient.from_connection_string(connection_string, **kwargs)
+        return client_class.from_connection_string(connection_string, **kwargs)
     if fully_qualified_namespace is None or credential is None:
         raise ValueError("pass a connection string, or fully_qualified_namespace and credential")
     if not use_tls:
@@ -153,12 +204,12 @@ def admin_client(
             raise ValueError("a custom transport cannot be used with use_tls=False (the emulator)")
         endpoint = namespace_admin_endpoint(fully_qualified_namespace, admin_endpoint)
         _LOGGER.debug("admin client for the emulator's admin API at %s (token credential)", endpoint)
-        return ServiceBusAdministrationClient(fully_qualified_namespace, credential,
-                                              transport=EmulatorAdminTransport(endpoint, **kwargs), **kwargs)
+        return client_class(fully_qualified_namespace, credential, transport=transport_class(endpoint, **kwargs),
+                            **kwargs)
     if admin_endpoint is not None:
         raise ValueError("an admin endpoint applies only to emulator connection strings "
                          "(UseDevelopmentEmulator=true); real namespaces are reached over TLS")
-    return ServiceBusAdministrationClient(fully_qualified_namespace, credential, **kwargs)
+    return client_class(fully_qualified_namespace, credential, **kwargs)
 
 
 def namespace_admin_endpoint(fully_qualified_namespace: str, admin_endpoint: str | None = None) -> str:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import sys
 import uuid
 from typing import Any
 
+import pytest
 from azure.servicebus import (
     ServiceBusClient,
     ServiceBusMessage,
@@ -30,7 +32,8 @@ from azure.servicebus.aio import ServiceBusClient as AsyncServiceBusClient
 from azure.servicebus.amqp import AmqpAnnotatedMessage, AmqpMessageBodyType
 from azure.servicebus.management import SqlRuleFilter
 
-from spark_sb.admin import admin_client
+from spark_sb import admin as admin_module
+from spark_sb.admin import admin_client, async_admin_client
 from spark_sb.emulator import NamespaceInfo
 
 
@@ -243,3 +246,42 @@ def test_the_management_samples_run_through_the_admin_wrapper(primary: Namespace
             admin.delete_topic(topic)
             admin.delete_queue(queue)
         assert queue not in [q.name for q in admin.list_queues()]
+
+
+def test_the_async_management_samples_run_through_the_async_admin_wrapper(primary: NamespaceInfo) -> None:
+    """mgmt_queue_async, mgmt_topic_async, mgmt_subscription_async, mgmt_rule_async,
+    topic_subscription_with_rule_operations_async: ``async_admin_client(connection_string)`` in place of the async
+    ``ServiceBusAdministrationClient.from_connection_string``."""
+    queue, topic = f"async-queue-{uuid.uuid4().hex[:6]}", f"async-topic-{uuid.uuid4().hex[:6]}"
+
+    async def run() -> dict[str, Any]:
+        async with async_admin_client(primary.connection_string, admin_endpoint=primary.admin_url) as admin:
+            await admin.create_queue(queue, max_delivery_count=7)
+            await admin.create_topic(topic)
+            await admin.create_subscription(topic, "sub")
+            await admin.create_rule(topic, "sub", "params", filter=SqlRuleFilter("Color = @c", parameters={"@c": "Red"}))
+            out = {
+                "queues": [q.name async for q in admin.list_queues()],
+                "delivery": (await admin.get_queue(queue)).max_delivery_count,
+                "rules": sorted([r.name async for r in admin.list_rules(topic, "sub")]),
+                "subscriptions": (await admin.get_topic_runtime_properties(topic)).subscription_count,
+            }
+            await admin.delete_topic(topic)
+            await admin.delete_queue(queue)
+            out["after"] = [q.name async for q in admin.list_queues()]
+            return out
+
+    out = asyncio.run(run())
+    assert queue in out["queues"] and queue not in out["after"]
+    assert out["delivery"] == 7 and out["rules"] == ["$Default", "params"] and out["subscriptions"] == 1
+
+
+def test_without_aiohttp_the_async_admin_client_says_what_to_install(primary: NamespaceInfo, monkeypatch) -> None:
+    admin_module._async_classes.cache_clear()
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    monkeypatch.setitem(sys.modules, "azure.core.pipeline.transport._aiohttp", None)
+    try:
+        with pytest.raises(ImportError, match="pip install aiohttp"):
+            async_admin_client(primary.connection_string)
+    finally:
+        admin_module._async_classes.cache_clear()
