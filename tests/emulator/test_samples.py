@@ -6,7 +6,8 @@ Samples whose calls other modules already follow:
   (``test_sessions``);
 - ``session_pool_receive``, ``session_send_receive`` (state, reopening at once): ``test_sessions``;
 - ``topic_subscription_with_rule_operations``, ``mgmt_rule``: ``test_rules``, ``test_admin``;
-- ``mgmt_queue``, ``mgmt_topic``, ``mgmt_subscription``: ``test_admin`` (through the project's admin wrapper);
+- ``mgmt_queue``, ``mgmt_topic``, ``mgmt_subscription``: ``test_admin`` too (through the project's admin wrapper;
+  their async versions through ``async_admin_client``, here);
 - ``receive_deferred_message_queue``, ``receive_peek``, ``schedule_messages_and_cancellation``,
   ``receive_deadlettered_messages``: ``test_sdk_dataplane``;
 - the credential samples (``authenticate_using_azure_named_key_credential``, ``..._sas_credential``,
