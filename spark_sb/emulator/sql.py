@@ -208,19 +208,20 @@ class _Parser:
             raise self.fail("unexpected text")
 
     # -- expressions
-    def expression(self) -> Expr:
-        left = self.conjunction()
-        while self.accept("kw", "OR"):
-            right = self.conjunction()
-            left = _or(left, right)
+    def _chain(self, operand: Callable[[], Expr], kind: str, ops: tuple[str, ...],
+               combine: Callable[[str, Expr, Expr], Expr]) -> Expr:
+        """``operand (op operand)*``, left-associative: every binary level of the grammar."""
+        left = operand()
+        while self.peek().kind == kind and self.peek().value in ops:
+            op = str(self.take().value)
+            left = combine(op, left, operand())
         return left
 
+    def expression(self) -> Expr:
+        return self._chain(self.conjunction, "kw", ("OR",), lambda _op, a, b: _or(a, b))
+
     def conjunction(self) -> Expr:
-        left = self.negation()
-        while self.accept("kw", "AND"):
-            right = self.negation()
-            left = _and(left, right)
-        return left
+        return self._chain(self.negation, "kw", ("AND",), lambda _op, a, b: _and(a, b))
 
     def negation(self) -> Expr:
         if self.accept("kw", "NOT"):
@@ -289,20 +290,10 @@ class _Parser:
         return left
 
     def additive(self) -> Expr:
-        left = self.multiplicative()
-        while self.peek().kind == "op" and self.peek().value in ("+", "-"):
-            op = str(self.take().value)
-            right = self.multiplicative()
-            left = _binary(op, left, right)
-        return left
+        return self._chain(self.multiplicative, "op", ("+", "-"), _binary)
 
     def multiplicative(self) -> Expr:
-        left = self.unary()
-        while self.peek().kind == "op" and self.peek().value in ("*", "/", "%"):
-            op = str(self.take().value)
-            right = self.unary()
-            left = _binary(op, left, right)
-        return left
+        return self._chain(self.unary, "op", ("*", "/", "%"), _binary)
 
     def unary(self) -> Expr:
         if self.accept("op", "-"):
