@@ -135,6 +135,7 @@ class NamespaceServer(Handler):
         #: the port of this namespace's AMQPS (TLS) endpoint, when it has one: a client that came through it names
         #: that port in its token audiences
         self.tls_port: int | None = None
+        self._warned_unfiltered = False
         self.keys = dict(keys)
         #: Microsoft Entra ID: verifies ``jwt`` put-tokens (None: only SAS tokens are accepted)
         self.authority = authority
@@ -326,6 +327,11 @@ class NamespaceServer(Handler):
         selectable = getattr(transport, "_selectable", None)
         if selectable is not None and getattr(selectable, "_transport", None) is not None:
             frames.install(selectable._transport, _tracking_info(), label=f"namespace {self.name}")
+        elif not self._warned_unfiltered:
+            self._warned_unfiltered = True
+            _LOGGER.warning("namespace %s: this Proton version hides the transport the reactor reads into; "
+                            "clients that number deliveries out of sequence (AutoLockRenewer) will be disconnected",
+                            self.name)
         sasl = transport.sasl()
         sasl.allowed_mechs("ANONYMOUS PLAIN EXTERNAL")
         sasl.allow_insecure_mechs = True

@@ -220,3 +220,27 @@ def test_a_connection_the_engine_cannot_read_is_closed_with_an_error_the_sdk_can
     error = closes[0].value[0]
     assert str(error.value[0]).startswith("amqp:")  # the engine's condition and description, as before
     assert len(error.value) == 3 and "com.microsoft:tracking-id" in {str(k) for k in error.value[2]}
+
+
+def test_a_transport_the_filter_cannot_reach_is_served_and_said_once(caplog) -> None:
+    """Should a Proton release stop exposing the transport its reactor pushes into, the emulator still serves
+    the connection, and says once that out-of-sequence clients will be disconnected."""
+    from types import SimpleNamespace
+
+    from proton import Connection, Transport
+
+    from spark_sb.emulator.amqp import NamespaceServer
+
+    server = NamespaceServer("bare", lambda _on_available: None, keys={"k": "v"})  # type: ignore[arg-type,return-value]
+    events = []
+    for _ in range(2):
+        transport, connection = Transport(Transport.SERVER), Connection()
+        transport.bind(connection)
+        events.append(SimpleNamespace(transport=transport, connection=connection))
+    with caplog.at_level("WARNING", logger="spark_sb.emulator.amqp"):
+        for event in events:
+            server.on_connection_bound(event)
+    assert [r.getMessage() for r in caplog.records if "out of sequence" in r.getMessage()] == [
+        "namespace bare: this Proton version hides the transport the reactor reads into; clients that number "
+        "deliveries out of sequence (AutoLockRenewer) will be disconnected"]
+    assert len(server._connections) == 2  # both served
