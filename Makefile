@@ -4,18 +4,42 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 
+# The other Spark versions `make test` tries, each in its own environment made on first use like .venv
+# (README, "Spark versions"): Databricks 17.3 LTS (Spark 4.0), 18 LTS (Spark 4.1) and, for the sink,
+# 16.4 LTS (Spark 3.5). The development pin (.venv) is Spark 4.2, Databricks 19.
+SPARK_VERSIONS := 4.0 4.1 3.5
+PINS_4.0 := 'pyspark[connect]==4.0.2' 'delta-spark==4.0.1'
+PINS_4.1 := 'pyspark[connect]==4.1.4' 'delta-spark==4.1.0' 'importlib-metadata>=1'
+PINS_3.5 := 'pyspark[connect]==3.5.8' 'delta-spark==3.3.2'
+SPARK_VENVS := $(foreach v,$(SPARK_VERSIONS),.venv-spark$(v))
+# on the other versions: the Spark tests of the sink, both sources, the syphon job and dedupe
+EVERY_SPARK := -m every_spark
+
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-.PHONY: demo test lint bench chaos
+.venv-spark%/.installed: pyproject.toml
+	$(PYTHON) -m venv .venv-spark$*
+	.venv-spark$*/bin/python -m pip install -q --upgrade pip
+	.venv-spark$*/bin/python -m pip install -q -e '.[emulator,test]' 'pyarrow>=15' 'pandas<3' 'matplotlib>=3.8' $(PINS_$*)
+	touch $@
+
+.PHONY: demo test test-spark-versions lint bench chaos
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed $(SPARK_VENVS:%=%/.installed)
 	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(MAKE) --no-print-directory test-spark-versions
+
+test-spark-versions: $(SPARK_VENVS:%=%/.installed)
+	@for v in $(SPARK_VERSIONS); do \
+	  echo "== Spark $$v (.venv-spark$$v): the Spark tests of the sink, the sources, the syphon job and dedupe"; \
+	  .venv-spark$$v/bin/python -m pytest -q -n 2 --dist loadfile $(EVERY_SPARK) tests/spark || exit 1; \
+	done
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
