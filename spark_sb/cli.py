@@ -42,9 +42,14 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
 
     fault = esub.add_parser("fault", help="inject a fault into a running namespace")
     fault.add_argument("--admin", required=True, metavar="URL", help="the namespace's admin URL, e.g. http://localhost:5300")
-    from .emulator.amqp import FAULT_KINDS
+    kinds: tuple[str, ...] | None
+    try:
+        from .emulator import FAULT_KINDS
 
-    fault.add_argument("kind", choices=FAULT_KINDS)
+        kinds = FAULT_KINDS
+    except ModuleNotFoundError:  # no [emulator] extra (a cluster): the command says so when run (_emulator)
+        kinds = None
+    fault.add_argument("kind", choices=kinds)
     fault.add_argument("--entity", metavar="PATH", help="limit the fault to one entity (default: the whole namespace)")
     fault.add_argument("--duration", type=float, metavar="SECONDS", help="heal by itself after this many seconds")
 
@@ -142,8 +147,12 @@ def _paired(args: argparse.Namespace) -> int:
 
 
 def _emulator(args: argparse.Namespace) -> int:
-    from .emulator import server
-    from .emulator.model import EntityConfigError
+    try:
+        from .emulator import server
+        from .emulator.model import EntityConfigError
+    except ModuleNotFoundError as err:  # a core install: "spark-sb emulator needs the emulator extra: pip install ..."
+        print(err, file=sys.stderr)
+        return 2
 
     if args.action == "start":
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,

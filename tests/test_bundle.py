@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 from databricks.bundles.jobs import Job
-from test_packaging import build_wheel, resolve, wheel_entry_points
+from test_packaging import build_wheel, resolve, wheel_entry_points, wheel_requires
 
 from spark_sb.config import load_config
 from spark_sb.errors import ConfigError
@@ -198,6 +198,24 @@ def test_every_entry_point_the_bundle_names_is_in_the_built_wheel_and_callable(w
         assert entry_point in points, f"{entry_point} is not an entry point of {wheel.name}: {sorted(points)}"
         assert callable(resolve(points[entry_point]))
         assert points[entry_point].startswith("spark_sb."), "package_name spark_sb holds it"
+
+
+#: what the Databricks runtime brings itself (Spark, Delta) and what only the local emulator needs
+_NOT_ON_THE_CLUSTER = {"pyspark", "delta-spark", "python-qpid-proton", "cryptography", "pyjwt"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_jobs_install_the_wheel_without_extras_and_it_brings_no_spark_delta_or_emulator(
+        target: str, wheel: Path) -> None:
+    """The runtime's own pyspark and Delta stay untouched: the jobs' one library is the wheel, with no extra and no
+    other package, and what it requires without extras names neither them nor the emulator's dependencies."""
+    for name, job in jobs_of(resolve_bundle(ROOT, target, {"catalog": "sales"})).items():
+        [task] = job.tasks
+        assert [library.as_dict() for library in task.libraries] == [{"whl": "../dist/*.whl"}], name
+        assert not job.environments, f"{name}: no job environment installs other packages"
+    requires = wheel_requires(wheel)
+    assert requires[None] and not requires[None] & _NOT_ON_THE_CLUSTER, sorted(requires[None])
+    assert _NOT_ON_THE_CLUSTER <= requires["spark"] | requires["emulator"], "the extras still name them"
 
 
 @pytest.mark.parametrize(("target", "catalog", "schema"), [("dev", "main", "spark_sb_jane_doe"),

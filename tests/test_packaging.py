@@ -1,6 +1,8 @@
-"""Packaging as a user meets it: ``pip wheel .`` gives one wheel; installed without pyspark it gives the Spark-free
-core (``import spark_sb``, the ``spark-sb`` command, the emulator), and its job entry points (the Databricks
-bundle's python_wheel_tasks) ask for ``spark-sb[spark]`` instead of failing with a traceback.
+"""Packaging as a user meets it: ``pip wheel .`` gives one wheel; installed without extras (``pip install spark-sb``,
+as on a cluster) it gives the Spark-free core (``import spark_sb``, the ``spark-sb`` command) without the emulator's
+python-qpid-proton, and its job entry points (the Databricks bundle's python_wheel_tasks) ask for
+``spark-sb[spark]`` and the emulator's commands for ``spark-sb[emulator]`` instead of failing with a traceback.
+With ``[emulator]`` added, the emulator runs and the SDK sends and receives through it.
 
 The wheel is built once per session (:func:`build_wheel`, shared with tests/test_bundle.py) from a copy of the
 package's sources, so that a stale ``build/`` directory of the working tree cannot slip into it."""
@@ -18,7 +20,6 @@ import subprocess
 import sys
 import time
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,10 @@ SCRIPTS = {"spark-sb": "spark_sb.cli:main", "spark-sb-writer": "spark_sb.jobs:wr
            "spark-sb-syphon": "spark_sb.jobs:syphon_main"}
 SPARK_ONLY = ("pyspark", "py4j", "delta", "pyarrow", "pandas")
 SPARK_EXTRA = "pip install 'spark-sb[spark]'"
+#: the [emulator] extra's distributions and their top-level modules
+EMULATOR_DISTS = ("python-qpid-proton", "cryptography", "pyjwt")
+EMULATOR_MODULES = ("proton", "cproton", "_cproton", "cryptography", "jwt")
+EMULATOR_EXTRA = "spark-sb emulator needs the emulator extra: pip install 'spark-sb[emulator]' (No module named 'proton')"
 
 
 def build_wheel(dest: Path) -> Path:
@@ -72,6 +77,18 @@ def wheel_metadata(wheel: Path) -> list[str]:
         return archive.read(name).decode("utf-8").splitlines()
 
 
+def wheel_requires(wheel: Path) -> dict[str | None, set[str]]:
+    """The projects the wheel's Requires-Dist names, per extra (``None``: the core, what ``pip install spark-sb``
+    brings), lower case."""
+    found: dict[str | None, set[str]] = {}
+    for line in wheel_metadata(wheel):
+        if line.startswith("Requires-Dist:"):
+            requirement = line.split(":", 1)[1].strip()
+            extra = re.search(r'extra == "([^"]+)"', requirement)
+            found.setdefault(extra.group(1) if extra else None, set()).add(_project(requirement))
+    return found
+
+
 def _project(requirement: str) -> str:
     """The project name a Requires-Dist line starts with, lower case."""
     match = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement)
@@ -105,28 +122,50 @@ def test_pip_wheel_gives_one_wheel_with_the_package_and_the_three_commands(wheel
         assert callable(resolve(target)), f"{name} = {target} is not a callable of the package"
 
 
-def test_the_core_requires_no_spark_and_the_spark_extra_adds_it(wheel: Path) -> None:
-    requires = [line.split(":", 1)[1].strip() for line in wheel_metadata(wheel) if line.startswith("Requires-Dist:")]
-    core = [r for r in requires if "extra ==" not in r]
-    spark = [r for r in requires if 'extra == "spark"' in r]
-    assert core and not [r for r in core if _project(r) in SPARK_ONLY + ("delta-spark",)], core
-    assert {_project(r) for r in spark} >= {"pyspark", "delta-spark", "pyarrow", "pandas"}
+def test_the_core_requires_no_spark_and_no_emulator_and_the_extras_add_them(wheel: Path) -> None:
+    requires = wheel_requires(wheel)
+    assert "azure-servicebus" in requires[None]
+    assert not requires[None] & {*SPARK_ONLY, "delta-spark", *EMULATOR_DISTS}, requires[None]
+    assert requires["spark"] >= {"pyspark", "delta-spark", "pyarrow", "pandas"}
+    assert requires["emulator"] == set(EMULATOR_DISTS)
+    # the development environment (make demo, make test) has the emulator: dev requires spark-sb[emulator,...]
+    [itself] = [line for line in wheel_metadata(wheel)
+                if line.startswith("Requires-Dist: spark-sb[") and 'extra == "dev"' in line]
+    assert "emulator" in re.findall(r"[\w-]+", itself.split("[", 1)[1].split("]")[0]), itself
 
 
-# --- the wheel in a fresh virtual environment without pyspark ---------------------------------------------------
+# --- the wheel in fresh virtual environments without pyspark ----------------------------------------------------
 
-@pytest.fixture(scope="module")
-def bare_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A new virtual environment with only the wheel and its core dependencies (from PyPI or pip's cache). The
-    venv is made without its own pip (ensurepip costs 4 s): this interpreter's pip installs into it."""
-    venv = tmp_path_factory.mktemp("bare-venv")
+def _fresh_venv(venv: Path, *requirements: str) -> Path:
+    """A new virtual environment at ``venv`` with each of ``requirements`` pip-installed in turn (from PyPI or pip's
+    cache); its bin directory. The venv is made without its own pip (ensurepip costs 4 s): this interpreter's pip
+    installs into it."""
     started = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    result = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-                             "--quiet", str(wheel)], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"pip install {wheel.name} failed:\n{result.stderr[-3000:]}"
-    _LOGGER.info("fresh venv + pip install %s: %.1f s", wheel.name, time.monotonic() - started)
-    yield venv / "bin"
+    for requirement in requirements:
+        result = _pip(venv / "bin", "install", "--quiet", requirement, timeout=600)
+        assert result.returncode == 0, f"pip install {requirement} failed:\n{result.stderr[-3000:]}"
+    _LOGGER.info("fresh venv + pip install %s: %.1f s", " + ".join(Path(r).name for r in requirements),
+                 time.monotonic() - started)
+    return venv / "bin"
+
+
+def _pip(bin_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """This interpreter's pip run on the venv of ``bin_dir``."""
+    return subprocess.run([sys.executable, "-m", "pip", "--python", str(bin_dir / "python"), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def bare_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``pip install spark-sb``: the wheel and its core dependencies only, as on a cluster."""
+    return _fresh_venv(tmp_path_factory.mktemp("bare-venv"), str(wheel))
+
+
+@pytest.fixture(scope="module")
+def emulator_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The core install, then ``pip install 'spark-sb[emulator]'`` on top of it (the wheel with the extra)."""
+    return _fresh_venv(tmp_path_factory.mktemp("emulator-venv"), str(wheel), f"{wheel}[emulator]")
 
 
 def _run(bin_dir: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -136,29 +175,74 @@ def _run(bin_dir: Path, *args: str, timeout: float = 60) -> subprocess.Completed
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=bin_dir.parent)
 
 
+def _required_by(pip_show: str) -> dict[str, set[str]]:
+    """``{distribution: the installed distributions that require it}`` from ``pip show``'s output, lower case."""
+    found: dict[str, set[str]] = {}
+    for block in pip_show.split("\n---\n"):
+        fields = dict(line.split(": ", 1) for line in block.splitlines() if ": " in line)
+        found[fields["Name"].lower()] = {d.strip().lower() for d in fields.get("Required-by", "").split(",") if d.strip()}
+    return found
+
+
 @pytest.mark.slow
-def test_without_pyspark_the_core_imports_and_the_cli_and_the_emulator_work(bare_venv: Path, tmp_path: Path) -> None:
+def test_without_extras_the_core_imports_without_pyspark_or_the_emulator(bare_venv: Path) -> None:
     code = ("import importlib.util, json, sys, spark_sb\n"
             "from spark_sb import PairedSender, Syphon, load_config, ConfigError\n"
             "from spark_sb.replication import ReplicatingSender, DedupeReceiver\n"
-            "import spark_sb.cli, spark_sb.emulator, spark_sb.admin, spark_sb.jobs\n"
-            f"print(json.dumps({{'installed': [m for m in {SPARK_ONLY!r} if importlib.util.find_spec(m)],\n"
-            f"                  'loaded': sorted(m for m in sys.modules if m.split('.')[0] in {SPARK_ONLY!r}),\n"
+            "import spark_sb.config, spark_sb.paired, spark_sb.bus, spark_sb.admin, spark_sb.cli, spark_sb.jobs\n"
+            "spark_sb.cli.build_parser()\n"
+            f"absent, unloaded = {SPARK_ONLY + ('proton', 'cproton')!r}, {SPARK_ONLY + EMULATOR_MODULES!r}\n"
+            "print(json.dumps({'installed': [m for m in absent if importlib.util.find_spec(m)],\n"
+            "                  'loaded': sorted(m for m in sys.modules if m.split('.')[0] in unloaded\n"
+            "                                  or m.startswith('spark_sb.emulator')),\n"
             "                  'from': spark_sb.__file__}))")
     found = _run(bare_venv, "python", "-c", code)
     assert found.returncode == 0, found.stderr
     report = json.loads(found.stdout)
-    assert report["installed"] == [], "the venv must not hold pyspark for this test to mean anything"
-    assert report["loaded"] == []
+    assert report["installed"] == [], "neither pyspark nor python-qpid-proton comes with pip install spark-sb"
+    assert report["loaded"] == [], "the core imports no Spark, no emulator and none of the emulator's dependencies"
     assert report["from"].startswith(str(bare_venv.parent)), "spark_sb must come from the installed wheel"
+
+    assert _pip(bare_venv, "show", "python-qpid-proton").returncode == 1, "python-qpid-proton is not installed"
+    # cryptography and PyJWT are azure-identity's (through msal) too: if present, spark-sb is not why
+    shown = _pip(bare_venv, "show", "cryptography", "PyJWT")
+    for dist, required_by in _required_by(shown.stdout).items():
+        assert required_by and "spark-sb" not in required_by, f"{dist} is required by {sorted(required_by)}"
 
     cli_help = _run(bare_venv, "spark-sb", "--help")
     assert cli_help.returncode == 0 and "emulator" in cli_help.stdout, cli_help.stderr
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", [
+    # free ports and no data: where the emulator would start after all, it runs until the timeout and fails the test
+    ["emulator", "start", "--in-memory", "--namespace", "primary=0:0"],
+    ["emulator", "fault", "--admin", "http://localhost:5300", "down"],
+    ["emulator", "heal", "--admin", "http://localhost:5300"]], ids=["start", "fault", "heal"])
+def test_without_the_emulator_extra_the_emulator_commands_name_it(bare_venv: Path, command: list[str]) -> None:
+    ran = _run(bare_venv, "spark-sb", *command, timeout=20)
+    assert (ran.returncode, ran.stderr) == (2, EMULATOR_EXTRA + "\n"), ran.stderr
+
+
+@pytest.mark.slow
+def test_without_the_emulator_extra_importing_the_emulator_names_it(bare_venv: Path) -> None:
+    imported = _run(bare_venv, "python", "-c", "from spark_sb.emulator import EmulatorProcess")
+    assert imported.returncode == 1
+    assert imported.stderr.splitlines()[-1] == f"ModuleNotFoundError: {EMULATOR_EXTRA}", imported.stderr
+
+
+@pytest.mark.slow
+def test_with_the_emulator_extra_the_emulator_sends_and_receives(emulator_venv: Path, tmp_path: Path) -> None:
+    code = ("import importlib.util, json, spark_sb.emulator\n"
+            f"print(json.dumps([m for m in {SPARK_ONLY!r} if importlib.util.find_spec(m)]))")
+    found = _run(emulator_venv, "python", "-c", code)
+    assert found.returncode == 0, found.stderr
+    assert json.loads(found.stdout) == [], "the emulator extra brings no Spark"
+
     entities = tmp_path / "entities.yaml"
     entities.write_text("queues:\n  - name: orders\n")
     emulator = subprocess.Popen(
-        [str(bare_venv / "spark-sb"), "emulator", "start", "--in-memory", "--entities", str(entities),
+        [str(emulator_venv / "spark-sb"), "emulator", "start", "--in-memory", "--entities", str(entities),
          "--namespace", "primary=0:0", "--namespace", "secondary=0:0", "-v"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -175,7 +259,7 @@ def test_without_pyspark_the_core_imports_and_the_cli_and_the_emulator_work(bare
             "        for message in got:\n"
             "            receiver.complete_message(message)\n"
             "        print([(m.message_id, str(m)) for m in got])\n")
-        sent = _run(bare_venv, "python", "-c", round_trip, lines["primary"], timeout=60)
+        sent = _run(emulator_venv, "python", "-c", round_trip, lines["primary"], timeout=60)
         if sent.returncode:
             emulator.terminate()
             log = emulator.communicate(timeout=15)[1]

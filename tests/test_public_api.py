@@ -4,6 +4,7 @@ module of the package imports one that imports it back."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,51 @@ def test_the_spark_edge_without_pyspark_says_which_extra_to_install() -> None:
             "    print(err)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "spark_sb.PairedSink needs Spark: pip install 'spark-sb[spark]'" in out, out
+
+
+#: the [emulator] extra's top-level modules (python-qpid-proton, cryptography, PyJWT)
+EMULATOR_ONLY = ("proton", "cproton", "_cproton", "cryptography", "jwt")
+EMULATOR_EXTRA = "spark-sb emulator needs the emulator extra: pip install 'spark-sb[emulator]' (No module named 'proton')"
+
+
+def test_without_the_emulator_extra_every_other_module_imports_and_the_emulator_commands_name_the_extra() -> None:
+    """A core install (a cluster) has none of the emulator extra's modules: they are made unfindable here."""
+    modules = sorted(_module_name(p) for p in PACKAGE.rglob("*.py") if "emulator" not in p.relative_to(PACKAGE).parts)
+    assert {"spark_sb.cli", "spark_sb.config", "spark_sb.admin", "spark_sb.bus", "spark_sb.paired"} <= set(modules)
+    code = ("import contextlib, importlib, io, json, sys\n"
+            "class Gone:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            f"        if name.split('.')[0] in {EMULATOR_ONLY!r}:\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Gone())\n"
+            "failed = {}\n"
+            "for name in sys.argv[1:]:\n"
+            "    try:\n"
+            "        importlib.import_module(name)\n"
+            "    except Exception as err:\n"
+            "        failed[name] = repr(err)\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('spark_sb.emulator'))\n"
+            "from spark_sb.cli import main\n"
+            "runs = {}\n"
+            "for argv in (['emulator', 'start'], ['emulator', 'fault', '--admin', 'http://localhost:5300', 'down'],\n"
+            "             ['emulator', 'heal', '--admin', 'http://localhost:5300']):\n"
+            "    err = io.StringIO()\n"
+            "    with contextlib.redirect_stderr(err):\n"
+            "        runs[' '.join(argv[:2])] = [main(argv), err.getvalue()]\n"
+            "try:\n"
+            "    from spark_sb.emulator import EmulatorProcess\n"
+            "    imported = 'no error'\n"
+            "except ImportError as err:\n"
+            "    imported = str(err)\n"
+            "print(json.dumps({'failed': failed, 'loaded': loaded, 'runs': runs, 'import': imported}))")
+    out = subprocess.run([sys.executable, "-c", code, *modules], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["failed"] == {}
+    assert report["loaded"] == [], "a module outside spark_sb.emulator imports it"
+    for command, (status, stderr) in report["runs"].items():
+        assert (status, stderr) == (2, EMULATOR_EXTRA + "\n"), command
+    assert report["import"] == EMULATOR_EXTRA
 
 
 def _module_name(path: Path) -> str:

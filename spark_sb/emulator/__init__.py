@@ -1,20 +1,31 @@
 """A local Azure Service Bus that the unmodified azure-servicebus SDK talks to.
 
-Imports nothing from the rest of spark_sb but the leaf :mod:`spark_sb.durations`.
+Imports nothing from the rest of spark_sb but the leaf :mod:`spark_sb.durations`. Needs the ``[emulator]`` extra
+(python-qpid-proton, cryptography, PyJWT); without it, importing this package (or any of its modules) raises
+ModuleNotFoundError naming ``pip install 'spark-sb[emulator]'``.
 """
 
 from __future__ import annotations
 
-from .amqp import FAULT_KINDS
-from .server import (
-    DEFAULT_NAMESPACES,
-    Emulator,
-    EmulatorProcess,
-    NamespaceInfo,
-    NamespaceOptions,
-    fault,
-    heal,
-)
+#: the top-level modules of the [emulator] extra: python-qpid-proton, cryptography, PyJWT
+_EXTRA_MODULES = frozenset({"proton", "cproton", "_cproton", "cryptography", "jwt"})
+
+try:
+    from .amqp import FAULT_KINDS
+    from .server import (
+        DEFAULT_NAMESPACES,
+        Emulator,
+        EmulatorProcess,
+        NamespaceInfo,
+        NamespaceOptions,
+        fault,
+        heal,
+    )
+except ModuleNotFoundError as err:  # a core install (a cluster) has no emulator: say which extra brings it
+    if (err.name or "").partition(".")[0] not in _EXTRA_MODULES:
+        raise
+    raise ModuleNotFoundError(f"spark-sb emulator needs the emulator extra: pip install 'spark-sb[emulator]' ({err})",
+                              name=err.name) from err
 
 __all__ = [
     "DEFAULT_NAMESPACES",
