@@ -1,6 +1,7 @@
 """The paired writer: a Structured Streaming job that sends its rows to Service Bus through the paired sink.
 
     spark-submit --packages io.delta:delta-spark_2.13:4.4.0 jobs/paired_writer.py --conf conf/local.yaml
+    # (Delta for Spark 4.2; spark_sb.capabilities.delta_package() names it for the installed delta-spark)
     python jobs/paired_writer.py --conf conf/local.yaml [--max-batches N]   # a local session (local[2])
 
 A thin wrapper over :func:`spark_sb.jobs.writer_main` (also installed as the ``spark-sb-writer`` command and

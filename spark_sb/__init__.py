@@ -12,6 +12,7 @@ sender, the syphon core, the configuration) never import pyspark.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -82,6 +83,13 @@ _SPARK_MODULES = (".sink", ".source")
 _SPARK_PACKAGES = ("pyspark", "pyarrow", "pandas", "delta", "py4j")
 
 
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
@@ -89,7 +97,10 @@ def __getattr__(name: str) -> Any:
     try:
         loaded = importlib.import_module(module, __name__)
     except ModuleNotFoundError as err:
-        if module in _SPARK_MODULES and (err.name or "").split(".")[0] in _SPARK_PACKAGES:
+        top = (err.name or "").split(".")[0]
+        # only a package that is not installed at all calls for the extra; a module missing from an installed
+        # Spark is a version gap (spark_sb.capabilities names those), not an install hint
+        if module in _SPARK_MODULES and top in _SPARK_PACKAGES and not _installed(top):
             raise ImportError(f"spark_sb.{name} needs Spark: pip install 'spark-sb[spark]' ({err})",
                               name=err.name) from err
         raise

@@ -81,6 +81,7 @@ __all__ = [
     "EntityNotFoundError",
     "ErrorClass",
     "PairingError",
+    "UnsupportedSparkError",
     "ReplicationError",
     "SparkSbError",
     "as_spark_sb_error",
@@ -189,6 +190,12 @@ class ConfigError(SparkSbError, ValueError):
     def with_option(self, option: str) -> ConfigError:
         """The same error naming the option differently (e.g. as the user spelled a Spark option)."""
         return ConfigError(option, self.problem, self._value)
+
+
+class UnsupportedSparkError(SparkSbError, ImportError):
+    """The running Spark lacks what a part of spark-sb needs (the streaming sources on Spark 3.5, which has no
+    Python data sources), or its Delta is built for another Spark. The message names the Spark version, what is
+    missing and what to install or where it runs."""
 
 
 class PairingError(SparkSbError):

@@ -30,13 +30,18 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from .capabilities import (
+    check_delta_pairing,
+    delta_package,
+    require_python_data_sources,
+    spark_version,
+    trigger_available_now,
+)
 from .config import load_config
-from .errors import ConfigError
+from .errors import ConfigError, UnsupportedSparkError
 
 _LOGGER = logging.getLogger(__name__)
 
-#: Delta Lake's Maven coordinates, fetched by a local session (on Databricks Delta is built in)
-DELTA_PACKAGE = "io.delta:delta-spark_2.13:4.4.0"
 _NEEDS_SPARK = "needs pyspark and delta-spark: pip install 'spark-sb[spark]'"
 
 
@@ -50,17 +55,18 @@ def jvm_log_path(app_name: str) -> Path:
 
 
 def _delta_jars_cached() -> bool:
-    """Whether Delta's jar is already in Spark's default Ivy cache (``~/.ivy2.5.2`` since Spark 4)."""
-    group, artifact, version = DELTA_PACKAGE.split(":")
-    name = f"{group}_{artifact}-{version}.jar"
-    return any((home / "jars" / name).exists() for home in Path.home().glob(".ivy2*"))
+    """Whether Delta's jar is already in Spark's default Ivy cache (``~/.ivy2.5.2`` since Spark 4, ``~/.ivy2``
+    before)."""
+    group, artifact, version = delta_package().split(":")
+    return any(any((home / "jars").glob(f"{group}_{artifact.split('_')[0]}*-{version}.jar"))
+               for home in Path.home().glob(".ivy2*"))
 
 
 def starting_line(app_name: str, jvm_log: Path | None = None) -> str:
     """What :func:`build_session` is about to do for a local session, in one line: where Spark's console output
     goes, and whether Delta Lake's jars are fetched from Maven Central first (once per machine)."""
     log = jvm_log or jvm_log_path(app_name)
-    fetch = "" if _delta_jars_cached() else f"fetching Delta Lake's jars ({DELTA_PACKAGE}) from Maven Central, once; "
+    fetch = "" if _delta_jars_cached() else f"fetching Delta Lake's jars ({delta_package()}) from Maven Central, once; "
     return f"starting Spark ({app_name}): {fetch}its console output goes to {log}"
 
 
@@ -87,9 +93,10 @@ def _console_to(log: Path) -> Iterator[None]:
 
 def build_session(app_name: str = "spark-sb", master: str | None = None, *, jvm_log: Path | None = None) -> Any:
     """The active session, else a new one: as is on Databricks (Delta built in) and under ``spark-submit``
-    (pass ``--packages io.delta:delta-spark_2.13:4.4.0``: the JVM is already running), else a local session
-    (``local[2]``, or ``master`` / ``$SPARK_MASTER``) with Delta configured through
-    ``configure_spark_with_delta_pip``. A session this function starts writes the JVM's console output to
+    (pass ``--packages`` :func:`~spark_sb.capabilities.delta_package`, e.g. ``io.delta:delta-spark_2.13:4.4.0``
+    for Spark 4.2: the JVM is already running), else a local session (``local[2]``, or ``master`` /
+    ``$SPARK_MASTER``) with Delta configured through ``configure_spark_with_delta_pip``. A delta-spark built for
+    another Spark than the installed one is refused at once, naming both. A session this function starts writes the JVM's console output to
     :func:`jvm_log_path` (or ``jvm_log``) and logs one line saying so, and one more when Delta's jars are
     fetched from Maven Central (the first run on a machine)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -103,6 +110,7 @@ def build_session(app_name: str = "spark-sb", master: str | None = None, *, jvm_
         return builder.getOrCreate()
     from delta import configure_spark_with_delta_pip
 
+    check_delta_pairing()
     under_submit = "PYSPARK_GATEWAY_PORT" in os.environ
     if master or not under_submit:  # a local session
         builder = builder.master(master or os.environ.get("SPARK_MASTER", "local[2]"))
@@ -246,9 +254,11 @@ def writer_main(argv: Sequence[str] | None = None) -> int:
 # --- the syphon ------------------------------------------------------------------------------------------
 
 def start_syphon(spark: Any, conf: Any, *, max_per_trigger: int | None = None,
-                 receive_timeout: float = 1.0) -> tuple[Any, Any]:
-    """Start the syphon query; returns ``(query, republisher)``. Raises ``ConfigError`` when the checkpoint or
-    the ledger location is missing, before anything starts."""
+                 receive_timeout: float = 1.0, available_now: bool = False) -> tuple[Any, Any]:
+    """Start the syphon query; returns ``(query, republisher)``. ``available_now``: ``trigger(availableNow=True)``
+    (Spark 4.2 and later): the query moves what the backlog held when it started, then stops. Raises
+    ``ConfigError`` when the checkpoint or the ledger location is missing, before anything starts, and
+    :class:`~spark_sb.errors.UnsupportedSparkError` on a Spark without what it needs."""
     from .republisher import Republisher
     from .source import config_options, register
 
@@ -261,12 +271,17 @@ def start_syphon(spark: Any, conf: Any, *, max_per_trigger: int | None = None,
               .option("receiveTimeout", str(receive_timeout))
               .load())
     log_batch_steps(spark, "spark-sb-syphon")
-    query = (stream.writeStream.foreachBatch(republisher)
-             .option("checkpointLocation", config.syphon.checkpoint_location)
-             .trigger(processingTime=f"{config.syphon.retry_interval.total_seconds()} seconds")
-             .queryName("spark-sb-syphon")
-             .start())
-    return query, republisher
+    writer = stream.writeStream.foreachBatch(republisher).option("checkpointLocation",
+                                                                  config.syphon.checkpoint_location)
+    if available_now:
+        if not trigger_available_now():
+            raise UnsupportedSparkError(f"the syphon's trigger(availableNow=True) needs Spark 4.2 or later: Spark "
+                                        f"{spark_version()}'s Python sources do not support it (use "
+                                        "spark_sb.jobs.await_until_empty)")
+        writer = writer.trigger(availableNow=True)
+    else:
+        writer = writer.trigger(processingTime=f"{config.syphon.retry_interval.total_seconds()} seconds")
+    return writer.queryName("spark-sb-syphon").start(), republisher
 
 
 _STEPS = ("latestOffset", "addBatch", "walCommit", "commitOffsets")
@@ -314,17 +329,24 @@ def _backlog_depth(progress: Any) -> int | None:
         return None
 
 
-def await_until_empty(query: Any, idle_batches: int = 2, timeout: float = 300.0, poll: float = 0.5) -> None:
+def await_until_empty(query: Any, idle_batches: int = 2, timeout: float = 300.0, poll: float = 0.5,
+                      depth: Callable[[], int | None] | None = None) -> None:
     """Stop the query once ``idle_batches`` consecutive triggers found nothing and the backlog depth is 0 (or
     after ``timeout``). The depth counts messages still locked by a run that died (they come back when their
-    lock expires, up to the queue's lock duration later), which a trigger alone does not see."""
+    lock expires, up to the queue's lock duration later), which a trigger alone does not see. It is the one the
+    source reports in the query progress (Spark 4.2), else ``depth()`` (e.g. ``lambda:
+    spark_sb.source.backlog_depth(config)``, from the administration API) where Spark has no
+    ``reportLatestOffset`` (4.0, 4.1)."""
     deadline = time.monotonic() + timeout
     idle, last = 0, None
     while query.isActive and time.monotonic() < deadline:
         progress = query.lastProgress
         if progress is not None and progress.get("timestamp") != last:
             last = progress.get("timestamp")
-            empty = progress.get("numInputRows", 0) == 0 and _backlog_depth(progress) in (None, 0)
+            reported = _backlog_depth(progress)
+            if reported is None and depth is not None and progress.get("numInputRows", 0) == 0:
+                reported = depth()
+            empty = progress.get("numInputRows", 0) == 0 and reported in (None, 0)
             idle = idle + 1 if empty else 0
             if idle >= idle_batches:
                 break
@@ -338,17 +360,27 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
     parser = _parser("spark-sb-syphon", "The syphon: moves the messages parked in the backlog queues back to "
                      "the primary (servicebus-backlog source -> foreachBatch(Republisher)), recording each in "
                      "the Delta ledger syphon.ledger; its checkpoint is syphon.checkpoint_location.")
-    parser.add_argument("--until-empty", action="store_true", help="stop when the backlog is empty")
+    parser.add_argument("--until-empty", action="store_true",
+                        help="move what the backlog holds now and stop (trigger(availableNow=True) on Spark 4.2 "
+                        "and later; earlier, stop once the backlog is empty)")
     args = parser.parse_args(argv)
     require_spark(parser.prog)
+    try:
+        require_python_data_sources(parser.prog)
+    except UnsupportedSparkError as err:
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     _logging()
     config = _load(parser.prog, args.conf, lambda config: config.syphon.require_job_locations())
     spark = build_session("spark-sb-syphon")
-    if args.until_empty:  # an idle stream reports progress every second (default 10 s): stop sooner
+    available_now = args.until_empty and trigger_available_now()
+    if args.until_empty and not available_now:  # an idle stream reports progress every second (not 10 s)
         spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
-    query, republisher = start_syphon(spark, config)
-    if args.until_empty:
-        await_until_empty(query)
+    query, republisher = start_syphon(spark, config, available_now=available_now)
+    if args.until_empty and not available_now:
+        from .source import backlog_depth
+
+        await_until_empty(query, depth=lambda: backlog_depth(config))
     else:
         query.awaitTermination()
     _LOGGER.info("syphon stopped: %s", republisher.totals)

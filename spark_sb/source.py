@@ -65,15 +65,19 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
-from pyspark.sql.types import (
+from .capabilities import admission_control, require_python_data_sources, trigger_available_now
+
+require_python_data_sources("spark_sb.source (the servicebus and servicebus-backlog sources, the syphon job)")
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition  # noqa: E402
+from pyspark.sql.types import (  # noqa: E402
     BinaryType,
     IntegerType,
     LongType,
@@ -84,10 +88,10 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from . import messages as msgs
-from .bus import admin_client, shared_namespace
-from .bus.deferred import PAGE, complete_deferred, deferred_numbers, peek_deferred
-from .config import (
+from . import messages as msgs  # noqa: E402
+from .bus import admin_client, shared_namespace  # noqa: E402
+from .bus.deferred import PAGE, complete_deferred, deferred_numbers, peek_deferred  # noqa: E402
+from .config import (  # noqa: E402
     MAX_RECEIVE_BATCH,
     SparkSbConfig,
     entity_path,
@@ -97,7 +101,17 @@ from .config import (
     load_reference,
     positive_duration,
 )
-from .errors import ConfigError, EntityNotFoundError, ErrorClass, as_spark_sb_error, classify, redact
+from .errors import ConfigError, EntityNotFoundError, ErrorClass, as_spark_sb_error, classify, redact  # noqa: E402
+
+if admission_control():  # Spark 4.2 and later
+    from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+else:  # Spark 4.0 and 4.1: latestOffset() has no arguments, the reader applies its cap itself
+    ReadAllAvailable = ReadLimit = ReadMaxRows = None  # type: ignore[assignment,misc]
+if trigger_available_now():
+    from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+    _AVAILABLE_NOW: tuple[type, ...] = (SupportsTriggerAvailableNow,)
+else:
+    _AVAILABLE_NOW = ()
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -421,14 +435,20 @@ def servicebus_row(received: Any, entity: Entity, now: datetime.datetime) -> tup
             None if ttl is None else int(ttl.total_seconds() * 1000), properties or None)
 
 
-class DeferringStreamReader(DataSourceStreamReader):
+class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
     """The machinery both sources share (see the module docstring): deferring in ``latestOffset``, peeking by
     sequence number in ``read``, completing in ``commit``, taking back what a dead run left deferred, receiving
     ahead. A subclass names its entities and turns a peeked message into a row (:meth:`row`).
 
     An entity whose namespace fails to answer (an outage) is logged and left out of the batch; the next batch
     tries it again, so one namespace down never stops the stream. A configuration error (an entity not found, a
-    credential rejected) fails the query: it needs a person."""
+    credential rejected) fails the query: it needs a person.
+
+    Spark 4.2 passes ``latestOffset`` the batch that just finished and a read limit (admission control); Spark 4.0
+    and 4.1 pass neither: the reader then starts from the newest offset it returned or that Spark planned
+    (``partitions`` names the checkpoint's last batch when a query restarts) and caps each batch at
+    ``maxMessagesPerTrigger`` itself. Where Spark offers ``Trigger.AvailableNow`` (4.2), the reader supports it:
+    it reads what its entities held when the query started, and stops."""
 
     #: the offsets' field holding ``{entity key: [sequence numbers]}``
     OFFSET_FIELD = "queues"
@@ -458,6 +478,9 @@ class DeferringStreamReader(DataSourceStreamReader):
         self._depth: int | None = None
         self._ahead: _Ahead | None = None
         self._started_ahead = False  # batches after the first are received ahead, in the background
+        self._last: dict | None = None  # the newest offset returned or planned (the start on Spark 4.0 and 4.1)
+        #: Trigger.AvailableNow: per entity key, how many of the messages it held at the start are still to read
+        self._available_now: dict[str, int] | None = None
 
     def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
         raise NotImplementedError
@@ -513,7 +536,24 @@ class DeferringStreamReader(DataSourceStreamReader):
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadMaxRows(self.max_per_trigger)
 
-    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+    def prepareForTriggerAvailableNow(self) -> None:
+        """``trigger(availableNow=True)``: read the messages the entities hold now (their active message count,
+        from the administration API, plus what earlier runs left deferred) and stop; messages sent after this
+        wait for the next run. Messages another receiver holds locked (a run that died) are waited for, up to
+        the entity's lock duration. An entity whose namespace does not answer is read until it is empty."""
+        counts = self._active_counts()
+        self._available_now = {e.key: counts.get(e.key, -1) for e in self.entities}
+        _LOGGER.info("%s: Trigger.AvailableNow: reading the messages there now: %s", self.WHAT,
+                     {k: ("until empty" if v < 0 else v) for k, v in self._available_now.items()})
+
+    def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
+        if start is None:  # Spark 4.0 and 4.1: no admission control, the reader keeps its start and its cap
+            start = self._last if self._last is not None else self.initialOffset()
+        offset = self._next_offset(start, limit)
+        self._last = offset
+        return offset
+
+    def _next_offset(self, start: dict, limit: ReadLimit | None) -> dict:
         # the batch ending at ``start`` finished: complete what its sink left deferred (and retry earlier
         # completions that failed)
         for pending in [*self._uncompleted, start]:
@@ -533,7 +573,10 @@ class DeferringStreamReader(DataSourceStreamReader):
                 self._taken_back.setdefault(key, []).extend(numbers)
         if self._unswept:  # the first call of this reader, an entity unreachable until now, or a receive failed
             self._sweep()
-        cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
+        if limit is None:
+            cap: int | None = self.max_per_trigger
+        else:
+            cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
         batch: dict[str, list[int]] = {}
         count = 0
         for key in list(self._taken_back):
@@ -547,11 +590,15 @@ class DeferringStreamReader(DataSourceStreamReader):
             for key, numbers in self._defer(None if cap is None else cap - count).items():
                 batch.setdefault(key, []).extend(numbers)
                 count += len(numbers)
+        if self._available_now is not None and not count:
+            for key, numbers in self._await_locked(cap).items():
+                batch.setdefault(key, []).extend(numbers)
+                count += len(numbers)
         left = sum(len(v) for v in self._taken_back.values())
         if self.report_depth:
-            depth = self._active_depth()
-            self._depth = None if depth is None else depth + left
-        if cap is not None and cap > left:  # receive the next batch while Spark runs this one
+            counts = self._active_counts()
+            self._depth = sum(counts.values()) + left if counts else None
+        if cap is not None and cap > left and self._available_now is None:  # receive the next batch meanwhile
             self._ahead = _Ahead(self._defer, cap - left, self.WHAT)
             self._started_ahead = True
         batch = {k: sorted(v) for k, v in batch.items() if v}
@@ -572,7 +619,8 @@ class DeferringStreamReader(DataSourceStreamReader):
         the others in another round. Returns (and records in ``found``) the deferred sequence numbers by
         entity key."""
         found = {} if found is None else found
-        ready = [e for e in self.entities if e.key not in self._unswept]
+        owed = self._available_now
+        ready = [e for e in self.entities if e.key not in self._unswept and (owed is None or owed[e.key] != 0)]
         if cap is None:
             for entity in ready:
                 self._defer_entity(entity, None, found)
@@ -581,7 +629,7 @@ class DeferringStreamReader(DataSourceStreamReader):
             return found
         # (entity, lane) units: a lane is a connection, used by one thread; an entity read alone gets two
         # lanes, so that two receivers keep the client and the broker busy while the other waits
-        lanes = 2 if len(ready) == 1 else 1
+        lanes = 2 if len(ready) == 1 and owed is None else 1
         open_work = [(entity, lane) for entity in ready for lane in range(lanes)]
         count = 0
         threads = list(dict.fromkeys((entity.side, lane) for entity, lane in open_work))
@@ -590,11 +638,16 @@ class DeferringStreamReader(DataSourceStreamReader):
                 left = cap - count
                 shares = {unit: left // len(open_work) + (1 if i < left % len(open_work) else 0)
                           for i, unit in enumerate(open_work)}
+                if owed is not None:  # Trigger.AvailableNow: no entity gives more than it held at the start
+                    shares = {unit: share if owed[unit[0].key] < 0 else min(share, owed[unit[0].key])
+                              for unit, share in shares.items()}
                 futures = [pool.submit(self._defer_lane, [u for u in open_work if (u[0].side, u[1]) == thread],
                                        shares, found) for thread in threads]
                 for future in futures:
                     for unit, got in future.result():
                         count += got
+                        if owed is not None and owed[unit[0].key] > 0:
+                            owed[unit[0].key] -= got
                         if got < shares[unit]:  # this entity has no more for now (or did not answer)
                             open_work.remove(unit)
         return found
@@ -655,21 +708,54 @@ class DeferringStreamReader(DataSourceStreamReader):
             return None
         return {self.DEPTH_FIELD: self._depth}
 
-    def _active_depth(self) -> int | None:
-        """Active messages over the entities (including the batch in flight), from the administration API of
-        each namespace that answers; None when none does."""
-        total: int | None = None
-        for side in dict.fromkeys(e.side for e in self.entities):
-            try:
-                with admin_client(getattr(self.config, side), retry_total=0) as admin:
-                    count = sum(_active_messages(admin, e.path) for e in self.entities if e.side == side)
-            except Exception as exc:  # monitoring only: the batch does not depend on it
-                _LOGGER.warning("%s depth on the %s unavailable: %s", self.WHAT, side, redact(str(exc))[:200])
-                continue
-            total = (total or 0) + count
-        return total
+    def _active_counts(self, entities: Sequence[Entity] | None = None) -> dict[str, int]:
+        """Active messages per entity key (including the batch in flight), from the administration API of each
+        namespace that answers (an entity of a namespace that does not is left out)."""
+        return active_counts(self.config, self.entities if entities is None else entities, self.WHAT)
+
+    def _await_locked(self, cap: int | None) -> dict[str, list[int]]:
+        """Trigger.AvailableNow, and no receive gave anything: an entity that still owes messages it held at the
+        start has them locked by another receiver (a run that died); they come back when the lock expires. Wait
+        for them (receiving again each ``receiveTimeout``) up to the entity's lock duration; an entity whose
+        active count is 0 owes nothing more (its messages expired, or another receiver completed them)."""
+        owed = self._available_now or {}
+        deadline: float | None = None
+        while True:
+            owing = [e for e in self.entities if owed.get(e.key, 0) > 0]
+            counts = self._active_counts(owing) if owing else {}
+            for entity in owing:
+                if counts.get(entity.key, 0) == 0:
+                    owed[entity.key] = 0
+            owing = [e for e in owing if owed[e.key] > 0]
+            if not owing:
+                return {}
+            if deadline is None:
+                deadline = time.monotonic() + max(self._lock_duration(e) for e in owing) + self.receive_timeout
+                _LOGGER.info("%s: Trigger.AvailableNow: waiting up to %.0f s for %s, locked by another receiver",
+                             self.WHAT, deadline - time.monotonic(), {e.key: owed[e.key] for e in owing})
+            if time.monotonic() > deadline:
+                _LOGGER.warning("%s: Trigger.AvailableNow: %s still locked by another receiver; left for the next "
+                                "run", self.WHAT, {e.key: owed[e.key] for e in owing})
+                for entity in owing:
+                    owed[entity.key] = 0
+                return {}
+            time.sleep(self.receive_timeout)
+            found = {key: numbers for key, numbers in self._defer(cap).items() if numbers}
+            if found:
+                return found
+
+    def _lock_duration(self, entity: Entity) -> float:
+        """The entity's lock duration in seconds (60 s, Service Bus's default, when the API does not answer)."""
+        topic, marker, subscription = entity.path.partition("/subscriptions/")
+        try:
+            with admin_client(getattr(self.config, entity.side), retry_total=0) as admin:
+                found = admin.get_subscription(topic, subscription) if marker else admin.get_queue(entity.path)
+            return float(found.lock_duration.total_seconds())
+        except Exception:  # noqa: BLE001 - a bound on a wait, not the batch
+            return 60.0
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        self._last = end  # on a restart, Spark plans the checkpoint's last batch before asking for the next
         if end == start:
             return []
         return [DeferredPartition(key, tuple(numbers[i:i + _PARTITION]))
@@ -712,6 +798,27 @@ class DeferringStreamReader(DataSourceStreamReader):
         if self._ahead is not None:
             self._ahead.thread.join(self.receive_timeout * len(self.entities) + 30)
         _LOGGER.debug("%s source stopped", self.WHAT)
+
+
+def active_counts(config: SparkSbConfig, entities: Sequence[Entity], what: str = "servicebus") -> dict[str, int]:
+    """Active messages per entity key, from the administration API of each namespace that answers (an entity of
+    a namespace that does not is left out, with a warning): monitoring, which no batch depends on."""
+    counts: dict[str, int] = {}
+    for side in dict.fromkeys(e.side for e in entities):
+        try:
+            with admin_client(getattr(config, side), retry_total=0) as admin:
+                counts.update({e.key: _active_messages(admin, e.path) for e in entities if e.side == side})
+        except Exception as exc:  # monitoring only: the batch does not depend on it
+            _LOGGER.warning("%s depth on the %s unavailable: %s", what, side, redact(str(exc))[:200])
+    return counts
+
+
+def backlog_depth(config: SparkSbConfig) -> int | None:
+    """Active messages over the backlog queues of ``config``'s pairing (None when the secondary's administration
+    API does not answer): what ``--until-empty`` waits to see at 0 where Spark has no ``reportLatestOffset``."""
+    queues = config.send_availability.backlog_queue_names()
+    counts = active_counts(config, [Entity(q, "secondary", q) for q in queues], "backlog")
+    return sum(counts.values()) if len(counts) == len(queues) else None
 
 
 def _active_messages(admin: Any, path: str) -> int:

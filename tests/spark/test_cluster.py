@@ -18,7 +18,7 @@ import pyspark
 import pytest
 import yaml
 
-from spark_sb.jobs import DELTA_PACKAGE
+from spark_sb.capabilities import delta_package
 
 from .conftest import child_env, receive_all, sink_config
 
@@ -85,7 +85,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
 
 def _submit(cluster: str, script: str, conf: Path, *args: str, work: Path, timeout: float = 300) -> str:
     """``spark-submit --master spark://...`` of a job script (client mode); returns its output."""
-    command = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster, "--packages", DELTA_PACKAGE,
+    command = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster, "--packages", delta_package(),
                "--conf", f"spark.pyspark.python={sys.executable}", "--conf", "spark.executor.memory=512m",
                "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=2",
                "--conf", "spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension",

@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from spark_sb.jobs import DELTA_PACKAGE
+from spark_sb.capabilities import delta_package
 
 from .conftest import child_env, receive_all, sink_config
+
+#: run on every Spark version make test tries (Makefile, EVERY_SPARK)
+pytestmark = pytest.mark.every_spark
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -60,7 +63,7 @@ def test_foreach_batch_sink_under_spark_connect_with_reject_and_metrics_tables(p
     config = sink_config(primary, secondary, entity=q, key_column="key",
                          reject_table=str(tmp_path / "rejects"), metrics_table=str(tmp_path / "metrics"))
     env = child_env(SPARK_LOCAL_IP="127.0.0.1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(config), str(tmp_path), DELTA_PACKAGE],
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(config), str(tmp_path), delta_package()],
                           capture_output=True, text=True, timeout=280, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]

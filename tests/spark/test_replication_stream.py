@@ -20,6 +20,9 @@ from spark_sb.source import config_options, register
 
 from .conftest import sink_config
 
+#: run on every Spark version make test tries (Makefile, EVERY_SPARK)
+pytestmark = pytest.mark.every_spark
+
 ROWS, FILES = 100, 5
 
 

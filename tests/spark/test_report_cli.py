@@ -6,9 +6,14 @@ import datetime
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from spark_sb import cli
 from spark_sb.republisher import LEDGER_DDL
 from spark_sb.sink import METRICS_SCHEMA
+
+#: run on every Spark version make test tries (Makefile, EVERY_SPARK)
+pytestmark = pytest.mark.every_spark
 
 T0 = datetime.datetime(2026, 11, 23, 18, 0, tzinfo=datetime.UTC)
 QUEUE = "x-servicebus-transfer/0"

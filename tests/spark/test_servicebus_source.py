@@ -11,7 +11,6 @@ from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
-from pyspark.sql.streaming.datasource import ReadMaxRows
 
 from spark_sb import messages
 from spark_sb.bus import close_all
@@ -19,7 +18,10 @@ from spark_sb.emulator.model import QueueSpec, SubscriptionSpec, TopicSpec
 from spark_sb.errors import ConfigError, EntityNotFoundError
 from spark_sb.source import SERVICEBUS_SCHEMA, ServiceBusStreamReader, config_options
 
-from .conftest import sink_config
+from .conftest import read_limit, sink_config
+
+#: run on every Spark version make test tries (Makefile, EVERY_SPARK)
+pytestmark = pytest.mark.every_spark
 
 
 def create(emulator: Any, namespace: str, spec: Any) -> None:
@@ -84,7 +86,7 @@ def test_reads_a_queue_on_both_namespaces_replayably_and_completes_only_on_commi
     _send(secondary, queue, [ServiceBusMessage(b"one", message_id="m1"), ServiceBusMessage(b"two", message_id="m2")])
     reader = _reader(conf, entity=queue, namespaces="primary, secondary")
     start = reader.initialOffset()
-    end = reader.latestOffset(start, ReadMaxRows(10))
+    end = reader.latestOffset(start, read_limit(10))
     assert sorted(end["entities"]) == [f"primary:{queue}", f"secondary:{queue}"]
     rows = _rows(reader, start, end)
     assert sorted((r["namespace"], r["message_id"]) for r in rows) == [
@@ -110,13 +112,13 @@ def test_a_namespace_down_is_left_out_and_read_when_it_is_back(conf, emulator, p
     emulator.fault("primary", "down")
     reader = _reader(conf, entity=queue, namespaces="primary,secondary")  # the check logs, does not raise
     start = reader.initialOffset()
-    end = reader.latestOffset(start, ReadMaxRows(10))
+    end = reader.latestOffset(start, read_limit(10))
     assert [r["message_id"] for r in _rows(reader, start, end)] == ["s1"]
     emulator.heal("primary")
     close_all()  # the clients the outage broke
     later, ids = end, []
     for _ in range(3):  # the primary is swept first, then received from (by the next receive ahead)
-        start, later = later, reader.latestOffset(later, ReadMaxRows(10))
+        start, later = later, reader.latestOffset(later, read_limit(10))
         ids += [r["message_id"] for r in _rows(reader, start, later)]
     assert ids == ["p1"]
     reader.commit(later)
@@ -127,10 +129,10 @@ def test_a_restarted_reader_takes_back_what_a_dead_one_left_deferred(conf, prima
     queue = replicated_queue()
     _send(primary, queue, [ServiceBusMessage(f"b{i}", message_id=f"m{i}") for i in range(3)])
     dead = _reader(conf, entity=queue)
-    dead.latestOffset(dead.initialOffset(), ReadMaxRows(10))  # deferred; Spark never recorded the offset
+    dead.latestOffset(dead.initialOffset(), read_limit(10))  # deferred; Spark never recorded the offset
     fresh = _reader(conf, entity=queue)
     start = fresh.initialOffset()
-    end = fresh.latestOffset(start, ReadMaxRows(10))
+    end = fresh.latestOffset(start, read_limit(10))
     assert sorted(r["message_id"] for r in _rows(fresh, start, end)) == ["m0", "m1", "m2"]
     fresh.commit(end)
     assert _peek(primary, queue) == []
@@ -145,7 +147,7 @@ def test_reads_a_topic_subscription(conf, emulator, primary, request) -> None:
             sender.send_messages([ServiceBusMessage(b"e", message_id="e1")])
     reader = _reader(conf, entity=f"{topic}/subscriptions/all")
     start = reader.initialOffset()
-    end = reader.latestOffset(start, ReadMaxRows(10))
+    end = reader.latestOffset(start, read_limit(10))
     [row] = _rows(reader, start, end)
     assert (row["namespace"], row["entity"], row["message_id"]) == ("primary", f"{topic}/subscriptions/all", "e1")
 
@@ -212,11 +214,11 @@ def test_a_defer_whose_answer_is_lost_is_taken_back_in_a_later_batch(conf, prima
     reader = _reader(conf, entity=queue)
     offset, ids = reader.initialOffset(), []
     for _ in range(4):
-        start, offset = offset, reader.latestOffset(offset, ReadMaxRows(10))
+        start, offset = offset, reader.latestOffset(offset, read_limit(10))
         ids += [r["message_id"] for r in _rows(reader, start, offset)]
     monkeypatch.setattr(ServiceBusReceiver, "defer_message", real_defer)
     assert sorted(ids) == [f"m{i}" for i in range(6)]  # each once, the one whose answer was lost too
-    reader.latestOffset(offset, ReadMaxRows(10))  # completes the last batch
+    reader.latestOffset(offset, read_limit(10))  # completes the last batch
     assert _peek(primary, queue) == []
 
 

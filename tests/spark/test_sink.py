@@ -21,6 +21,9 @@ from spark_sb.sink import PairedSink, sender_for
 
 from .conftest import backlog_ids, receive_all, sink_config
 
+#: run on every Spark version make test tries (Makefile, EVERY_SPARK)
+pytestmark = pytest.mark.every_spark
+
 FIELDS_SCHEMA = T.StructType([
     T.StructField("body", T.StringType()),
     T.StructField("message_id", T.StringType()),

@@ -12,6 +12,9 @@ from spark_sb import jobs
 
 from .conftest import receive_all, sink_config, wait_until
 
+#: run on every Spark version make test tries (Makefile, EVERY_SPARK)
+pytestmark = pytest.mark.every_spark
+
 
 def _run(spark: Any, config: dict, rows: int) -> int:
     """One run of the job without a checkpoint location until it sent ``rows`` rows or more; returns how many
