@@ -9,8 +9,10 @@ PY := $(VENV)/bin/python
 # 16.4 LTS (Spark 3.5). The development pin (.venv) is Spark 4.2, Databricks 19.
 SPARK_VERSIONS := 4.0 4.1 3.5
 PINS_4.0 := 'pyspark[connect]==4.0.2' 'delta-spark==4.0.1'
-PINS_4.1 := 'pyspark[connect]==4.1.4' 'delta-spark==4.1.0' 'importlib-metadata>=1'
-PINS_3.5 := 'pyspark[connect]==3.5.8' 'delta-spark==3.3.2'
+PINS_4.1 := 'pyspark[connect]==4.1.0' 'delta-spark==4.1.0' 'importlib-metadata>=1'
+# Spark 3.5: pyspark keeps numpy < 2, which pyarrow 20 and later refuse; 3.5.7 is the newest 3.5 whose Connect
+# server is on Maven Central (pip's pyspark 3.5 does not ship it)
+PINS_3.5 := 'pyspark[connect]==3.5.7' 'delta-spark==3.3.2' 'pyarrow<20'
 SPARK_VENVS := $(foreach v,$(SPARK_VERSIONS),.venv-spark$(v))
 # on the other versions: the Spark tests of the sink, both sources, the syphon job and dedupe
 EVERY_SPARK := -m every_spark
@@ -21,7 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
-.venv-spark%/.installed: pyproject.toml
+.venv-spark%/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv .venv-spark$*
 	.venv-spark$*/bin/python -m pip install -q --upgrade pip
 	.venv-spark$*/bin/python -m pip install -q -e '.[emulator,test]' 'pyarrow>=15' 'pandas<3' 'matplotlib>=3.8' $(PINS_$*)

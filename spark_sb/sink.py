@@ -78,6 +78,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 from azure.servicebus import ServiceBusMessage
 from azure.servicebus._pyamqp.utils import amqp_long_value
+from pyspark.errors import PySparkNotImplementedError
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
@@ -345,7 +346,10 @@ class PairedSink:
                 rejected_rows = 0
             else:
                 # computed (and so sent) exactly once, then read twice: the summaries and the rejected rows
-                done = output.localCheckpoint(eager=True)
+                try:
+                    done = output.localCheckpoint(eager=True)
+                except PySparkNotImplementedError:  # Spark Connect 3.5: computed once, held by the driver
+                    done = batch_df.sparkSession.createDataFrame(output.collect(), PARTITION_OUTPUT)
                 rows = done.filter(F.col("kind") == "summary").collect()
                 rejected_rows = self._write_rejects(done, batch_id)
         except Exception:

@@ -55,6 +55,19 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+def _packages() -> str:
+    """Delta's jars, and Spark Connect's server where pyspark does not ship it (Spark 3.5's pip package)."""
+    import pyspark
+
+    jars = Path(pyspark.__file__).parent / "jars"
+    packages = [delta_package()]
+    if not any(jars.glob("spark-connect_*.jar")):
+        [core] = jars.glob("spark-core_*.jar")  # spark-core_<scala>-<version>.jar
+        scala = core.name.split("_")[1].split("-")[0]
+        packages.append(f"org.apache.spark:spark-connect_{scala}:{pyspark.__version__}")
+    return ",".join(packages)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_foreach_batch_sink_under_spark_connect_with_reject_and_metrics_tables(primary, secondary, make_queue,
@@ -63,7 +76,7 @@ def test_foreach_batch_sink_under_spark_connect_with_reject_and_metrics_tables(p
     config = sink_config(primary, secondary, entity=q, key_column="key",
                          reject_table=str(tmp_path / "rejects"), metrics_table=str(tmp_path / "metrics"))
     env = child_env(SPARK_LOCAL_IP="127.0.0.1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(config), str(tmp_path), delta_package()],
+    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(config), str(tmp_path), _packages()],
                           capture_output=True, text=True, timeout=280, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
