@@ -641,6 +641,9 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
                 if owed is not None:  # Trigger.AvailableNow: no entity gives more than it held at the start
                     shares = {unit: share if owed[unit[0].key] < 0 else min(share, owed[unit[0].key])
                               for unit, share in shares.items()}
+                    open_work = [unit for unit in open_work if shares[unit] > 0]
+                    if not open_work:
+                        break
                 futures = [pool.submit(self._defer_lane, [u for u in open_work if (u[0].side, u[1]) == thread],
                                        shares, found) for thread in threads]
                 for future in futures:

@@ -14,6 +14,7 @@ from azure.servicebus import ServiceBusClient, ServiceBusMessage
 
 from spark_sb import messages
 from spark_sb.bus import close_all
+from spark_sb.capabilities import trigger_available_now
 from spark_sb.emulator.model import QueueSpec, SubscriptionSpec, TopicSpec
 from spark_sb.errors import ConfigError, EntityNotFoundError
 from spark_sb.source import SERVICEBUS_SCHEMA, ServiceBusStreamReader, config_options
@@ -226,3 +227,34 @@ def test_the_entity_option_takes_a_hierarchical_queue_name() -> None:
     from spark_sb.source import _entity_option
 
     assert _entity_option({"Entity": "sales/orders"}) == "sales/orders"
+
+
+@pytest.mark.skipif(not trigger_available_now(), reason="Trigger.AvailableNow for Python sources needs Spark 4.2")
+def test_available_now_reads_what_was_there_at_the_start_and_stops(spark, conf, primary, replicated_queue,
+                                                                  tmp_path) -> None:
+    from spark_sb import register
+
+    register(spark)
+    queue = replicated_queue()
+    _send(primary, queue, [ServiceBusMessage(f"m{i}", message_id=f"m{i}") for i in range(7)])
+    seen: list[str] = []
+
+    def collect(df: Any, batch_id: int) -> None:
+        if not seen:  # sent while the query runs: they wait for the next run
+            _send(primary, queue, [ServiceBusMessage(f"late{i}", message_id=f"late{i}") for i in range(3)])
+        seen.extend(r.message_id for r in df.select("message_id").collect())
+
+    def run() -> None:
+        query = (spark.readStream.format("servicebus").options(**config_options(conf), entity=queue,
+                                                               maxMessagesPerTrigger="3", receiveTimeout="0.5")
+                 .load().writeStream.foreachBatch(collect).option("checkpointLocation", str(tmp_path / "ck"))
+                 .trigger(availableNow=True).start())
+        assert query.awaitTermination(120), "the availableNow query did not stop by itself"
+        assert query.exception() is None
+
+    run()
+    assert sorted(seen) == [f"m{i}" for i in range(7)]  # in three batches of at most 3, then it stopped
+    assert sorted(str(m.message_id) for m in _peek(primary, queue)) == ["late0", "late1", "late2"]
+    run()  # the next run takes them, once
+    assert sorted(seen) == sorted([f"m{i}" for i in range(7)] + ["late0", "late1", "late2"])
+    assert _peek(primary, queue) == []

@@ -20,7 +20,7 @@ from chispa import assert_df_equality
 
 from spark_sb import jobs, messages
 from spark_sb.bus import close_all
-from spark_sb.capabilities import admission_control
+from spark_sb.capabilities import admission_control, trigger_available_now
 from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import ConfigError
@@ -367,3 +367,58 @@ def test_no_secret_reaches_the_plan_the_progress_the_source_options_or_the_event
                         ("event log", logged)):
         assert key not in text, where
         assert "SharedAccessKey=" not in text.replace("SharedAccessKey=***", ""), where
+
+
+@pytest.mark.skipif(not trigger_available_now(), reason="Trigger.AvailableNow for Python sources needs Spark 4.2")
+def test_available_now_moves_the_backlog_there_at_the_start_and_stops(spark, setup, primary, secondary) -> None:
+    """The job's --until-empty on Spark 4.2: trigger(availableNow=True). Messages parked while it runs (here by
+    the first batch) wait for the next run; the query stops by itself."""
+    queues, entity, config = setup["queues"], setup["entity"], setup["config"]
+    first = [f"a{q}-{i}" for q in range(2) for i in range(6)]
+    for q in range(2):
+        _park(secondary, queues[q], entity, [i for i in first if i.startswith(f"a{q}-")])
+    parked_late: list[str] = []
+
+    class ParkingRepublisher(Republisher):
+        def __call__(self, df: Any, batch_id: int) -> Any:
+            if not parked_late:
+                parked_late.extend(["late-0", "late-1"])
+                _park(secondary, queues[0], entity, parked_late)
+            return super().__call__(df, batch_id)
+
+    def run(republisher: Republisher) -> None:
+        register(spark)
+        cfg = load_config(config)
+        stream = (spark.readStream.format("servicebus-backlog").options(**config_options(cfg))
+                  .option("maxMessagesPerTrigger", "5").option("receiveTimeout", "0.5").load())
+        query = (stream.writeStream.foreachBatch(republisher)
+                 .option("checkpointLocation", cfg.syphon.checkpoint_location).trigger(availableNow=True).start())
+        assert query.awaitTermination(180), "the availableNow query did not stop by itself"
+        assert query.exception() is None
+
+    run(ParkingRepublisher(load_config(config)))
+    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, wait=1.0)]
+    assert sorted(arrived) == sorted(first)
+    assert backlog_depth(load_config(config)) == 2  # parked after the start: left for the next run
+    run(Republisher(load_config(config)))
+    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, wait=1.0)]
+    assert sorted(arrived) == ["late-0", "late-1"] and backlog_depth(load_config(config)) == 0
+
+
+@pytest.mark.skipif(not trigger_available_now(), reason="Trigger.AvailableNow for Python sources needs Spark 4.2")
+def test_the_job_until_empty_uses_available_now_and_waits_for_messages_a_dead_run_holds_locked(
+        spark, emulator, setup, primary, secondary) -> None:
+    queues, entity, config = setup["queues"], setup["entity"], setup["config"]
+    server = emulator.server("secondary")
+    server.call(lambda: server.broker.delete_entity("queue", queues[0]))
+    server.call(lambda: server.broker.create_entity(QueueSpec(name=queues[0], max_delivery_count=2**31 - 1,
+                                                              lock_duration=5.0)))
+    _park(secondary, queues[0], entity, ["held", "free"])
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queues[0], prefetch_count=0) as dead_run:
+            [held] = dead_run.receive_messages(max_message_count=1, max_wait_time=5)  # never settled
+    assert str(held.message_id) == "held"
+    query, _ = jobs.start_syphon(spark, config, receive_timeout=0.5, available_now=True)
+    assert query.awaitTermination(120), "the availableNow query did not stop by itself"
+    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, expected=2)]
+    assert sorted(arrived) == ["free", "held"]
