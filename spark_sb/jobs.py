@@ -355,6 +355,25 @@ def await_until_empty(query: Any, idle_batches: int = 2, timeout: float = 300.0,
     query.awaitTermination()
 
 
+def run_available_now(spark: Any, conf: Any, timeout: float = 300.0) -> Any:
+    """The syphon's ``--until-empty`` where Spark offers ``Trigger.AvailableNow`` (4.2): a run moves what the
+    backlog held when it started, then stops. Messages that run re-parked (their destination was down) are
+    new messages in the backlog, so another run follows after ``syphon.retry_interval`` until a run re-parks
+    nothing or ``timeout`` seconds passed; messages the sink parks meanwhile wait for the next scheduled run.
+    Returns the last run's republisher."""
+    config = load_config(conf)
+    deadline = time.monotonic() + timeout
+    while True:
+        query, republisher = start_syphon(spark, config, available_now=True)
+        query.awaitTermination()
+        reparked = republisher.totals.get("reparked", 0)
+        if not reparked or time.monotonic() > deadline:
+            return republisher
+        _LOGGER.info("the run re-parked %d messages (their destination was down): another run in %s", reparked,
+                     config.syphon.retry_interval)
+        time.sleep(config.syphon.retry_interval.total_seconds())
+
+
 def syphon_main(argv: Sequence[str] | None = None) -> int:
     """``spark-sb-syphon --conf FILE [--until-empty]``: the syphon job."""
     parser = _parser("spark-sb-syphon", "The syphon: moves the messages parked in the backlog queues back to "
@@ -373,15 +392,16 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
     _logging()
     config = _load(parser.prog, args.conf, lambda config: config.syphon.require_job_locations())
     spark = build_session("spark-sb-syphon")
-    available_now = args.until_empty and trigger_available_now()
-    if args.until_empty and not available_now:  # an idle stream reports progress every second (not 10 s)
-        spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
-    query, republisher = start_syphon(spark, config, available_now=available_now)
-    if args.until_empty and not available_now:
+    if args.until_empty and trigger_available_now():
+        republisher = run_available_now(spark, config)
+    elif args.until_empty:  # an idle stream reports progress every second (not 10 s), and the loop stops it
         from .source import backlog_depth
 
+        spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
+        query, republisher = start_syphon(spark, config)
         await_until_empty(query, depth=lambda: backlog_depth(config))
     else:
+        query, republisher = start_syphon(spark, config)
         query.awaitTermination()
     _LOGGER.info("syphon stopped: %s", republisher.totals)
     return 0

@@ -422,3 +422,30 @@ def test_the_job_until_empty_uses_available_now_and_waits_for_messages_a_dead_ru
     assert query.awaitTermination(120), "the availableNow query did not stop by itself"
     arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, expected=2)]
     assert sorted(arrived) == ["free", "held"]
+
+
+@pytest.mark.skipif(not trigger_available_now(), reason="Trigger.AvailableNow for Python sources needs Spark 4.2")
+def test_until_empty_runs_again_while_a_run_re_parks_for_a_destination_down(spark, emulator, setup, primary,
+                                                                             secondary, monkeypatch) -> None:
+    """What a run re-parks (its destination was down) is new in the backlog, so an availableNow run leaves it;
+    --until-empty (jobs.run_available_now) runs again after the retry interval until a run re-parks nothing."""
+    queues, entity, config = setup["queues"], setup["entity"], setup["config"]
+    ids = [f"r{i}" for i in range(6)]
+    _park(secondary, queues[0], entity, ids)
+    runs: list[int] = []
+    start = jobs.start_syphon
+
+    def heal_before_the_second_run(*args: Any, **kwargs: Any) -> Any:
+        runs.append(len(runs))
+        if len(runs) == 2:
+            emulator.heal("primary", entity=entity)
+        return start(*args, **kwargs)
+
+    monkeypatch.setattr(jobs, "start_syphon", heal_before_the_second_run)
+    emulator.fault("primary", "down", entity=entity)
+    jobs.run_available_now(spark, config, timeout=120)
+    assert runs == [0, 1]
+    arrived = [str(m.message_id) for m in receive_all(primary.connection_string, entity, wait=1.0)]
+    assert sorted(arrived) == ids and backlog_depth(load_config(config)) == 0
+    outcomes = collections.Counter(r.outcome for r in _ledger(spark, config).collect())
+    assert outcomes["reparked"] >= len(ids) and outcomes["delivered"] == len(ids), outcomes
