@@ -143,7 +143,12 @@ def test_round_trip_through_the_stream_with_a_ledger(spark, setup, primary, seco
     assert (dead.message_id, dead.dead_letter_reason) == ("foreign", "x-ms-path missing or not a string")
     ledger = _ledger(spark, setup["config"])
     counts = collections.Counter((r.message_id, r.outcome) for r in ledger.collect())
-    assert counts == collections.Counter({**{(i, "delivered"): 1 for i in arrived}, ("foreign", "dead_lettered"): 1})
+    # a destination whose ping is slow (the fixture's 500 ms try timeout, on a loaded machine) has its messages
+    # re-parked and moved by a later batch: a clean-clone run re-parked three once; each is delivered once
+    reparked = {key: n for key, n in counts.items() if key[1] == "reparked"}
+    assert {i for i, _ in reparked} <= set(arrived), reparked
+    assert counts - collections.Counter(reparked) == collections.Counter(
+        {**{(i, "delivered"): 1 for i in arrived}, ("foreign", "dead_lettered"): 1})
     assert ledger.select("batch_id").distinct().count() >= 2  # six per trigger
     if admission_control():  # Spark 4.2: the backlog depth is in the query's progress: 10 first, 0 at the end
         depths = [json.loads(p["sources"][0]["latestOffset"])["backlogDepth"] for p in progress
