@@ -37,7 +37,7 @@ import threading
 import time
 import urllib.parse
 import xml.etree.ElementTree as ET
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol, TypeVar
@@ -665,12 +665,17 @@ class AdminServer:
         fault: Callable[[str | None], str | None] | None = None,
         control: Callable[[str, str, dict], tuple[int, dict]] | None = None,
         namespace_port: int | None = None,
+        other_ports: Callable[[], Iterable[int | None]] | None = None,
         authority: aad.Authority | None = None,
     ) -> None:
         #: Microsoft Entra ID: serves the token endpoint and verifies Bearer tokens (None: SAS only)
         self.authority = authority
-        #: the AMQP port of the namespace served: a token naming another port is refused
+        #: the AMQP port of the namespace served
         self.namespace_port = namespace_port
+        #: its other ports now (AMQPS, WebSockets): with the AMQP port and this admin port, the ports a token may
+        #: name (Microsoft's emulator convention names the admin port in the connection string); another port is
+        #: another namespace's, and its token is refused
+        self._other_ports = other_ports
         self._host = host
         self._requested_port = port
         self._broker = broker
@@ -693,6 +698,11 @@ class AdminServer:
         if self._httpd is not None:
             return int(self._httpd.server_address[1])
         return self._requested_port
+
+    def own_ports(self) -> set[int]:
+        """The ports of the namespace served (AMQP, admin, AMQPS, WebSockets): the ports its tokens may name."""
+        ports = {self.port, self.namespace_port, *(self._other_ports() if self._other_ports else ())}
+        return {p for p in ports if p is not None}
 
     def start(self) -> AdminServer:
         if self._httpd is not None:
@@ -1011,9 +1021,11 @@ class _Handler(BaseHTTPRequestHandler):
             sas.verify(token, self.server.admin._keys, audience=audience or None)
         except sas.SasError as err:
             raise _HttpError(401, f"InvalidSignature: {err}") from None
-        served, named = self.server.admin.namespace_port, sas.port_of(namespace)
-        if served is not None and named is not None and named != served:
-            raise _HttpError(401, f"InvalidAudience: the token is for {namespace}, not this namespace (port {served})")
+        admin, named = self.server.admin, sas.port_of(namespace)
+        ports = admin.own_ports()
+        if admin.namespace_port is not None and named is not None and named not in ports:
+            raise _HttpError(401, f"InvalidAudience: the token is for {namespace}, not this namespace "
+                                  f"(ports {', '.join(map(str, sorted(ports)))})")
         return namespace or "localhost"
 
     def _authenticate_jwt(self, token: str, route: _Route) -> str:

@@ -224,6 +224,7 @@ class Emulator:
                     opt.host, opt.admin_port,
                     broker=_BrokerProxy(server), call=server.call, keys={opt.key_name: opt.key},
                     fault=_fault_reader(server), control=_control(server), namespace_port=server.port,
+                    other_ports=lambda server=server: (server.tls_port,),
                     authority=self.authority,
                 )
                 admin.start()

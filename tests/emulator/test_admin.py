@@ -29,6 +29,7 @@ from azure.servicebus.management import (
     FalseRuleFilter,
     SqlRuleFilter,
     TrueRuleFilter,
+    ServiceBusAdministrationClient,
 )
 
 from spark_sb import admin
@@ -681,3 +682,24 @@ def test_a_token_for_another_namespace_is_refused(primary: Any, secondary: Any) 
             wrong.get_namespace_properties()
     with admin_client(primary.connection_string, admin_endpoint=primary.admin_url, retry_total=0) as right:
         assert right.get_namespace_properties() is not None
+
+
+def test_the_admin_port_in_the_connection_string_is_this_namespace(primary: Any, secondary: Any) -> None:
+    # Microsoft's emulator convention: the administration client is given the admin port (5300 there) in the
+    # connection string, so its token names that port; it is this namespace's, as its AMQP port is
+    def at_admin_port(ns: Any) -> str:
+        return ns.connection_string.replace(f":{ns.amqp_port};", f":{ns.admin_port};")
+
+    # (the Python SDK's administration client speaks https whatever the string says; the emulator's transport
+    # takes it to the admin port over http, with the token the SDK made for the admin port)
+    with ServiceBusAdministrationClient.from_connection_string(
+            at_admin_port(primary), retry_total=0,
+            transport=EmulatorAdminTransport(primary.admin_url)) as plain_sdk:
+        assert plain_sdk.get_namespace_properties().name
+        plain_sdk.create_queue("named-by-the-admin-port")
+        assert plain_sdk.get_queue("named-by-the-admin-port").name == "named-by-the-admin-port"
+    # the secondary's token, whether it names its admin port or its AMQP port, still opens nothing on the primary
+    for conn in (at_admin_port(secondary), secondary.connection_string):
+        with admin_client(conn, admin_endpoint=primary.admin_url, retry_total=0) as wrong:
+            with pytest.raises(ClientAuthenticationError, match="InvalidAudience"):
+                wrong.get_namespace_properties()
