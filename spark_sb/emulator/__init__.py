@@ -1,14 +1,14 @@
 """A local Azure Service Bus that the unmodified azure-servicebus SDK talks to.
 
 Imports nothing from the rest of spark_sb but the leaf :mod:`spark_sb.durations`. Needs the ``[emulator]`` extra
-(python-qpid-proton, cryptography, PyJWT); without it, importing this package (or any of its modules) raises
+(python-qpid-proton, cryptography, PyJWT, websockets); without it, importing this package (or any of its modules) raises
 ModuleNotFoundError naming ``pip install 'spark-sb[emulator]'``.
 """
 
 from __future__ import annotations
 
-#: the top-level modules of the [emulator] extra: python-qpid-proton, cryptography, PyJWT
-_EXTRA_MODULES = frozenset({"proton", "cproton", "_cproton", "cryptography", "jwt"})
+#: the top-level modules of the [emulator] extra: python-qpid-proton, cryptography, PyJWT, websockets
+_EXTRA_MODULES = frozenset({"proton", "cproton", "_cproton", "cryptography", "jwt", "websockets"})
 
 try:
     from .amqp import FAULT_KINDS
