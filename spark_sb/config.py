@@ -66,7 +66,7 @@ from dataclasses import FrozenInstanceError
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
-from urllib.parse import urlparse
+from urllib.parse import quote, unquote, urlparse
 
 import yaml
 from pydantic import (
@@ -101,7 +101,7 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
-    "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "REPLICATION_MODES", "ReplicationConfig", "Secret", "SendAvailabilityConfig",
+    "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "ProxyConfig", "REPLICATION_MODES", "ReplicationConfig", "Secret", "SendAvailabilityConfig",
     "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "entity_path", "format_duration",
     "from_options", "is_literal_secret", "is_secret_name", "load_config", "load_reference", "parse_duration", "positive_duration", "redact_connection_string",
 ]
@@ -534,6 +534,80 @@ def _admin_endpoint(value: Any) -> str:
     return f"{parsed.scheme}://{parsed.netloc}"
 
 
+TRANSPORTS = ("amqp", "websockets")
+
+
+def _proxy(value: Any) -> Any:
+    """``http://[user:password@]host:port`` (the form of ``HTTPS_PROXY``) as the mapping ProxyConfig takes."""
+    if not isinstance(value, str):
+        return value
+    text = value.strip()
+    parsed = urlparse(text if "://" in text else f"http://{text}")
+    shown = _proxy_shown(parsed)
+    try:
+        port = parsed.port
+    except ValueError:
+        raise _Invalid("has an invalid port", shown) from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path.strip("/") or parsed.query:
+        raise _Invalid("must look like http://[user:password@]host:port", shown)
+    if port is None:
+        raise _Invalid("needs a port (http://host:port)", shown)
+    return {"host": parsed.hostname, "port": port,
+            "username": unquote(parsed.username) if parsed.username else None,
+            "password": unquote(parsed.password) if parsed.password else None}
+
+
+def _proxy_shown(parsed: Any) -> str:
+    """A proxy URL as it may be shown: its password masked."""
+    netloc = parsed.netloc
+    if parsed.password is not None:
+        netloc = netloc.replace(f":{parsed.password}@", f":{_REDACTED}@", 1)
+    return parsed._replace(netloc=netloc).geturl()
+
+
+class ProxyConfig(_Compact):
+    """An HTTP proxy that tunnels (``CONNECT``) to Service Bus: AMQP over WebSockets and the administration API
+    over https go through it. Given as a mapping or as ``http://[user:password@]host:port``; the password is a
+    secret."""
+
+    host: Text
+    port: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=65535)]
+    username: Text | None = None
+    password: SecretText | None = None
+
+    def sdk(self) -> dict[str, Any]:
+        """The ``http_proxy`` mapping of azure-servicebus."""
+        out: dict[str, Any] = {"proxy_hostname": self.host, "proxy_port": self.port}
+        if self.username is not None:
+            out["username"] = self.username
+        if self.password is not None:
+            out["password"] = self.password.get_secret_value()
+        return out
+
+    def url(self) -> str:
+        """``http://user:password@host:port`` WITH the password, for azure-core's ``proxies`` only."""
+        auth = ""
+        if self.username is not None or self.password is not None:
+            secret = self.password.get_secret_value() if self.password is not None else ""
+            auth = f"{quote(self.username or '', safe='')}:{quote(secret, safe='')}@"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{auth}{host}:{self.port}"
+
+
+def _custom_endpoint(value: Any) -> str:
+    """``sb://host[:port]`` (scheme optional), normalised; the SDK connects there instead of the namespace."""
+    text = value.strip() if isinstance(value, str) else ""
+    parsed = urlparse(text if "://" in text else f"sb://{text}")
+    try:
+        port = parsed.port
+    except ValueError:
+        raise _Invalid("has an invalid port", repr(value)) from None
+    if not text or not parsed.hostname or parsed.path.strip("/") or parsed.query or parsed.username:
+        raise _Invalid("must look like sb://host[:port]", repr(value))
+    host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
+    return f"sb://{host}" + (f":{port}" if port is not None else "")
+
+
 _EMULATOR_ONLY = ("only used with an emulator: a connection string with UseDevelopmentEmulator=true, or "
                   "fully_qualified_namespace with emulator: true")
 
@@ -549,6 +623,20 @@ class NamespaceConfig(_Compact):
     emulator reached with a Microsoft Entra ID credential: the SDK talks plain TCP to the port given
     (``use_tls=False``, as a connection string's ``UseDevelopmentEmulator=true`` does) and provisioning goes to
     ``admin_endpoint`` over plain HTTP. Real namespaces always use TLS.
+
+    The network options, passed to every client built for the namespace (senders, receivers, the sources'
+    executors, the administration client):
+
+    * ``transport``: ``amqp`` (port 5671, the default) or ``websockets`` (AMQP over WebSockets on port 443, for
+      networks that let only https out); ``websockets`` is implied by ``http_proxy``.
+    * ``custom_endpoint_address``: ``sb://host[:port]``, where the SDK connects instead of the namespace's own
+      address (an application gateway, a private endpoint's name, the emulator's TLS or WebSocket port); the
+      tokens still name the namespace.
+    * ``http_proxy``: ``http://[user:password@]host:port`` or ``{host, port, username, password}``; AMQP over
+      WebSockets and the administration API over https go through it (the password is a secret).
+    * ``connection_verify``: a CA bundle (PEM file) that TLS connections trust instead of the system's. With an
+      emulator it also turns TLS on for AMQP (the emulator's AMQPS or WebSocket-over-TLS port, named by
+      ``custom_endpoint_address``); its administration API stays plain HTTP.
     """
 
     fully_qualified_namespace: Annotated[str, BeforeValidator(_namespace_address)]
@@ -559,11 +647,20 @@ class NamespaceConfig(_Compact):
     #: the emulator's admin REST endpoint (``http://host:port``) for provisioning; only for an emulator (an
     #: emulator connection string, or ``emulator: true``). ``None``: ``http://<host>:5300``.
     admin_endpoint: Annotated[str, BeforeValidator(_admin_endpoint)] | None = None
+    #: ``amqp`` | ``websockets``; None: ``amqp``, or ``websockets`` with an ``http_proxy``
+    transport: Literal["amqp", "websockets"] | None = None
+    custom_endpoint_address: Annotated[str, BeforeValidator(_custom_endpoint)] | None = None
+    http_proxy: Annotated[ProxyConfig, BeforeValidator(_proxy)] | None = None
+    #: a CA bundle (PEM) that TLS trusts instead of the system's
+    connection_verify: Text | None = None
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
         if set(data) - {*cls.model_fields, "credential"}:
             return data  # pydantic names the unknown option
+        if data.get("http_proxy") is not None and str(data.get("transport", "websockets")).strip() == "amqp":
+            raise _Invalid("a proxy tunnels AMQP over WebSockets only: use transport: websockets, or no "
+                           "http_proxy", repr(data["transport"]), field="transport")
         credential = data.pop("credential", data.pop("credential_config", None))
         raw = data.get("connection_string")
         admin = data.get("admin_endpoint")
@@ -606,8 +703,53 @@ class NamespaceConfig(_Compact):
 
     @property
     def use_tls(self) -> bool:
-        """False for the emulator (plain TCP for AMQP, plain HTTP for administration)."""
-        return not self.is_emulator
+        """Whether AMQP goes over TLS: always for a real namespace; for the emulator only with a CA to trust
+        (``connection_verify``). The emulator's administration API is plain HTTP either way."""
+        return not self.is_emulator or self.connection_verify is not None
+
+    @property
+    def websockets(self) -> bool:
+        """AMQP over WebSockets: ``transport: websockets``, or an ``http_proxy`` with no transport given."""
+        return self.transport == "websockets" or (self.transport is None and self.http_proxy is not None)
+
+    def network_kwargs(self) -> dict[str, Any]:
+        """What every ``ServiceBusClient`` of this namespace is given: the transport, TLS, the endpoint, the
+        proxy and the CA (secrets included: for the SDK only)."""
+        from azure.servicebus import TransportType
+
+        out: dict[str, Any] = {
+            # always explicit: the SDK takes a custom endpoint without a transport type for a WebSocket one
+            "transport_type": TransportType.AmqpOverWebsocket if self.websockets else TransportType.Amqp,
+        }
+        if self.is_emulator:
+            out["use_tls"] = self.use_tls
+        if self.custom_endpoint_address is not None:
+            out["custom_endpoint_address"] = self.custom_endpoint_address
+        if self.http_proxy is not None:
+            out["http_proxy"] = self.http_proxy.sdk()
+        if self.connection_verify is not None:
+            out["connection_verify"] = self.ca_bundle()
+        return out
+
+    def ca_bundle(self) -> str | None:
+        """``connection_verify``, checked to be a readable file (on the process that connects: an executor's
+        file system may differ from the driver's)."""
+        if self.connection_verify is None:
+            return None
+        if not os.path.isfile(self.connection_verify):
+            raise ConfigError("connection_verify", f"(namespace {self.fully_qualified_namespace}) is not a readable "
+                              "CA bundle (PEM) file on this machine", repr(self.connection_verify))
+        return self.connection_verify
+
+    def admin_kwargs(self) -> dict[str, Any]:
+        """What the administration client of a namespace reached over https is given: the proxy and the CA."""
+        out: dict[str, Any] = {}
+        if self.http_proxy is not None:
+            url = self.http_proxy.url()
+            out["proxies"] = {"https": url, "http": url}
+        if self.connection_verify is not None:
+            out["connection_verify"] = self.ca_bundle()
+        return out
 
     def credential(self) -> TokenCredential | AzureNamedKeyCredential | AzureSasCredential:
         """Build the credential: a named key or SAS credential for a connection string, else the configured
@@ -625,10 +767,11 @@ class NamespaceConfig(_Compact):
         """A new ``ServiceBusClient`` for this namespace (``sdk_kwargs`` go to the SDK: retry settings...)."""
         from azure.servicebus import ServiceBusClient
 
-        if self.connection_string is not None:
+        sdk_kwargs = {**self.network_kwargs(), **sdk_kwargs}
+        if self.connection_string is not None and not (self.is_emulator and self.use_tls):
+            sdk_kwargs.pop("use_tls", None)  # the string says it
             return ServiceBusClient.from_connection_string(self.connection_string.reveal(), **sdk_kwargs)
-        if self.is_emulator:
-            sdk_kwargs = {"use_tls": False, **sdk_kwargs}
+        # a credential; or an emulator connection string over TLS, which from_connection_string would make plain
         return ServiceBusClient(self.fully_qualified_namespace, self.credential(), **sdk_kwargs)  # type: ignore[arg-type]
 
     @model_serializer(mode="wrap")
@@ -1245,7 +1388,8 @@ def from_options(options: Mapping[str, str]) -> SparkSbConfig:
     """
     nested: dict[str, Any] = {}
     written: dict[str, str] = {}
-    children = {"credential": list(_fields_of(CredentialConfig)), "columns": SINK_FIELDS,
+    children = {"credential": list(_fields_of(CredentialConfig)), "http_proxy": list(_fields_of(ProxyConfig)),
+                "columns": SINK_FIELDS,
                 "source": list(_fields_of(SinkSourceConfig))}
     for key, value in options.items():
         parts = str(key).split(".")

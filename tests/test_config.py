@@ -726,3 +726,78 @@ def test_entity_paths_are_queues_with_any_name_or_topic_subscriptions() -> None:
     for bad in ("", "  ", "events/subscriptions/", "/subscriptions/all", "events/subscriptions/a/b", None):
         with pytest.raises(ConfigError, match="^entity: must name a queue or a subscription"):
             entity_path(bad)
+
+
+# --- the network options -------------------------------------------------------------------------------------
+
+PROXY_PASSWORD = "pr0xy~p@ss"
+
+
+def test_network_options_reach_every_client_and_hide_the_proxy_password(tmp_path: Path) -> None:
+    from azure.servicebus import TransportType
+
+    ca = tmp_path / "ca.pem"
+    ca.write_text("-----BEGIN CERTIFICATE-----\n")
+    config = load_config({
+        "primary": {"connection_string": PRIMARY, "custom_endpoint_address": "gateway.contoso.com:8443",
+                    "http_proxy": "http://bob:pr0xy~p%40ss@proxy.contoso.com:3128", "connection_verify": str(ca)},
+        "secondary": {"connection_string": SECONDARY, "transport": "websockets"},
+    })
+    primary, secondary = config.primary, config.secondary
+    assert primary.websockets and secondary.websockets  # a proxy implies WebSockets; the secondary says it
+    assert primary.network_kwargs() == {
+        "transport_type": TransportType.AmqpOverWebsocket, "custom_endpoint_address": "sb://gateway.contoso.com:8443",
+        "http_proxy": {"proxy_hostname": "proxy.contoso.com", "proxy_port": 3128, "username": "bob",
+                       "password": PROXY_PASSWORD},
+        "connection_verify": str(ca)}
+    assert primary.admin_kwargs() == {"proxies": {"https": "http://bob:pr0xy~p%40ss@proxy.contoso.com:3128",
+                                                  "http": "http://bob:pr0xy~p%40ss@proxy.contoso.com:3128"},
+                                      "connection_verify": str(ca)}
+    client = primary.client()
+    try:
+        assert client._config.transport_type == TransportType.AmqpOverWebsocket
+        assert client._config.http_proxy["password"] == PROXY_PASSWORD
+        assert client._config.custom_endpoint_hostname == "gateway.contoso.com"
+        assert client._config.connection_port == 8443
+    finally:
+        client.close()
+    shown = [repr(config), str(config), json.dumps(config.to_dict()), repr(primary.http_proxy),
+             str(pickle.dumps(config))]
+    assert not any(PROXY_PASSWORD in text or "p%40ss" in text for text in shown)
+    assert config.to_dict()["primary"]["http_proxy"] == {"host": "proxy.contoso.com", "port": 3128,
+                                                         "username": "bob", "password": "***"}
+    assert load_config(config.to_dict(secrets=True)) == config
+
+
+def test_flat_spark_options_for_the_network() -> None:
+    config = from_options({"primary.connectionString": PRIMARY, "secondary.connectionString": SECONDARY,
+                           "primary.httpProxy.host": "proxy", "primary.httpProxy.port": "3128",
+                           "primary.httpProxy.password": PROXY_PASSWORD, "secondary.transport": "websockets",
+                           "secondary.customEndpointAddress": "sb://gw:443"})
+    assert config.primary.http_proxy is not None and config.primary.http_proxy.port == 3128
+    assert config.secondary.websockets and config.secondary.custom_endpoint_address == "sb://gw:443"
+
+
+@pytest.mark.parametrize(("primary", "message"), [
+    ({"http_proxy": f"http://bob:{PROXY_PASSWORD}@proxy"}, "primary.http_proxy: needs a port"),
+    ({"http_proxy": "socks5://proxy:1080"}, "primary.http_proxy: must look like http://"),
+    ({"http_proxy": "http://proxy:3128", "transport": "amqp"}, "primary.transport: a proxy tunnels AMQP over "
+                                                               "WebSockets only"),
+    ({"http_proxy": {"host": "proxy", "port": 0}}, "primary.http_proxy.port: must be"),
+    ({"transport": "tcp"}, "primary.transport: must be one of amqp, websockets, got 'tcp'"),
+    ({"custom_endpoint_address": "sb://gw/path"}, "primary.custom_endpoint_address: must look like sb://host"),
+    ({"custom_endpoint_address": "sb://gw:99999"}, "primary.custom_endpoint_address: has an invalid port"),
+])
+def test_bad_network_options_name_the_option_never_the_password(primary: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        load_config({"primary": {"connection_string": PRIMARY, **primary}, "secondary": {"connection_string": SECONDARY}})
+    assert message in str(caught.value)
+    assert PROXY_PASSWORD not in str(caught.value)
+
+
+def test_a_missing_ca_bundle_is_named_when_a_client_is_built(tmp_path: Path) -> None:
+    config = load_config({"primary": {"connection_string": PRIMARY, "connection_verify": str(tmp_path / "x.pem")},
+                          "secondary": {"connection_string": SECONDARY}})
+    with pytest.raises(ConfigError, match=r"connection_verify: \(namespace contoso.servicebus.windows.net\) is "
+                                          r"not a readable CA bundle"):
+        config.primary.client()

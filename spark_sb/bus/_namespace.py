@@ -281,12 +281,16 @@ class Namespace:
 
 def admin_client(namespace: NamespaceConfig, **kwargs: Any) -> Any:
     """A ``ServiceBusAdministrationClient`` for ``namespace`` (its connection string, or its namespace and
-    credential), built by :func:`spark_sb.admin.admin_client`; ``kwargs`` go to the SDK. Close it."""
+    credential), built by :func:`spark_sb.admin.admin_client`; ``kwargs`` go to the SDK. Close it. A real
+    namespace's client goes through the namespace's ``http_proxy`` and trusts its ``connection_verify``; the
+    emulator's administration API is plain HTTP on its own port."""
+    if not namespace.is_emulator:
+        kwargs = {**namespace.admin_kwargs(), **kwargs}
     if namespace.connection_string is not None:
         return build_admin_client(namespace.connection_string.reveal(), admin_endpoint=namespace.admin_endpoint, **kwargs)
     return build_admin_client(fully_qualified_namespace=namespace.fully_qualified_namespace,
                               credential=namespace.credential(), admin_endpoint=namespace.admin_endpoint,
-                              use_tls=namespace.use_tls, **kwargs)
+                              use_tls=not namespace.is_emulator, **kwargs)
 
 
 def shared_namespace(config: SparkSbConfig, side: Literal["primary", "secondary"], *,

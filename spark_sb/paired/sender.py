@@ -310,7 +310,8 @@ class PairedSender:
 
         ns = self.config.secondary
         endpoint = admin_endpoint_of(ns.connection_string.reveal() if ns.connection_string is not None else None,
-                                     ns.fully_qualified_namespace, ns.admin_endpoint, use_tls=ns.use_tls)
+                                     ns.fully_qualified_namespace, ns.admin_endpoint,
+                                     use_tls=not ns.is_emulator)
         reason = unreachable_reason(error)
         text = " ".join(str(error).split())  # one line (an HTTP error carries its response body on the next)
         detail = f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
