@@ -20,9 +20,11 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                        help="where messages and entities are stored (default: %(default)s)")
     start.add_argument("--in-memory", action="store_true",
                        help="keep messages in memory only (nothing survives a restart); for comparisons")
-    start.add_argument("--namespace", action="append", default=[], metavar="NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT]",
+    start.add_argument("--namespace", action="append", default=[],
+                       metavar="NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT]",
                        help="a namespace to serve; repeatable; port 0 picks a free port; a TLS_PORT serves AMQP "
-                            "over TLS there (default: primary=5672:5300 and secondary=5673:5301)")
+                            "over TLS there, ws= and wss= AMQP over WebSockets, plain and over TLS "
+                            "(default: primary=5672:5300 and secondary=5673:5301)")
     start.add_argument("--tls", action="store_true",
                        help="also serve AMQP over TLS (AMQPS), for clients built from a namespace and a credential: "
                             "the default namespaces on 5671 (primary, the SDK's AMQPS port) and 5674 (secondary), "
@@ -30,6 +32,13 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                             "certificate (kept in DATA_DIR/tls, reused while valid) and prints the CA file: pass it "
                             "as connection_verify= (SSL_CERT_FILE has no effect on the SDK). The admin port stays "
                             "plain HTTP")
+    start.add_argument("--websockets", action="store_true",
+                       help="also serve AMQP over WebSockets at /$servicebus/websocket (the SDKs' "
+                            "transport_type=AmqpOverWebsocket, and any http_proxy): ws:// for emulator connection "
+                            "strings and wss:// (TLS with the emulator's CA, as for --tls) for a namespace and a "
+                            "credential; the default namespaces on ws 5380 and wss 5443 (primary), 5381 and 5444 "
+                            "(secondary), a --namespace on its ws= and wss= ports or free ones. Clients name the "
+                            "port with custom_endpoint_address=sb://localhost:PORT")
     start.add_argument("--entities", metavar="FILE", help="YAML/JSON file of queues, topics and subscriptions "
                                                           "to create in every namespace")
     start.add_argument("--key-name", default="RootManageSharedAccessKey",
@@ -159,11 +168,12 @@ def _emulator(args: argparse.Namespace) -> int:
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
         try:
             namespaces = ([server.NamespaceOptions.parse(t) for t in args.namespace]
-                          or server.default_namespaces(args.tls))
+                          or server.default_namespaces(args.tls, args.websockets))
             key = os.environ.get(args.key_env) or server.DEFAULT_KEY
             namespaces = [dataclasses.replace(n, key_name=args.key_name, key=key) for n in namespaces]
             data_dir = None if args.in_memory else args.data_dir
-            return server.run_foreground(namespaces, data_dir, args.entities, args.status_file, tls=args.tls)
+            return server.run_foreground(namespaces, data_dir, args.entities, args.status_file, tls=args.tls,
+                                         websockets=args.websockets)
         except (ValueError, EntityConfigError, OSError) as err:
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2

@@ -1,5 +1,6 @@
 """The emulator as a whole: several namespaces, each an AMQP port and an admin HTTP port, and optionally an
-AMQPS (TLS) port (:mod:`spark_sb.emulator.tls`).
+AMQPS (TLS) port (:mod:`spark_sb.emulator.tls`) and AMQP over WebSockets ports, ``ws://`` and ``wss://``
+(:mod:`spark_sb.emulator.websocket`).
 
 In-process::
 
@@ -37,11 +38,14 @@ from .broker import Broker, BrokerError, Cond
 
 if TYPE_CHECKING:
     from . import tls as _tls
+    from . import websocket as _websocket
 
 _LOGGER = logging.getLogger(__name__)
 
 DEFAULT_KEY_NAME = "RootManageSharedAccessKey"
 DEFAULT_KEY = "SAS_KEY_VALUE"  # Microsoft's emulator uses the same well-known development key
+#: where AMQP over WebSockets is served (what every Service Bus SDK opens; :mod:`spark_sb.emulator.websocket`)
+WEBSOCKET_PATH = "/$servicebus/websocket"
 
 
 @dataclass(frozen=True)
@@ -55,30 +59,54 @@ class NamespaceOptions:
     host: str = "127.0.0.1"
     #: AMQP over TLS (AMQPS) on this port (0: a free port); None: none, unless the Emulator is asked for TLS
     tls_port: int | None = None
+    #: AMQP over WebSockets, plain (``ws://``), on this port (0: a free port); None: none, unless the Emulator is
+    #: asked for WebSockets
+    ws_port: int | None = None
+    #: AMQP over secure WebSockets (``wss://``, TLS with the emulator's CA) on this port; None likewise
+    wss_port: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> NamespaceOptions:
-        """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT]`` (ports may be 0 for a free port)."""
-        name, sep, ports = text.partition("=")
+        """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT]`` (ports may be 0 for a free port)."""
+        form = "NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT]"
+        name, sep, rest = text.partition("=")
+        ports, *extras = rest.split(",")
         parts = ports.split(":")
         if not sep or not name or len(parts) not in (2, 3) or not all(p.isdigit() for p in parts):
-            raise ValueError(f"--namespace must look like NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT], got {text!r}")
-        for what, port in zip(("AMQP_PORT", "ADMIN_PORT", "TLS_PORT"), parts, strict=False):
+            raise ValueError(f"--namespace must look like {form}, got {text!r}")
+        named: dict[str, str] = {}
+        for extra in extras:
+            key, eq, port = extra.partition("=")
+            if not eq or key not in ("ws", "wss") or key in named or not port.isdigit():
+                raise ValueError(f"--namespace {text!r}: after the ports come ws=PORT and wss=PORT ({form}), "
+                                 f"got {extra!r}")
+            named[key] = port
+        for what, port in [*zip(("AMQP_PORT", "ADMIN_PORT", "TLS_PORT"), parts, strict=False), *named.items()]:
             if int(port) > 65535:
                 raise ValueError(f"--namespace {text!r}: {what} must be a port number (0-65535), got {port}")
         return cls(name=name, amqp_port=int(parts[0]), admin_port=int(parts[1]),
-                   tls_port=int(parts[2]) if len(parts) == 3 else None)
+                   tls_port=int(parts[2]) if len(parts) == 3 else None,
+                   ws_port=int(named["ws"]) if "ws" in named else None,
+                   wss_port=int(named["wss"]) if "wss" in named else None)
 
     def spec(self) -> str:
         """The ``--namespace`` text for these ports."""
         tls = "" if self.tls_port is None else f":{self.tls_port}"
-        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}"
+        ws = "" if self.ws_port is None else f",ws={self.ws_port}"
+        wss = "" if self.wss_port is None else f",wss={self.wss_port}"
+        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}{ws}{wss}"
 
 
 DEFAULT_NAMESPACES = (NamespaceOptions("primary", 5672, 5300), NamespaceOptions("secondary", 5673, 5301))
 #: the default namespaces' AMQPS ports with TLS on: 5671 is the SDK's own AMQPS port, so a client built with
 #: ``fully_qualified_namespace="localhost"`` reaches the primary
 DEFAULT_TLS_PORTS = {"primary": 5671, "secondary": 5674}
+#: the Entra ID authority's https port of :meth:`Emulator.default` with TLS on (``ClientSecretCredential``'s
+#: ``authority="https://localhost:5310"``)
+DEFAULT_AUTHORITY_PORT = 5310
+#: the default namespaces' AMQP over WebSockets ports (ws, wss) with WebSockets on. Service Bus itself serves wss
+#: on 443, which an unprivileged user cannot listen on: clients name the port (``websocket_client_kwargs``)
+DEFAULT_WEBSOCKET_PORTS = {"primary": (5380, 5443), "secondary": (5381, 5444)}
 
 
 def connection_string(host: str, port: int, key_name: str, key: str) -> str:
@@ -99,8 +127,13 @@ class NamespaceInfo:
     key: str = field(repr=False)
     #: the AMQPS (TLS) port, when the namespace has one
     tls_port: int | None = None
-    #: the CA certificate TLS clients trust (``connection_verify=``), when the namespace has a TLS port
+    #: the CA certificate TLS clients trust (``connection_verify=``), when the namespace has a TLS or wss port
     ca_file: str | None = None
+    #: AMQP over WebSockets: the plain (``ws://``) port and the secure (``wss://``) one, when the namespace has them
+    ws_port: int | None = None
+    wss_port: int | None = None
+    #: the emulator's Entra ID authority (https, one per emulator), when it has one
+    authority_port: int | None = None
 
     @property
     def connection_string(self) -> str:
@@ -119,6 +152,30 @@ class NamespaceInfo:
                 "connection_verify": self.ca_file}
 
     @property
+    def websocket_client_kwargs(self) -> dict[str, Any]:
+        """What ``ServiceBusClient("localhost", credential, **kwargs)`` (sync or aio) needs to speak AMQP over
+        secure WebSockets (``wss://``) to this namespace: the SDK would connect to port 443 unless given a custom
+        endpoint. Add ``http_proxy=`` to go through a proxy."""
+        if self.wss_port is None or self.ca_file is None:
+            raise ValueError(f"namespace {self.name!r} has no wss port (start the emulator with WebSockets)")
+        from azure.servicebus import TransportType
+
+        return {"custom_endpoint_address": f"sb://localhost:{self.wss_port}",
+                "transport_type": TransportType.AmqpOverWebsocket, "connection_verify": self.ca_file}
+
+    @property
+    def websocket_connection_string_kwargs(self) -> dict[str, Any]:
+        """What ``ServiceBusClient.from_connection_string(info.connection_string, **kwargs)`` needs to speak AMQP
+        over WebSockets to this namespace: an emulator connection string (``UseDevelopmentEmulator=true``) turns
+        TLS off, so the SDK opens ``ws://``, on port 80 (sync) or 443 (aio) unless given a custom endpoint."""
+        if self.ws_port is None:
+            raise ValueError(f"namespace {self.name!r} has no ws port (start the emulator with WebSockets)")
+        from azure.servicebus import TransportType
+
+        return {"custom_endpoint_address": f"sb://localhost:{self.ws_port}",
+                "transport_type": TransportType.AmqpOverWebsocket}
+
+    @property
     def admin_url(self) -> str:
         return f"http://localhost:{self.admin_port}"
 
@@ -127,6 +184,21 @@ class NamespaceInfo:
         """The managed-identity token endpoint (``IDENTITY_ENDPOINT``) on this namespace's admin port; its
         tokens are good for every namespace of the emulator."""
         return f"{self.admin_url}{_aad.TOKEN_PATH}"
+
+    @property
+    def authority_url(self) -> str:
+        """The emulator's Entra ID authority (``authority=`` of ``ClientSecretCredential``)."""
+        if self.authority_port is None:
+            raise ValueError("the emulator has no Entra ID authority (start it with TLS, or an authority port)")
+        return f"https://localhost:{self.authority_port}"
+
+    @property
+    def authority_kwargs(self) -> dict[str, Any]:
+        """What ``ClientSecretCredential(tenant_id, client_id, client_secret, **kwargs)`` needs to get its tokens
+        from the emulator's authority: ``authority``, ``disable_instance_discovery=True`` (the authority is not
+        Microsoft's) and ``connection_verify`` (the emulator's CA)."""
+        return {"authority": self.authority_url, "disable_instance_discovery": True,
+                "connection_verify": self.ca_file}
 
 
 class Emulator:
@@ -139,6 +211,16 @@ class Emulator:
     ``tls=True``: every namespace also serves AMQP over TLS, on its ``tls_port`` or, when that is None, a free
     port (a namespace with a ``tls_port`` has TLS either way). The certificates are made by the emulator and kept
     in ``<data_dir>/tls`` (a temporary directory without a data_dir); ``info[name].ca_file`` is the CA to trust.
+
+    ``websockets=True``: every namespace also serves AMQP over WebSockets at ``/$servicebus/websocket``, plain
+    (``ws://``, what an emulator connection string makes the SDK open) on its ``ws_port`` and over TLS with the
+    same CA (``wss://``, what a namespace and a credential make it open) on its ``wss_port``, or free ports where
+    those are None (a namespace with a ``ws_port`` or ``wss_port`` has it either way).
+
+    ``authority_port``: the Entra ID authority (https, with the same CA; :mod:`spark_sb.emulator.authority_http`)
+    that azure-identity's ``ClientSecretCredential`` gets the tokens of ``aad``'s app registrations from, on this
+    port (0: a free one) of the first namespace's host; None: on a free port when ``tls``, else none.
+    ``info[name].authority_url`` and ``.authority_kwargs`` say where.
     """
 
     def __init__(
@@ -150,6 +232,8 @@ class Emulator:
         clock: Callable[[], float] = time.time,
         aad: _aad.AadOptions | None = None,
         tls: bool = False,
+        websockets: bool = False,
+        authority_port: int | None = None,
     ) -> None:
         names = [n.name for n in namespaces]
         if len(set(names)) != len(names):
@@ -170,17 +254,31 @@ class Emulator:
         self.certificates: _tls.Certificates | None = None
         self._relay: _tls.TlsRelay | None = None
         self._tls_tmp: str | None = None
+        self.websockets = websockets
+        self._ws_relay: _websocket.WebSocketRelay | None = None
+        self.authority_port = authority_port if authority_port is not None else (0 if tls else None)
+        self._authority_server: Any = None
 
     @classmethod
-    def default(cls, *, tls: bool = False, **kwargs: Any) -> Emulator:
+    def default(cls, *, tls: bool = False, websockets: bool = False, **kwargs: Any) -> Emulator:
         """The primary (5672, admin 5300) and the secondary (5673, admin 5301); with ``tls=True`` their AMQPS
-        ports are 5671 and 5674 (:data:`DEFAULT_TLS_PORTS`)."""
-        return cls(default_namespaces(tls), tls=tls, **kwargs)
+        ports are 5671 and 5674 (:data:`DEFAULT_TLS_PORTS`), with ``websockets=True`` their ws and wss ports
+        5380 and 5443, 5381 and 5444 (:data:`DEFAULT_WEBSOCKET_PORTS`); with ``tls=True`` the Entra ID
+        authority's is 5310 (:data:`DEFAULT_AUTHORITY_PORT`)."""
+        if tls:
+            kwargs.setdefault("authority_port", DEFAULT_AUTHORITY_PORT)
+        return cls(default_namespaces(tls, websockets), tls=tls, websockets=websockets, **kwargs)
 
     def _tls_port(self, opt: NamespaceOptions) -> int | None:
         if opt.tls_port is not None:
             return opt.tls_port
         return 0 if self.tls else None
+
+    def _ws_ports(self, opt: NamespaceOptions) -> tuple[int | None, int | None]:
+        """The namespace's (ws, wss) ports: its own, else free ones with ``websockets``, else none."""
+        free = 0 if self.websockets else None
+        return (opt.ws_port if opt.ws_port is not None else free,
+                opt.wss_port if opt.wss_port is not None else free)
 
     def __getitem__(self, name: str) -> NamespaceInfo:
         try:
@@ -233,16 +331,17 @@ class Emulator:
                 _LOGGER.info("namespace %s: AMQP on %s:%d, admin on http://%s:%d", opt.name, opt.host,
                              server.port, opt.host, admin.port)
             self._start_tls()
+            self._start_websockets()
+            self._start_authority()
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _start_tls(self) -> None:
-        """The AMQPS endpoints: TLS on each TLS port, the plain bytes relayed to the namespace's AMQP port."""
-        wanted = [(opt, port) for opt in self.options if (port := self._tls_port(opt)) is not None]
-        if not wanted:
-            return
+    def _ensure_certificates(self) -> _tls.Certificates:
+        """The CA and server certificate of every TLS endpoint (AMQPS, wss), made or checked once per start."""
+        if self.certificates is not None:
+            return self.certificates
         from . import tls as _tls  # cryptography is imported only when TLS is on
 
         if self.data_dir is not None:
@@ -250,9 +349,23 @@ class Emulator:
         else:
             self._tls_tmp = tempfile.mkdtemp(prefix="sb-emu-tls-")
             directory = Path(self._tls_tmp)
-        hosts = [h for opt, _ in wanted for h in _tls.certificate_hosts(opt.host)]
+        secure = [opt for opt in self.options
+                  if self._tls_port(opt) is not None or self._ws_ports(opt)[1] is not None]
+        if self.authority_port is not None:  # the Entra ID authority listens on the first namespace's host
+            secure.append(self.options[0])
+        hosts = [h for opt in secure for h in _tls.certificate_hosts(opt.host)]
         # certificates are checked by clients against the real time, whatever clock the broker follows
-        self.certificates = certs = _tls.ensure_certificates(directory, hosts)
+        self.certificates = _tls.ensure_certificates(directory, hosts)
+        return self.certificates
+
+    def _start_tls(self) -> None:
+        """The AMQPS endpoints: TLS on each TLS port, the plain bytes relayed to the namespace's AMQP port."""
+        wanted = [(opt, port) for opt in self.options if (port := self._tls_port(opt)) is not None]
+        if not wanted:
+            return
+        from . import tls as _tls
+
+        certs = self._ensure_certificates()
         routes = [_tls.Route(opt.name, opt.host, port, _loopback(opt.host), self._servers[opt.name].port)
                   for opt, port in wanted]
         self._relay = _tls.TlsRelay(routes, certs.server_context()).start()
@@ -261,7 +374,53 @@ class Emulator:
             self.info[route.name].tls_port = route.port
             self.info[route.name].ca_file = str(certs.ca_file)
 
+    def _start_websockets(self) -> None:
+        """The AMQP over WebSockets endpoints (ws and wss), their AMQP bytes relayed to the namespace's AMQP port."""
+        wanted = [(opt, ws, wss) for opt in self.options for ws, wss in [self._ws_ports(opt)]
+                  if ws is not None or wss is not None]
+        if not wanted:
+            return
+        from . import websocket as _websocket  # the websockets package is imported only when they are on
+
+        context = None
+        if any(wss is not None for _, _, wss in wanted):
+            context = self._ensure_certificates().server_context()
+        routes: list[_websocket.WebSocketRoute] = []
+        for opt, ws, wss in wanted:
+            upstream = (_loopback(opt.host), self._servers[opt.name].port)
+            if ws is not None:
+                routes.append(_websocket.WebSocketRoute(opt.name, opt.host, ws, *upstream))
+            if wss is not None:
+                routes.append(_websocket.WebSocketRoute(opt.name, opt.host, wss, *upstream, context=context))
+        self._ws_relay = _websocket.WebSocketRelay(routes).start()
+        for route in routes:
+            info = self.info[route.name]
+            if route.context is None:
+                info.ws_port = route.port
+            else:
+                info.wss_port = route.port
+                info.ca_file = str(self._ensure_certificates().ca_file)
+
+    def _start_authority(self) -> None:
+        """The Entra ID authority (https) for ``ClientSecretCredential``, when it is wanted."""
+        if self.authority_port is None:
+            return
+        from .authority_http import AuthorityServer
+
+        certs = self._ensure_certificates()
+        server = AuthorityServer(self.options[0].host, self.authority_port, self.authority, certs.server_context())
+        self._authority_server = server.start()
+        for info in self.info.values():
+            info.authority_port = server.port
+            info.ca_file = str(certs.ca_file)
+
     def stop(self) -> None:
+        if self._authority_server is not None:
+            self._authority_server.stop()
+            self._authority_server = None
+        if self._ws_relay is not None:
+            self._ws_relay.stop()
+            self._ws_relay = None
         if self._relay is not None:
             self._relay.stop()
             self._relay = None
@@ -274,6 +433,7 @@ class Emulator:
         if self._tls_tmp is not None:
             shutil.rmtree(self._tls_tmp, ignore_errors=True)
             self._tls_tmp = None
+        self.certificates = None
 
     def server(self, name: str) -> NamespaceServer:
         return self._servers[name]
@@ -293,11 +453,17 @@ class Emulator:
         server.call(lambda: server.heal(entity))
 
 
-def default_namespaces(tls: bool = False) -> list[NamespaceOptions]:
-    """:data:`DEFAULT_NAMESPACES`, with their :data:`DEFAULT_TLS_PORTS` when ``tls``."""
-    if not tls:
-        return list(DEFAULT_NAMESPACES)
-    return [dataclasses.replace(n, tls_port=DEFAULT_TLS_PORTS.get(n.name, 0)) for n in DEFAULT_NAMESPACES]
+def default_namespaces(tls: bool = False, websockets: bool = False) -> list[NamespaceOptions]:
+    """:data:`DEFAULT_NAMESPACES`, with their :data:`DEFAULT_TLS_PORTS` when ``tls`` and their
+    :data:`DEFAULT_WEBSOCKET_PORTS` when ``websockets``."""
+    namespaces = list(DEFAULT_NAMESPACES)
+    if tls:
+        namespaces = [dataclasses.replace(n, tls_port=DEFAULT_TLS_PORTS.get(n.name, 0)) for n in namespaces]
+    if websockets:
+        namespaces = [dataclasses.replace(n, ws_port=DEFAULT_WEBSOCKET_PORTS.get(n.name, (0, 0))[0],
+                                          wss_port=DEFAULT_WEBSOCKET_PORTS.get(n.name, (0, 0))[1])
+                      for n in namespaces]
+    return namespaces
 
 
 def _loopback(host: str) -> str:
@@ -419,13 +585,16 @@ class EmulatorProcess:
         timeout: float = 30.0,
         log_file: str | Path | None = None,
         tls: bool = False,
+        websockets: bool = False,
     ) -> EmulatorProcess:
-        """``data_dir=None`` keeps messages in memory only; ``tls`` as for :class:`Emulator`."""
+        """``data_dir=None`` keeps messages in memory only; ``tls`` and ``websockets`` as for :class:`Emulator`."""
         status = Path(tempfile.mkdtemp(prefix="sb-emu-")) / "status.json"
         store = ["--in-memory"] if data_dir is None else ["--data-dir", str(data_dir)]
         args = [sys.executable, "-m", "spark_sb.cli", "emulator", "start", *store, "--status-file", str(status)]
         if tls:
             args.append("--tls")
+        if websockets:
+            args.append("--websockets")
         for n in namespaces:
             args += ["--namespace", n.spec()]
         if entities is not None:
@@ -469,7 +638,8 @@ class EmulatorProcess:
                 continue
             out.append(a)
         for n in self.info.values():
-            out += ["--namespace", NamespaceOptions(n.name, n.amqp_port, n.admin_port, tls_port=n.tls_port).spec()]
+            out += ["--namespace", NamespaceOptions(n.name, n.amqp_port, n.admin_port, tls_port=n.tls_port,
+                                                    ws_port=n.ws_port, wss_port=n.wss_port).spec()]
         return self._launch(out, status, timeout, None)
 
     def kill(self) -> None:
@@ -500,12 +670,14 @@ def run_foreground(
     status_file: str | Path | None,
     out: Any = sys.stdout,
     tls: bool = False,
+    websockets: bool = False,
 ) -> int:
     """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
-    then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace and ``CA <file>``; wait for a signal."""
+    then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace, with WebSockets ``WS NAME <url>`` and
+    ``WSS NAME <url>`` lines, and ``CA <file>`` when there is TLS; wait for a signal."""
     import threading
 
-    emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls)
+    emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets)
     emu.start()
     stop = threading.Event()
 
@@ -521,6 +693,11 @@ def run_foreground(
         for info in emu.info.values():
             if info.tls_port is not None:
                 print(f"AMQPS {info.name} localhost:{info.tls_port}", file=out, flush=True)
+        for info in emu.info.values():
+            for scheme, port in (("ws", info.ws_port), ("wss", info.wss_port)):
+                if port is not None:
+                    print(f"{scheme.upper()} {info.name} {scheme}://localhost:{port}{WEBSOCKET_PATH}", file=out,
+                          flush=True)
         if emu.certificates is not None:
             print(f"CA {emu.certificates.ca_file}", file=out, flush=True)
         if status_file is not None:
