@@ -20,7 +20,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from proton import Condition, Delivery, Handler, Message, Terminus, symbol, timestamp
+from proton import (
+    UNDESCRIBED,
+    Array,
+    Condition,
+    Data,
+    Delivery,
+    Handler,
+    Message,
+    Terminus,
+    int32,
+    symbol,
+    timestamp,
+)
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
 from . import aad, codec, frames, sas
@@ -773,7 +785,8 @@ class NamespaceServer(Handler):
                          audience, text)
         reply = Message(
             correlation_id=msg.id,
-            properties={"status-code": status, "status-description": text},
+            # an AMQP int, as the service sends: the Java SDK casts it to int (a long fails every operation)
+            properties={"status-code": int32(status), "status-description": text},
         )
         sender = link.connection.cbs_sender
         if sender is not None:
@@ -824,7 +837,7 @@ class NamespaceServer(Handler):
             status, desc, cond = _MGMT_STATUS.get(err.condition, 500), err.description, err.condition
         if fault == "ack-lost" and cond is None and operation.removeprefix("com.microsoft:") == "schedule-message":
             return  # scheduled (a send), but the answer is lost
-        reply_props: dict[str, Any] = {"statusCode": status, "statusDescription": desc}
+        reply_props: dict[str, Any] = {"statusCode": int32(status), "statusDescription": desc}
         if cond is not None:
             reply_props["errorCondition"] = symbol(cond)
             reply_props["error-condition"] = symbol(cond)
@@ -844,7 +857,8 @@ class NamespaceServer(Handler):
         if op == "renew-lock":
             tokens = [_uuid(t) for t in body.get("lock-tokens", [])]
             expirations = b.renew_lock(path, tokens)
-            return {"expirations": [timestamp(int(e * 1000)) for e in expirations]}
+            # arrays, as the service sends (the Java SDK reads Date[] here and long[] for sequence numbers)
+            return {"expirations": Array(UNDESCRIBED, Data.TIMESTAMP, *(timestamp(int(e * 1000)) for e in expirations))}
         if op == "update-disposition":
             status = str(body.get("disposition-status", ""))
             for t in body.get("lock-tokens", []):
@@ -886,7 +900,7 @@ class NamespaceServer(Handler):
                 inc = codec.incoming(bytes(entry["message"]))
                 when = inc.scheduled_enqueue_time if inc.scheduled_enqueue_time is not None else self.clock()
                 seqs.extend(b.schedule(path, [inc], when))
-            return {"sequence-numbers": seqs}
+            return {"sequence-numbers": Array(UNDESCRIBED, Data.LONG, *seqs)}
         if op == "cancel-scheduled-message":
             b.cancel_scheduled(path, [int(s) for s in body.get("sequence-numbers", [])])
             return {}
