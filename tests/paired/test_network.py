@@ -1,6 +1,6 @@
 """The namespaces' network options (``transport``, ``custom_endpoint_address``, ``http_proxy``,
 ``connection_verify``) with the real SDK against the emulator: the paired sender through an outage and the syphon
-core, over the emulator's TLS endpoint, trusting its CA."""
+core, over the emulator's TLS endpoint (AMQPS) and over AMQP over WebSockets with TLS, trusting its CA."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from spark_sb.syphon import Syphon
 
 @pytest.fixture(scope="module")
 def tls_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    with Emulator([NamespaceOptions("primary"), NamespaceOptions("secondary")], tls=True,
+    with Emulator([NamespaceOptions("primary"), NamespaceOptions("secondary")], tls=True, websockets=True,
                   data_dir=tmp_path_factory.mktemp("tls-emulator")) as emu:
         yield emu
     close_all()
@@ -35,15 +35,17 @@ def _queue(emu: Emulator, namespace: str = "primary") -> str:
     return name
 
 
-def _over_tls(emu: Emulator, side: str, **options: Any) -> dict[str, Any]:
+def _over_tls(emu: Emulator, side: str, transport: str = "amqp", **options: Any) -> dict[str, Any]:
+    """An emulator connection string, its CA, and its AMQPS port (``amqp``) or WebSocket-over-TLS port."""
     info = emu[side]
-    return {"connection_string": info.connection_string, "admin_endpoint": info.admin_url,
-            "custom_endpoint_address": f"sb://localhost:{info.tls_port}", "connection_verify": info.ca_file,
-            **options}
+    port = info.tls_port if transport == "amqp" else info.wss_port
+    return {"connection_string": info.connection_string, "admin_endpoint": info.admin_url, "transport": transport,
+            "custom_endpoint_address": f"sb://localhost:{port}", "connection_verify": info.ca_file, **options}
 
 
-def _config(emu: Emulator, **primary: Any) -> dict[str, Any]:
-    return {"primary": _over_tls(emu, "primary", **primary), "secondary": _over_tls(emu, "secondary"),
+def _config(emu: Emulator, transport: str = "amqp", **primary: Any) -> dict[str, Any]:
+    return {"primary": _over_tls(emu, "primary", transport, **primary),
+            "secondary": _over_tls(emu, "secondary", transport),
             "send_availability": {"backlog_prefix": f"net-{uuid.uuid4().hex[:8]}", "backlog_queue_count": 2,
                                   "failover_interval": "0s", "primary_try_timeout": "5s"},
             "syphon": {"retry_interval": "1s"}}
@@ -62,18 +64,20 @@ def _drain(emu: Emulator, side: str, queue: str, expected: int) -> list[str]:
     return out
 
 
-def test_the_paired_sender_and_the_syphon_over_the_emulators_tls_endpoint(tls_emulator: Emulator) -> None:
-    """An emulator connection string with ``connection_verify`` (the emulator's CA) and the TLS port as the
-    custom endpoint: sends, the failover to the secondary's backlog and the syphon's moves all go over TLS."""
+@pytest.mark.parametrize("transport", ["amqp", "websockets"])
+def test_the_paired_sender_and_the_syphon_over_the_emulators_tls_endpoints(tls_emulator: Emulator,
+                                                                          transport: str) -> None:
+    """An emulator connection string with ``connection_verify`` (the emulator's CA) and its AMQPS or
+    WebSocket-over-TLS port as the custom endpoint: sends, the failover to the secondary's backlog and the
+    syphon's moves all go over TLS."""
     emu = tls_emulator
     entity = _queue(emu)
-    config = load_config(_config(emu))
+    config = load_config(_config(emu, transport))
     assert config.primary.use_tls and config.primary.is_emulator
     with PairedSender.from_config(config) as producer:
         assert producer.pair() == 2
         for i in range(3):
             assert producer.send(entity, ServiceBusMessage(f"m{i}", message_id=f"m{i}")).destination == PRIMARY
-        assert emu._relay is not None and emu._relay.connections >= 1  # the primary's, through the TLS relay
         emu.fault("primary", "down")
         try:
             for i in range(3, 6):
