@@ -39,6 +39,14 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                             "credential; the default namespaces on ws 5380 and wss 5443 (primary), 5381 and 5444 "
                             "(secondary), a --namespace on its ws= and wss= ports or free ones. Clients name the "
                             "port with custom_endpoint_address=sb://localhost:PORT")
+    start.add_argument("--authority-port", type=int, metavar="PORT",
+                       help="serve the Entra ID authority (https with the emulator's CA) on this port (0: a free one), "
+                            "for azure-identity's ClientSecretCredential(tenant_id, client_id, client_secret, "
+                            "authority=\"https://localhost:PORT\", disable_instance_discovery=True, "
+                            "connection_verify=CA): the well-known app spark-sb-emulator-app (secret "
+                            "spark-sb-emulator-client-secret, Data Owner) of tenant "
+                            "5b3e2c1a-0000-4000-8000-00000000e11d. Default: with --tls, 5310 (default namespaces) or "
+                            "a free port; else none")
     start.add_argument("--entities", metavar="FILE", help="YAML/JSON file of queues, topics and subscriptions "
                                                           "to create in every namespace")
     start.add_argument("--key-name", default="RootManageSharedAccessKey",
@@ -172,8 +180,11 @@ def _emulator(args: argparse.Namespace) -> int:
             key = os.environ.get(args.key_env) or server.DEFAULT_KEY
             namespaces = [dataclasses.replace(n, key_name=args.key_name, key=key) for n in namespaces]
             data_dir = None if args.in_memory else args.data_dir
+            authority_port = args.authority_port
+            if authority_port is None and args.tls and not args.namespace:
+                authority_port = server.DEFAULT_AUTHORITY_PORT
             return server.run_foreground(namespaces, data_dir, args.entities, args.status_file, tls=args.tls,
-                                         websockets=args.websockets)
+                                         websockets=args.websockets, authority_port=authority_port)
         except (ValueError, EntityConfigError, OSError) as err:
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2

@@ -10,6 +10,16 @@ allow. The emulator has no Entra ID and no role assignments, so it plays both si
   "client_id"}``), which is what azure-identity's ``ManagedIdentityCredential`` (and so
   ``DefaultAzureCredential``) calls when ``IDENTITY_ENDPOINT`` and ``IDENTITY_HEADER`` are set. Which
   identities exist, their roles and their tokens' lifetime are :class:`AadOptions` of the emulator.
+* **Service principals.** The emulator's authority (https, :mod:`spark_sb.emulator.authority_http`) serves what
+  MSAL asks Entra ID for in the client-credentials grant, which is how azure-identity's
+  ``ClientSecretCredential(tenant_id, client_id, client_secret, authority="https://localhost:<port>",
+  disable_instance_discovery=True, connection_verify=<the emulator's CA>)`` gets its tokens: the tenant's
+  OpenID configuration (:meth:`Authority.openid_configuration`) and the token endpoint
+  (:meth:`Authority.client_credentials_response`). The app registrations (:class:`App`: tenant, client id,
+  secret, roles) are :class:`AadOptions` too; by default one well-known development app
+  (:data:`DEFAULT_CLIENT_ID` / :data:`DEFAULT_CLIENT_SECRET` in :data:`TENANT_ID`, Data Owner). A wrong secret
+  or an unknown app is answered as Entra ID answers it (``invalid_client`` AADSTS7000215,
+  ``unauthorized_client`` AADSTS700016), naming the app, never the secret.
 * **Roles travel in the token.** A token carries the principal's roles in a ``roles`` claim (a list of role
   names: :data:`OWNER_ROLE`, :data:`SENDER_ROLE`, :data:`RECEIVER_ROLE`). This is the emulator's convention
   (a real Service Bus token carries no roles; the service looks the principal up), so that a namespace can
@@ -25,16 +35,19 @@ allow. The emulator has no Entra ID and no role assignments, so it plays both si
 
 Every emulator uses the same well-known development signing key unless told otherwise
 (:data:`DEFAULT_SIGNING_KEY`, like the well-known SAS key): as in Entra ID, a token is good for every
-namespace, here of every emulator. Tokens and the identity header are secrets: they are never logged or put
-in an error message.
+namespace, here of every emulator. Tokens, client secrets and the identity header are secrets: they are never
+logged or put in an error message.
 """
 
 from __future__ import annotations
 
+import base64
 import hmac
 import logging
+import re
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -46,8 +59,8 @@ import jwt
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
-    "ALGORITHM", "API_VERSION", "AUDIENCE", "AadError", "AadOptions", "Authority", "DEFAULT_IDENTITY_HEADER",
-    "DEFAULT_SIGNING_KEY", "Grant", "Identity", "LISTEN", "MANAGE", "OWNER_ROLE", "RECEIVER_ROLE", "RIGHTS_OF_ROLE",
+    "ALGORITHM", "API_VERSION", "AUDIENCE", "AadError", "AadOptions", "App", "Authority", "DEFAULT_CLIENT_ID",
+    "DEFAULT_CLIENT_SECRET", "DEFAULT_IDENTITY_HEADER", "DEFAULT_SIGNING_KEY", "Grant", "Identity", "LISTEN", "MANAGE", "OWNER_ROLE", "RECEIVER_ROLE", "RIGHTS_OF_ROLE",
     "ROLES", "SAS_GRANT", "SEND", "SENDER_ROLE", "TENANT_ID", "TOKEN_PATH", "looks_like_jwt", "normalise_audience",
 ]
 
@@ -80,7 +93,11 @@ API_VERSION = "2019-08-01"
 DEFAULT_IDENTITY_HEADER = "spark-sb-emulator-identity-header"
 #: the well-known development signing key shared by every emulator (at least 32 bytes for HS256)
 DEFAULT_SIGNING_KEY = "spark-sb emulator: well-known Microsoft Entra ID signing key, for development only"
+#: the well-known development app registration (like the well-known SAS key): its client id and secret
+DEFAULT_CLIENT_ID = "spark-sb-emulator-app"
+DEFAULT_CLIENT_SECRET = "spark-sb-emulator-client-secret"
 _NBF_LEEWAY = 300.0  # clock skew tolerated on "not before", as Entra ID's own validators do (5 min)
+_TENANT = re.compile(r"[A-Za-z0-9.\-]+")  # what azure-identity accepts as a tenant id
 
 
 class AadError(Exception):
@@ -133,16 +150,55 @@ class Identity:
 
 
 @dataclass(frozen=True)
+class App:
+    """An app registration (a service principal) the authority issues client-credentials tokens for: its
+    ``tenant_id`` (default: the emulator's :data:`TENANT_ID`), ``client_id``, ``secret`` (never in the repr),
+    the ``roles`` that go into its tokens and ``lifetime`` (seconds; default :attr:`AadOptions.token_lifetime`)."""
+
+    client_id: str = DEFAULT_CLIENT_ID
+    secret: str = field(default=DEFAULT_CLIENT_SECRET, repr=False)
+    roles: tuple[str, ...] = (OWNER_ROLE,)
+    tenant_id: str = TENANT_ID
+    lifetime: float | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "roles", tuple(self.roles))
+        for role in self.roles:
+            if role not in ROLES:
+                raise ValueError(f"App.roles: unknown role {role!r} (roles: {', '.join(ROLES)})")
+        for name in ("client_id", "secret", "tenant_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ValueError(f"App.{name}: must be a non-empty string")
+        if not _TENANT.fullmatch(self.tenant_id):
+            raise ValueError(f"App.tenant_id: letters, digits, '-' and '.' only, got {self.tenant_id!r}")
+        if self.lifetime is not None and not self.lifetime > 0:
+            raise ValueError(f"App.lifetime: must be a positive number of seconds, got {self.lifetime!r}")
+
+    @property
+    def object_id(self) -> str:
+        """A stable principal id (``oid``) for the app's service principal."""
+        return str(uuid.uuid5(uuid.NAMESPACE_URL, f"spark-sb-emulator/app/{self.tenant_id}/{self.client_id}"))
+
+    @property
+    def name(self) -> str:
+        return f"app {self.client_id!r}"
+
+
+@dataclass(frozen=True)
 class AadOptions:
     """Microsoft Entra ID as one emulator plays it (shared by its namespaces).
 
     ``identities``: who the token endpoint issues tokens for (default: the system-assigned identity as Data
-    Owner). ``token_lifetime``: seconds a token lives (an identity's own ``lifetime`` wins). ``identity_header``:
+    Owner). ``apps``: the app registrations the authority (https) issues client-credentials tokens for (default:
+    the well-known development app, :data:`DEFAULT_CLIENT_ID` with :data:`DEFAULT_CLIENT_SECRET`, Data Owner).
+    ``token_lifetime``: seconds a token lives (an identity's own ``lifetime`` wins). ``identity_header``:
     the secret ``IDENTITY_HEADER`` value the endpoint requires. ``signing_key``: the HS256 key (at least 32
     characters). The secrets are not in the repr.
     """
 
     identities: tuple[Identity, ...] = (Identity(),)
+    apps: tuple[App, ...] = (App(),)
     token_lifetime: float = 3600.0
     identity_header: str = field(default=DEFAULT_IDENTITY_HEADER, repr=False)
     signing_key: str = field(default=DEFAULT_SIGNING_KEY, repr=False)
@@ -152,6 +208,10 @@ class AadOptions:
         ids = [i.client_id for i in self.identities]
         if len(set(ids)) != len(ids):
             raise ValueError(f"AadOptions.identities: client ids must be distinct, got {ids}")
+        object.__setattr__(self, "apps", tuple(self.apps))
+        apps = [(a.tenant_id, a.client_id) for a in self.apps]
+        if len(set(apps)) != len(apps):
+            raise ValueError(f"AadOptions.apps: (tenant_id, client_id) must be distinct, got {apps}")
         if not self.token_lifetime > 0:
             raise ValueError(f"AadOptions.token_lifetime: must be a positive number of seconds, got "
                              f"{self.token_lifetime!r}")
@@ -210,11 +270,13 @@ class Authority:
         self.clock = clock
         self._lock = threading.Lock()
         self._identities = {i.client_id: i for i in self.options.identities}
+        self._apps = {(a.tenant_id.lower(), a.client_id): a for a in self.options.apps}
         self.issued = 0  # tokens issued (tests watch renewals with it)
         self._issued_for: dict[str | None, int] = {}
 
     def __repr__(self) -> str:
-        return f"Authority(identities={sorted(str(k) for k in self._identities)})"
+        return (f"Authority(identities={sorted(str(k) for k in self._identities)}, "
+                f"apps={sorted(client for _, client in self._apps)})")
 
     # --- identities ------------------------------------------------------------------------------------
 
@@ -226,6 +288,20 @@ class Authority:
     def identity(self, client_id: str | None) -> Identity | None:
         with self._lock:
             return self._identities.get(client_id)
+
+    def register(self, app: App) -> None:
+        """Add or replace an app registration (its secret, roles, tokens' lifetime) while the emulator runs."""
+        with self._lock:
+            self._apps[(app.tenant_id.lower(), app.client_id)] = app
+
+    def app(self, tenant_id: str, client_id: str) -> App | None:
+        with self._lock:
+            return self._apps.get((tenant_id.lower(), client_id))
+
+    def tenants(self) -> set[str]:
+        """The tenants the authority knows: the emulator's own and those of its app registrations (lower case)."""
+        with self._lock:
+            return {TENANT_ID.lower(), *(tenant for tenant, _ in self._apps)}
 
     # --- issuing ---------------------------------------------------------------------------------------
 
@@ -241,21 +317,26 @@ class Authority:
         granted = tuple(roles) if roles is not None else identity.roles
         Identity(client_id, granted)  # validates the role names
         life = lifetime or identity.lifetime or self.options.token_lifetime
+        return self._sign(client_id, client_id or identity.object_id, identity.object_id, granted, life, resource,
+                          TENANT_ID, now)
+
+    def _sign(self, counted: str | None, appid: str, object_id: str, roles: Iterable[str], life: float,
+              resource: str, tenant: str, now: float | None) -> tuple[str, int]:
         issued_at = self.clock() if now is None else now
         expires = int(issued_at + life)
         claims = {
-            "aud": resource, "iss": ISSUER, "iat": int(issued_at), "nbf": int(issued_at), "exp": expires,
-            "tid": TENANT_ID, "oid": identity.object_id, "sub": identity.object_id,
-            "appid": client_id or identity.object_id, "idtyp": "app", "ver": "1.0", "roles": list(granted),
+            "aud": resource, "iss": f"https://sts.windows.net/{tenant}/", "iat": int(issued_at),
+            "nbf": int(issued_at), "exp": expires, "tid": tenant, "oid": object_id, "sub": object_id,
+            "appid": appid, "idtyp": "app", "ver": "1.0", "roles": list(roles),
         }
         token = jwt.encode(claims, self.options.signing_key, algorithm=ALGORITHM)
         with self._lock:
             self.issued += 1
-            self._issued_for[client_id] = self._issued_for.get(client_id, 0) + 1
+            self._issued_for[counted] = self._issued_for.get(counted, 0) + 1
         return token, expires
 
     def issued_for(self, client_id: str | None) -> int:
-        """How many tokens were issued for the identity ``client_id`` (None: system-assigned)."""
+        """How many tokens were issued for the identity or app ``client_id`` (None: system-assigned)."""
         with self._lock:
             return self._issued_for.get(client_id, 0)
 
@@ -299,6 +380,95 @@ class Authority:
         return 200, {"access_token": token, "expires_on": str(expires), "resource": resource,
                      "token_type": "Bearer", "client_id": client_id or identity.object_id}
 
+    # --- the OAuth 2.0 authority (client-credentials grant) ---------------------------------------------
+
+    def openid_configuration(self, tenant: str, base_url: str) -> tuple[int, dict[str, Any]]:
+        """The tenant's OpenID configuration as Entra ID's v2.0 endpoint serves it (what MSAL reads for the
+        token endpoint): (HTTP status, JSON body). ``base_url`` is the authority (``https://localhost:5443``)."""
+        if tenant.lower() not in self.tenants():
+            return _oauth_error(400, "invalid_tenant", 90002,
+                                f"Tenant '{tenant}' not found. Check to make sure you have the correct tenant ID "
+                                "and are signing into the correct cloud (this emulator knows "
+                                f"{', '.join(sorted(self.tenants()))}).")
+        root = f"{base_url.rstrip('/')}/{tenant}"
+        return 200, {
+            "token_endpoint": f"{root}/oauth2/v2.0/token",
+            "token_endpoint_auth_methods_supported": ["client_secret_post", "client_secret_basic"],
+            "authorization_endpoint": f"{root}/oauth2/v2.0/authorize",
+            "issuer": f"{root}/v2.0",
+            "grant_types_supported": ["client_credentials"],
+            "response_types_supported": ["token"],
+            "scopes_supported": [f"{AUDIENCE}/.default"],
+            "subject_types_supported": ["pairwise"],
+            "id_token_signing_alg_values_supported": [ALGORITHM],
+            "request_uri_parameter_supported": False,
+            "tenant_region_scope": None,
+            "cloud_instance_name": "spark-sb emulator",
+        }
+
+    def client_credentials_response(self, tenant: str, form: Mapping[str, list[str]],
+                                    headers: Mapping[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+        """Answer ``POST /{tenant}/oauth2/v2.0/token`` of the client-credentials grant (the client authenticated
+        by ``client_id`` + ``client_secret`` in the form, or HTTP Basic): (HTTP status, JSON body), errors as
+        Entra ID writes them (``error``, ``error_description`` with its AADSTS code, ``error_codes``). Neither the
+        secret nor the token is logged or put in an error."""
+
+        def one(name: str) -> str | None:
+            values = form.get(name) or []
+            return values[0] if values else None
+
+        grant = one("grant_type")
+        if grant != "client_credentials":
+            return _oauth_error(400, "unsupported_grant_type", 70003,
+                                f"The app requested an unsupported grant type '{grant}': this emulator's "
+                                "authority supports client_credentials only.")
+        client_id, secret = one("client_id"), one("client_secret")
+        basic = _basic_credentials(headers or {})
+        if basic is not None:
+            client_id, secret = client_id or basic[0], secret or basic[1]
+        if not client_id:
+            return _oauth_error(400, "invalid_request", 900144,
+                                "The request body must contain the following parameter: 'client_id'.")
+        if tenant.lower() not in self.tenants():
+            return _oauth_error(400, "invalid_tenant", 90002,
+                                f"Tenant '{tenant}' not found. Check to make sure you have the correct tenant ID "
+                                "and are signing into the correct cloud.")
+        app = self.app(tenant, client_id)
+        if app is None:
+            _LOGGER.info("authority: token request for the unknown app %r in tenant %s refused", client_id, tenant)
+            return _oauth_error(400, "unauthorized_client", 700016,
+                                f"Application with identifier '{client_id}' was not found in the directory "
+                                f"'{tenant}'. This can happen if the application has not been installed by the "
+                                "administrator of the tenant (here: not in the emulator's AadOptions.apps).")
+        if not secret:
+            return _oauth_error(401, "invalid_client", 7000218,
+                                "The request body must contain the following parameter: 'client_assertion' or "
+                                f"'client_secret' (app '{client_id}').")
+        if not hmac.compare_digest(secret.encode(), app.secret.encode()):
+            _LOGGER.info("authority: token request for %s refused: invalid client secret", app.name)
+            return _oauth_error(401, "invalid_client", 7000215,
+                                "Invalid client secret provided. Ensure the secret being sent in the request is the "
+                                "client secret value, not the client secret ID, for a secret added to app "
+                                f"'{client_id}'.")
+        scopes = [s for s in (one("scope") or "").split() if s not in ("openid", "profile", "offline_access")]
+        if len(scopes) != 1 or not scopes[0].endswith("/.default"):
+            return _oauth_error(400, "invalid_scope", 1002012,
+                                f"The provided value for scope {' '.join(scopes) or '(none)'} is not valid. Client "
+                                "credential flows must have a scope value with /.default suffixed to the resource "
+                                "identifier (application ID URI).")
+        resource = normalise_audience(scopes[0])
+        if resource != AUDIENCE:
+            return _oauth_error(400, "invalid_resource", 500011,
+                                f"The resource principal named {scopes[0].removesuffix('/.default')} was not found "
+                                f"in the tenant '{tenant}': this emulator issues tokens for {AUDIENCE} only.")
+        life = app.lifetime or self.options.token_lifetime
+        token, expires = self._sign(app.client_id, app.client_id, app.object_id, app.roles, life, AUDIENCE,
+                                    app.tenant_id, None)
+        _LOGGER.debug("authority: issued a token for %s (roles %s), expiring at %d", app.name,
+                      ", ".join(app.roles) or "none", expires)
+        return 200, {"token_type": "Bearer", "expires_in": int(life), "ext_expires_in": int(life),
+                     "access_token": token}
+
     # --- verifying -------------------------------------------------------------------------------------
 
     def verify(self, token: str, now: float | None = None) -> Grant:
@@ -341,3 +511,27 @@ class Authority:
         appid = claims.get("appid") or claims.get("oid") or "an unknown principal"
         principal = f"principal {appid}"
         return Grant(_rights(roles), expires, principal, tuple(roles))
+
+
+def _oauth_error(status: int, error: str, code: int, text: str) -> tuple[int, dict[str, Any]]:
+    """An OAuth 2.0 error as Entra ID writes it; azure-identity shows ``error_description``."""
+    trace = str(uuid.uuid4())
+    stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+    return status, {"error": error,
+                    "error_description": f"AADSTS{code}: {text} Trace ID: {trace} Timestamp: {stamp}",
+                    "error_codes": [code], "timestamp": stamp, "trace_id": trace, "correlation_id": trace}
+
+
+def _basic_credentials(headers: Mapping[str, str]) -> tuple[str, str] | None:
+    """``client_secret_basic``: (client id, secret) from ``Authorization: Basic ...``, or None."""
+    value = next((v for k, v in headers.items() if str(k).lower() == "authorization"), "")
+    if not value.lower().startswith("basic "):
+        return None
+    try:
+        decoded = base64.b64decode(value[6:].strip(), validate=True).decode()
+    except ValueError:
+        return None
+    client_id, sep, secret = decoded.partition(":")
+    if not sep:
+        return None
+    return urllib.parse.unquote_plus(client_id), urllib.parse.unquote_plus(secret)

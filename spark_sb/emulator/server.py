@@ -586,6 +586,7 @@ class EmulatorProcess:
         log_file: str | Path | None = None,
         tls: bool = False,
         websockets: bool = False,
+        authority_port: int | None = None,
     ) -> EmulatorProcess:
         """``data_dir=None`` keeps messages in memory only; ``tls`` and ``websockets`` as for :class:`Emulator`."""
         status = Path(tempfile.mkdtemp(prefix="sb-emu-")) / "status.json"
@@ -595,6 +596,8 @@ class EmulatorProcess:
             args.append("--tls")
         if websockets:
             args.append("--websockets")
+        if authority_port is not None:
+            args += ["--authority-port", str(authority_port)]
         for n in namespaces:
             args += ["--namespace", n.spec()]
         if entities is not None:
@@ -633,10 +636,13 @@ class EmulatorProcess:
             if skip:
                 skip = False
                 continue
-            if a == "--namespace":
+            if a in ("--namespace", "--authority-port"):
                 skip = True
                 continue
             out.append(a)
+        authority = next((n.authority_port for n in self.info.values() if n.authority_port is not None), None)
+        if authority is not None:
+            out += ["--authority-port", str(authority)]
         for n in self.info.values():
             out += ["--namespace", NamespaceOptions(n.name, n.amqp_port, n.admin_port, tls_port=n.tls_port,
                                                     ws_port=n.ws_port, wss_port=n.wss_port).spec()]
@@ -671,13 +677,16 @@ def run_foreground(
     out: Any = sys.stdout,
     tls: bool = False,
     websockets: bool = False,
+    authority_port: int | None = None,
 ) -> int:
     """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
     then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace, with WebSockets ``WS NAME <url>`` and
-    ``WSS NAME <url>`` lines, and ``CA <file>`` when there is TLS; wait for a signal."""
+    ``WSS NAME <url>`` lines, ``AUTHORITY <url>`` for the Entra ID authority (https), and ``CA <file>`` when
+    there is TLS; wait for a signal."""
     import threading
 
-    emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets)
+    emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets,
+                   authority_port=authority_port)
     emu.start()
     stop = threading.Event()
 
@@ -698,6 +707,9 @@ def run_foreground(
                 if port is not None:
                     print(f"{scheme.upper()} {info.name} {scheme}://localhost:{port}{WEBSOCKET_PATH}", file=out,
                           flush=True)
+        first = next(iter(emu.info.values()), None)
+        if first is not None and first.authority_port is not None:
+            print(f"AUTHORITY {first.authority_url}", file=out, flush=True)
         if emu.certificates is not None:
             print(f"CA {emu.certificates.ca_file}", file=out, flush=True)
         if status_file is not None:
