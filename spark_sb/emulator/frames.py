@@ -156,6 +156,10 @@ class DeliveryIdRenumbering:
             self._sessions.pop(channel, None)
             self._ended.discard(channel)
             return head, len(head)
+        if descriptor in (b"\x00\x53\x10", b"\x00\x53\x18"):
+            # open and close belong to the connection, whatever channel carries them: rhea (the JavaScript SDK)
+            # ends its session on channel 0, then closes on channel 0, and waited 60 s for a close answer
+            return head, len(head)
         if channel in self._ended:
             # pyamqp's threads can still send on a session it has just ended (a lock renewal's detach as its
             # receiver closes); the engine would close the whole connection ("no such channel")

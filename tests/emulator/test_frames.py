@@ -244,3 +244,36 @@ def test_a_transport_the_filter_cannot_reach_is_served_and_said_once(caplog) -> 
         "namespace bare: this Proton version hides the transport the reactor reads into; clients that number "
         "deliveries out of sequence (AutoLockRenewer) will be disconnected"]
     assert len(server._connections) == 2  # both served
+
+
+def test_a_close_on_the_channel_of_an_ended_session_reaches_the_engine() -> None:
+    """Open and close are the connection's, whatever channel carries them: rhea (the JavaScript SDK) ends its session
+    on channel 0 and then closes on channel 0. The filter dropped that close, and the SDK waited 60 s for an answer."""
+    close = _performative(0x18, 0)
+    out = DeliveryIdRenumbering().feed(_begin(0) + _end(0) + close)
+    assert [(c, int(p.descriptor)) for c, p in _frames(out)] == [(0, 0x11), (0, 0x17), (0, 0x18)]
+
+
+def test_a_client_that_ends_its_sessions_before_closing_gets_the_close_answered(primary) -> None:
+    """What ``ServiceBusClient.close()`` of the JavaScript SDK sends: end on channel 0, then close on channel 0."""
+    with socket.create_connection(("127.0.0.1", primary.amqp_port), timeout=5) as sock:
+        sock.sendall(b"AMQP\x03\x01\x00\x00" + _performative(0x41, 1, ("symbol", "ANONYMOUS"))  # sasl-init
+                     + b"AMQP\x00\x01\x00\x00" + _performative(0x10, 0, ("string", "raw-client"))  # open
+                     + _begin(0))
+        time.sleep(0.2)
+        sock.sendall(_end(0) + _performative(0x18, 0))  # end, close
+        data = b""
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not data.endswith(b"\x00\x53\x18\x45"):
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                break
+            if not chunk:
+                break
+            data += chunk
+    # the server's frames: sasl (type 1) frames and headers are skipped by looking at AMQP frames only
+    amqp = data[data.rindex(b"AMQP\x00\x01\x00\x00"):]
+    closes = [p for _, p in _frames(amqp) if int(p.descriptor) == 0x18]
+    assert closes, f"the emulator did not answer the close: {[int(p.descriptor) for _, p in _frames(amqp)]}"
+    assert not closes[0].value or closes[0].value[0] is None  # a clean close, no error
