@@ -123,6 +123,8 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "spark-sb-emulator-authority"
     sys_version = ""
+    # headers and body are written separately: without TCP_NODELAY the body waits for the client's delayed ACK
+    disable_nagle_algorithm = True
     server: _HttpsServer
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name

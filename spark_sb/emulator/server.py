@@ -681,8 +681,8 @@ def run_foreground(
 ) -> int:
     """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
     then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace, with WebSockets ``WS NAME <url>`` and
-    ``WSS NAME <url>`` lines, ``AUTHORITY <url>`` for the Entra ID authority (https), and ``CA <file>`` when
-    there is TLS; wait for a signal."""
+    ``WSS NAME <url>`` lines, ``CA <file>`` when there is TLS, and ``AUTHORITY <url>`` for the Entra ID authority
+    (https); wait for a signal."""
     import threading
 
     emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets,
@@ -707,11 +707,11 @@ def run_foreground(
                 if port is not None:
                     print(f"{scheme.upper()} {info.name} {scheme}://localhost:{port}{WEBSOCKET_PATH}", file=out,
                           flush=True)
+        if emu.certificates is not None:
+            print(f"CA {emu.certificates.ca_file}", file=out, flush=True)
         first = next(iter(emu.info.values()), None)
         if first is not None and first.authority_port is not None:
             print(f"AUTHORITY {first.authority_url}", file=out, flush=True)
-        if emu.certificates is not None:
-            print(f"CA {emu.certificates.ca_file}", file=out, flush=True)
         if status_file is not None:
             tmp = Path(str(status_file) + ".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "namespaces": [asdict(i) for i in emu.info.values()]}))

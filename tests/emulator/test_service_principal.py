@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -251,3 +253,22 @@ def test_the_cli_emulator_serves_the_authority(tmp_path) -> None:
                         "over AMQPS with a service principal"]
     finally:
         proc.stop()
+
+
+def test_spark_sb_emulator_start_prints_the_authority() -> None:
+    """``spark-sb emulator start --tls``: after the CA line, ``AUTHORITY https://localhost:PORT``."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory", "--tls", "--namespace", "p=0:0",
+         "--authority-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        lines = [proc.stdout.readline().strip() for _ in range(4)]
+        assert [line.split(" ", 1)[0] for line in lines] == ["p", "AMQPS", "CA", "AUTHORITY"]
+        ca_file, authority = lines[2].split(" ", 1)[1], lines[3].split(" ", 1)[1]
+        with ClientSecretCredential(TENANT_ID, DEFAULT_CLIENT_ID, DEFAULT_CLIENT_SECRET, authority=authority,
+                                    disable_instance_discovery=True, connection_verify=ca_file) as credential:
+            assert credential.get_token(SCOPE).token
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert proc.returncode == 0
