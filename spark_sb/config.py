@@ -42,7 +42,9 @@ the variable and the option.
 Credentials are either a ``connection_string`` (Endpoint, SharedAccessKeyName + SharedAccessKey or
 SharedAccessSignature, optional EntityPath and UseDevelopmentEmulator), or a ``fully_qualified_namespace``
 plus ``credential: {type: default|client_secret|managed_identity, tenant_id, client_id, client_secret}``
-(``DefaultAzureCredential`` when omitted). azure.identity is imported only when a credential is built.
+(``DefaultAzureCredential`` when omitted; ``client_secret`` also takes ``authority``, ``connection_verify`` and
+``disable_instance_discovery``, e.g. for the emulator's Entra ID authority, see :class:`CredentialConfig`).
+azure.identity is imported only when a credential is built.
 ``emulator: true`` next to ``fully_qualified_namespace`` (e.g. ``localhost:5672``) reaches spark-sb's local
 emulator with such a credential: plain TCP, and provisioning through ``admin_endpoint``.
 
@@ -464,11 +466,41 @@ class _Compact(_Frozen):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
+#: Microsoft's own Entra ID hosts (``azure.identity.AzureAuthorityHosts``): MSAL's instance discovery knows them
+_MICROSOFT_AUTHORITIES = ("login.microsoftonline.com", "login.microsoftonline.us", "login.chinacloudapi.cn")
+
+
+def _authority(value: Any) -> str:
+    """``https://host[:port]`` (scheme optional, ``https`` assumed; nothing else accepted), normalised."""
+    text = value.strip() if isinstance(value, str) else ""
+    parsed = urlparse(text if "://" in text else f"https://{text}")
+    try:
+        parsed.port  # noqa: B018 -- validates the port
+    except ValueError:
+        raise _Invalid("has an invalid port", repr(value)) from None
+    if parsed.scheme != "https":
+        raise _Invalid("must be an https URL (Entra ID tokens travel over TLS only)", repr(value))
+    if not parsed.hostname or parsed.path.strip("/") or parsed.query or parsed.username:
+        raise _Invalid("must look like https://host[:port], the authority host without a tenant "
+                       "(e.g. login.microsoftonline.com, or the emulator's https://localhost:5310)", repr(value))
+    return f"https://{parsed.netloc.lower()}"
+
+
 class CredentialConfig(_Compact):
     """How to build an azure.identity credential for a ``fully_qualified_namespace``.
 
     * ``default``: ``DefaultAzureCredential`` (``client_id`` selects a user-assigned managed identity);
-    * ``client_secret``: ``ClientSecretCredential(tenant_id, client_id, client_secret)``, all three required;
+    * ``client_secret``: ``ClientSecretCredential(tenant_id, client_id, client_secret)``, all three required
+      (the secret is a :class:`Secret`). Its other options:
+
+      - ``authority``: the Entra ID host, ``https://host[:port]`` (default: ``login.microsoftonline.com``, or
+        ``AZURE_AUTHORITY_HOST``); e.g. ``login.microsoftonline.us``, or the emulator's authority
+        ``https://localhost:5310``;
+      - ``disable_instance_discovery``: skip MSAL's check of the authority against Microsoft's list (which needs
+        ``login.microsoftonline.com``); default: true for an authority that is not one of Microsoft's
+        (:data:`_MICROSOFT_AUTHORITIES`), else false;
+      - ``connection_verify``: a CA bundle (PEM file) that the token requests trust instead of certifi's (the
+        emulator's ``<data-dir>/tls/ca.pem``); checked to be a readable file when the credential is built;
     * ``managed_identity``: ``ManagedIdentityCredential`` (``client_id`` for a user-assigned identity).
     """
 
@@ -476,6 +508,9 @@ class CredentialConfig(_Compact):
     tenant_id: str | None = None
     client_id: str | None = None
     client_secret: SecretText | None = None
+    authority: Annotated[str, BeforeValidator(_authority)] | None = None
+    disable_instance_discovery: bool | None = None
+    connection_verify: Text | None = None
 
     @model_validator(mode="after")
     def _fits_the_type(self) -> CredentialConfig:
@@ -483,11 +518,33 @@ class CredentialConfig(_Compact):
             for name in ("tenant_id", "client_id", "client_secret"):
                 if not getattr(self, name):
                     raise _Invalid("required when type is client_secret", field=name)
-        elif self.client_secret is not None:
+            if self.tenant_id and not re.fullmatch(r"[A-Za-z0-9.\-]+", self.tenant_id):
+                raise _Invalid("must be a tenant id or domain (letters, digits, '-' and '.')", repr(self.tenant_id),
+                               field="tenant_id")
+            return self
+        if self.client_secret is not None:
             raise _Invalid("only used with type client_secret", _REDACTED, field="client_secret")
-        elif self.tenant_id is not None:
-            raise _Invalid("only used with type client_secret", repr(self.tenant_id), field="tenant_id")
+        for name in ("tenant_id", "authority", "disable_instance_discovery", "connection_verify"):
+            if getattr(self, name) is not None:
+                raise _Invalid("only used with type client_secret", repr(getattr(self, name)), field=name)
         return self
+
+    def client_secret_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments ``ClientSecretCredential`` gets besides the tenant, client and secret."""
+        out: dict[str, Any] = {}
+        if self.authority is not None:
+            out["authority"] = self.authority
+        discovery_off = self.disable_instance_discovery
+        if discovery_off is None and self.authority is not None:
+            discovery_off = urlparse(self.authority).hostname not in _MICROSOFT_AUTHORITIES
+        if discovery_off:
+            out["disable_instance_discovery"] = True
+        if self.connection_verify is not None:
+            if not os.path.isfile(self.connection_verify):
+                raise ConfigError("credential.connection_verify", "is not a readable CA bundle (PEM) file on this "
+                                  "machine", repr(self.connection_verify))
+            out["connection_verify"] = self.connection_verify
+        return out
 
     def build(self) -> TokenCredential:
         """A new credential object (each call builds one; keep it for the client's life)."""
@@ -495,7 +552,8 @@ class CredentialConfig(_Compact):
 
         if self.type == "client_secret":
             secret = self.client_secret.get_secret_value() if self.client_secret else ""
-            return identity.ClientSecretCredential(str(self.tenant_id), str(self.client_id), secret)
+            return identity.ClientSecretCredential(str(self.tenant_id), str(self.client_id), secret,
+                                                   **self.client_secret_kwargs())
         if self.type == "managed_identity":
             if self.client_id:
                 return identity.ManagedIdentityCredential(client_id=self.client_id)
