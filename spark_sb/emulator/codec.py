@@ -31,6 +31,7 @@ from .sections import (  # noqa: F401 - part of this module's interface
     _skip,
     rewrite,
     split_sections,
+    with_message_id,
 )
 
 X_OPT_SEQUENCE_NUMBER = symbol("x-opt-sequence-number")
@@ -142,15 +143,22 @@ def incoming(raw: bytes) -> Incoming:
     except Exception as err:  # noqa: BLE001 - proton raises its own error types
         raise MalformedMessage(f"cannot decode AMQP message: {err}") from err
     ttl = header.get("ttl")
+    message_id = text(props.get("message_id"))
+    if message_id is None:
+        # Service Bus gives every message an id: "ServiceBus sets an ID as default, only if the application
+        # doesn't set its own ID" (its team, azure-service-bus-java#69). The JavaScript SDK sends none unless told
+        # and keys its lock renewal on it ("Failed to stop auto lock renewal - no message ID" at settlement)
+        message_id = uuid.uuid4().hex
+        raw = with_message_id(raw, message_id)
     return Incoming(
         raw=bytes(raw),
-        message_id=text(props.get("message_id")),
+        message_id=message_id,
         session_id=text(props.get("group_id")),
         ttl=float(ttl) / 1000.0 if ttl else None,  # the header carries milliseconds
         scheduled_enqueue_time=_to_epoch(ann.get(X_OPT_SCHEDULED)),
         partition_key=text(ann.get(X_OPT_PARTITION_KEY)),
         filter_fields={
-            "message_id": text(props.get("message_id")),
+            "message_id": message_id,
             "correlation_id": text(props.get("correlation_id")),
             "to": text(props.get("to")),
             "reply_to": text(props.get("reply_to")),

@@ -143,3 +143,23 @@ def rewrite(raw: bytes, properties: dict[str, Any], fields: dict[str, Any]) -> b
     if not wrote_app:
         out.append(new_app)
     return b"".join(out)
+
+
+def with_message_id(raw: bytes, message_id: str) -> bytes:
+    """The message with ``message_id`` in its properties (a properties section is added where there is none).
+    Every other section goes on byte for byte."""
+    out: list[bytes] = []
+    done = False
+    for code, sec in split_sections(raw):
+        if not done and code >= PROPERTIES:
+            values = list(_decode(sec).value or []) if code == PROPERTIES else []
+            values = (values or [None])
+            values[0] = message_id
+            out.append(_encode(Described(ulong(PROPERTIES), values)))
+            done = True
+            if code == PROPERTIES:
+                continue
+        out.append(sec)
+    if not done:
+        out.append(_encode(Described(ulong(PROPERTIES), [message_id])))
+    return b"".join(out)

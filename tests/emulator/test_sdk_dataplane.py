@@ -385,3 +385,23 @@ def test_sequence_numbers_are_counted_per_queue_from_one(client: ServiceBusClien
     for q, expected in ((first, [1, 2, 3, 4]), (second, [1, 2])):
         with client.get_queue_receiver(q) as r:
             assert [m.sequence_number for m in r.peek_messages(max_message_count=10, sequence_number=1)] == expected
+
+
+def test_a_message_sent_without_an_id_is_given_one_and_keeps_its_other_fields(
+        client: ServiceBusClient, make_queue) -> None:
+    """Service Bus gives every message an id when its sender set none; the JavaScript SDK sends none unless told
+    and failed to settle such a message ("Failed to stop auto lock renewal - no message ID")."""
+    from azure.servicebus.amqp import AmqpAnnotatedMessage
+
+    q = make_queue()
+    with client.get_queue_sender(q) as s:
+        s.send_messages([AmqpAnnotatedMessage(data_body=b"no id", application_properties={"k": 1}),
+                         AmqpAnnotatedMessage(data_body=b"no id either", properties={"subject": "s"})])
+    with client.get_queue_receiver(q, max_wait_time=2) as r:
+        got = r.receive_messages(max_message_count=2, max_wait_time=2)
+        for m in got:
+            r.complete_message(m)
+    assert [str(m) for m in got] == ["no id", "no id either"]
+    ids = [m.message_id for m in got]
+    assert all(isinstance(i, str) and len(i) == 32 for i in ids) and ids[0] != ids[1]
+    assert got[0].application_properties == {b"k": 1} and got[1].subject == "s"
