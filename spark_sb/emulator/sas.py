@@ -25,7 +25,9 @@ def make_token(resource: str, key_name: str, key: str, ttl: float = 3600.0, now:
 
 
 def _normalise_resource(resource: str) -> str:
-    r = resource.lower()
+    # the query is no part of the resource: the JavaScript SDK's admin client signs each request's whole URL,
+    # ``https://host/queue?api-version=2021-05``, and Service Bus takes it
+    r = resource.lower().split("?", 1)[0]
     for scheme in ("sb://", "amqps://", "amqp://", "https://", "http://"):
         if r.startswith(scheme):
             r = r[len(scheme):]

@@ -27,9 +27,9 @@ from azure.core.pipeline.transport import RequestsTransport
 from azure.servicebus.management import (
     CorrelationRuleFilter,
     FalseRuleFilter,
+    ServiceBusAdministrationClient,
     SqlRuleFilter,
     TrueRuleFilter,
-    ServiceBusAdministrationClient,
 )
 
 from spark_sb import admin
@@ -492,6 +492,16 @@ def test_missing_or_entity_scoped_tokens(ns: Namespace, client: Any) -> None:
     assert raw_request(ns, "GET", "/mine", token=scoped)[0] == 200
     assert raw_request(ns, "GET", "/theirs", token=scoped)[0] == 401
     assert raw_request(ns, "GET", "/$Resources/queues", token=scoped)[0] == 401
+
+
+def test_a_token_signed_for_the_request_url_with_its_query_covers_that_request(ns: Namespace, client: Any) -> None:
+    """The JavaScript SDK's admin client signs each request's whole URL, query included (Service Bus takes it):
+    ``sr=https://host/queue?api-version=2021-05``. The emulator refused it ("does not cover")."""
+    client.create_queue("signed")
+    own = sas.make_token("https://localhost:5672/signed?api-version=2021-05", KEY_NAME, KEY)
+    assert raw_request(ns, "GET", "/signed?api-version=2021-05", token=own)[0] == 200
+    status, body = raw_request(ns, "GET", "/other?api-version=2021-05", token=own)
+    assert status == 401 and b"does not cover" in body
 
 
 def test_secrets_never_in_repr_str_or_logs(ns: Namespace, caplog: Any) -> None:
