@@ -16,6 +16,12 @@ replication"): the same stream sends every row to both namespaces (active) or to
 outage (passive: the primary goes down, then, after it healed, the secondary, so the roles swap twice); then
 ``format("servicebus")`` reads the entity on both namespaces through ``spark_sb.dedupe`` into a Delta table, and
 the end counts each row: lost, or kept twice.
+
+``--through-proxy`` runs the paired demo as a locked-down workspace would: every AMQP connection (the sink's
+executors, the syphon's readers and republisher) is AMQP over WebSockets with TLS (the emulator's wss ports,
+its CA trusted through ``connection_verify``) through a local HTTP proxy with a password that lets only those
+ports through (``transport: websockets``, ``http_proxy``, ``custom_endpoint_address``); the end says how many
+tunnels the proxy opened.
 """
 
 from __future__ import annotations
@@ -51,13 +57,25 @@ def _say(text: str = "") -> None:
     print(text, flush=True)
 
 
-def _emulator(work: Path, free_ports: bool) -> EmulatorProcess:
-    """The emulator pair of this run (the demo's entity in both namespaces), on free ports unless told."""
+def _emulator(work: Path, free_ports: bool, websockets: bool = False) -> EmulatorProcess:
+    """The emulator pair of this run (the demo's entity in both namespaces), on free ports unless told; with
+    ``websockets`` it also serves AMQP over WebSockets (ws and wss, its own CA)."""
     (work / "entities.yaml").write_text(ENTITIES)
     namespaces = [NamespaceOptions(n.name) for n in DEFAULT_NAMESPACES] if free_ports else list(DEFAULT_NAMESPACES)
     _say(f"starting the local Service Bus emulator pair (data in {work / 'emulator'})")
     return EmulatorProcess.start(data_dir=work / "emulator", namespaces=namespaces, entities=work / "entities.yaml",
-                                 log_file=work / "emulator.log")
+                                 log_file=work / "emulator.log", websockets=websockets)
+
+
+def _through(proxy: Any, emu: EmulatorProcess, config: dict) -> None:
+    """Both namespaces over AMQP over WebSockets with TLS, through ``proxy`` (its password by reference)."""
+    os.environ["SPARK_SB_DEMO_PROXY_PASSWORD"] = proxy.http_proxy["password"]  # inherited by Spark's workers
+    for side in ("primary", "secondary"):
+        info = emu[side]
+        config[side].update(transport="websockets", custom_endpoint_address=f"sb://localhost:{info.wss_port}",
+                            connection_verify=info.ca_file,
+                            http_proxy={"host": proxy.host, "port": proxy.port, "username": proxy.username,
+                                        "password": "${SPARK_SB_DEMO_PROXY_PASSWORD}"})
 
 
 def _config(conf: Path, emu: EmulatorProcess, work: Path, rows: int, trigger: float) -> dict:
@@ -151,14 +169,28 @@ def _stream(spark: Any, config: dict, batches: int, each_batch: Any, holder: dic
 
 
 def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_ports: bool,
-        picture: Path | None = None) -> int:
+        picture: Path | None = None, through_proxy: bool = False) -> int:
+    import contextlib
+    import secrets
+
     from spark_sb.jobs import await_until_empty, build_session, start_syphon, starting_line
     from spark_sb.report import write_report
 
-    with _emulator(work, free_ports) as emu:
+    with contextlib.ExitStack() as stack:
+        emu = stack.enter_context(_emulator(work, free_ports, websockets=through_proxy))
         for info in emu.info.values():
-            _say(f"  {info.name:9s} amqp://localhost:{info.amqp_port}  admin {info.admin_url}")
+            _say(f"  {info.name:9s} amqp://localhost:{info.amqp_port}  admin {info.admin_url}"
+                 + (f"  wss://localhost:{info.wss_port}" if through_proxy else ""))
         config = _config(conf, emu, work, rows, trigger)
+        proxy = None
+        if through_proxy:
+            from spark_sb.emulator.proxy import HttpProxy
+
+            proxy = stack.enter_context(HttpProxy(username="demo", password=secrets.token_urlsafe(12),
+                                                  allowed_ports={info.wss_port for info in emu.info.values()}))
+            _through(proxy, emu, config)
+            _say(f"  every AMQP connection: WebSockets over TLS through the proxy {proxy.url} "
+                 "(it lets only the wss ports through)")
         config["sink"]["metrics_table"] = str(work / "metrics")  # one row per batch: the picture's input
         sa = config["send_availability"]
         config["syphon"] = {**config.get("syphon", {}), "retry_interval": "1s",
@@ -220,6 +252,8 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         dead = _dead_lettered(emu["secondary"].connection_string, backlog_queues)
         in_primary = _primary_ids(emu["primary"].connection_string)
         in_backlog = _backlog_ids(emu["secondary"].connection_string, backlog_queues)
+        if proxy is not None:
+            _say(f"the proxy opened {sum(proxy.tunnels.values())} tunnels, refused {proxy.refused} requests")
     everywhere = collections.Counter(in_primary + [m for ids in in_backlog.values() for m in ids])
     lost = sorted(set(produced) - set(everywhere))
     duplicated = sorted(m for m, n in everywhere.items() if n > 1)
@@ -330,12 +364,16 @@ def main() -> int:
                         help="paired mode: where the picture of the outage goes (default: data/demo/outage.png)")
     parser.add_argument("--no-picture", dest="picture", action="store_const", const=None,
                         help="paired mode: draw no picture")
+    parser.add_argument("--through-proxy", action="store_true",
+                        help="paired mode: AMQP over WebSockets with TLS through a local HTTP proxy, as a "
+                             "workspace whose egress allows only https through a proxy")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="spark-sb-demo-") as tmp:
         if args.mode != "paired":
             return run_replication(Path(tmp), args.conf, args.mode, args.batches, args.rows, args.trigger,
                                    not args.default_ports)
-        return run(Path(tmp), args.conf, args.batches, args.rows, args.trigger, not args.default_ports, args.picture)
+        return run(Path(tmp), args.conf, args.batches, args.rows, args.trigger, not args.default_ports, args.picture,
+                   args.through_proxy)
 
 
 if __name__ == "__main__":
