@@ -157,6 +157,28 @@ def test_an_owner_app_sends_receives_and_administers(emu, queue) -> None:
     assert emu.authority.issued_for(DEFAULT_CLIENT_ID) >= 1
 
 
+def test_the_async_credential_and_client_work_the_same(emu, queue) -> None:
+    """azure.identity.aio's ClientSecretCredential (aiohttp, the CA by connection_verify) and the async SDK."""
+    import asyncio
+
+    from azure.identity.aio import ClientSecretCredential as AsyncClientSecretCredential
+    from azure.servicebus.aio import ServiceBusClient as AsyncServiceBusClient
+
+    async def run() -> list[str]:
+        async with AsyncClientSecretCredential(TENANT_ID, DEFAULT_CLIENT_ID, DEFAULT_CLIENT_SECRET,
+                                               **emu["one"].authority_kwargs) as credential:
+            async with AsyncServiceBusClient("localhost", credential, retry_total=0,
+                                             **emu["one"].tls_client_kwargs) as client:
+                async with client.get_queue_sender(queue) as sender:
+                    await sender.send_messages(ServiceBusMessage("async"))
+                async with client.get_queue_receiver(queue) as receiver:
+                    received = await receiver.receive_messages(max_message_count=5, max_wait_time=2)
+                    for message in received:
+                        await receiver.complete_message(message)
+                    return [str(m) for m in received]
+
+    assert asyncio.run(run()) == ["async"]
+
 def test_a_sender_only_app_sends_but_cannot_receive_or_administer(emu, queue) -> None:
     with _credential(emu, "sender-app", SENDER_SECRET) as credential, _client(emu, credential) as client:
         with client.get_queue_sender(queue) as sender:
