@@ -546,6 +546,12 @@ class _Renderer:
         )
 
     def entry(self, path: str, title: str, created_at: float, description: str, *, root: bool = True) -> str:
+        # the service's ids spell the segments "Subscriptions" and "Rules": the JavaScript admin client reads the
+        # topic, subscription and rule names out of the id by those exact words
+        topic, subs, rest = path.partition(_SUBS)
+        if subs:
+            sub, rules, rule = rest.partition(_RULES)
+            path = f"{topic}/Subscriptions/{sub}" + (f"/Rules/{rule}" if rules else "")
         quoted = urllib.parse.quote(path, safe="/$")
         href = f"{self.base}/{quoted}?api-version={urllib.parse.quote(self.api_version)}"
         t = _format_time(created_at)
@@ -610,6 +616,7 @@ class _Route:
 
 def _route(path: str) -> _Route:
     """Classify a decoded request path (without the leading ``/``)."""
+    path = path.rstrip("/")  # the JavaScript admin client lists ".../Subscriptions/" and ".../Rules/"
     lower = path.lower()
     if lower == "$namespaceinfo":
         return _Route("namespace")
@@ -620,14 +627,17 @@ def _route(path: str) -> _Route:
         raise _HttpError(404, f"unknown resource collection {path!r} (expected $Resources/queues or topics)")
     if not path or path.startswith("$"):
         raise _HttpError(404, f"no such resource {('/' + path)!r}")
-    if _SUBS in path:
-        topic, rest = path.split(_SUBS, 1)
-        if _RULES in rest:
-            sub, rule = rest.split(_RULES, 1)
+    # the segment names are case-insensitive: the JavaScript and .NET admin clients write "Subscriptions" and "Rules"
+    if _SUBS in lower:
+        at = lower.index(_SUBS)
+        topic, rest = path[:at], path[at + len(_SUBS):]
+        if _RULES in rest.lower():
+            at = rest.lower().index(_RULES)
+            sub, rule = rest[:at], rest[at + len(_RULES):]
             if not sub or not rule or "/" in rule or "/" in sub:
                 raise _HttpError(404, f"no such resource {('/' + path)!r}")
             return _Route("rule", model.subscription_path(topic, sub), topic, sub, rule)
-        if rest.endswith("/rules"):
+        if rest.lower().endswith("/rules"):
             sub = rest[: -len("/rules")]
             if not sub or "/" in sub:
                 raise _HttpError(404, f"no such resource {('/' + path)!r}")
@@ -635,7 +645,7 @@ def _route(path: str) -> _Route:
         if not rest or "/" in rest:
             raise _HttpError(404, f"no such resource {('/' + path)!r}")
         return _Route("subscription", model.subscription_path(topic, rest), topic, rest)
-    if path.endswith("/subscriptions"):
+    if lower.endswith("/subscriptions"):
         return _Route("subscriptions", path, topic=path[: -len("/subscriptions")])
     return _Route("entity", path)
 
@@ -934,7 +944,7 @@ class _Handler(BaseHTTPRequestHandler):
             if fault == "timeout":
                 self._hold()
                 return
-            namespace = self._authenticate(route)
+            namespace = self._authenticate(route, path)
             if fault == "unauthorized":
                 raise _HttpError(401, "Unauthorized access. 'Manage' claim(s) are required for this operation.")
             if fault == "busy":
@@ -1004,9 +1014,9 @@ class _Handler(BaseHTTPRequestHandler):
             _LOGGER.info("identity endpoint: token request refused (%d): %s", status, answer.get("message"))
         self._send_json(status, answer)
 
-    def _authenticate(self, route: _Route) -> str:
-        """Verify the SAS or Entra ID token; returns the namespace host the token names (e.g.
-        ``localhost:5672``; for an Entra ID token, which names none, ``localhost:<the namespace's port>``)."""
+    def _authenticate(self, route: _Route, path: str) -> str:
+        """Verify the SAS or Entra ID token for the resource at ``path``; returns the namespace host the token names
+        (e.g. ``localhost:5672``; for an Entra ID token, which names none, ``localhost:<the namespace's port>``)."""
         header = (self.headers.get("Authorization") or "").strip()
         if not header:
             raise _HttpError(401, "MissingToken: the request has no Authorization header.")
@@ -1014,9 +1024,9 @@ class _Handler(BaseHTTPRequestHandler):
         if aad.looks_like_jwt(token):
             return self._authenticate_jwt(token, route)
         namespace = _token_namespace(token)
-        audience = namespace
-        if namespace and route.fault_entity:
-            audience = f"{namespace}/{route.fault_entity}"
+        # the resource is the request's own path: the JavaScript admin client signs each request's URL, so its token
+        # for a rule or a list (".../Subscriptions/s/Rules/r") names more than the entity the request is about
+        audience = f"{namespace}/{path.strip('/')}".rstrip("/") if namespace else ""
         try:
             sas.verify(token, self.server.admin._keys, audience=audience or None)
         except sas.SasError as err:
