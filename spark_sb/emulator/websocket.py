@@ -19,7 +19,6 @@ import contextlib
 import functools
 import logging
 import ssl
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -28,6 +27,10 @@ from urllib.parse import unquote, urlsplit
 from websockets.asyncio.server import Server, ServerConnection, serve
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
+from websockets.protocol import State
+from websockets.typing import Subprotocol
+
+from ._service import LoopService
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -61,22 +64,20 @@ class WebSocketRoute:
         return f"{self.scheme}://localhost:{self.port}{PATH}"
 
 
-class WebSocketRelay:
+class WebSocketRelay(LoopService):
     """Serves each route's WebSocket endpoint and relays its AMQP bytes to the route's upstream, in one thread with
     an asyncio loop. ``start()`` fills in the routes' ports; ``stop()`` closes every listener and connection."""
 
+    what = "the WebSocket endpoints"
+
     def __init__(self, routes: Sequence[WebSocketRoute], *, open_timeout: float = 10.0,
                  close_timeout: float = 2.0, name: str = "sb-emulator-ws") -> None:
+        super().__init__(name)
         self.routes = list(routes)
         self._open_timeout = open_timeout
         self._close_timeout = close_timeout
-        self._name = name
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._servers: list[Server] = []
         self._upstreams: set[asyncio.StreamWriter] = set()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
         self._open = 0
 
     @property
@@ -84,40 +85,12 @@ class WebSocketRelay:
         """Open WebSocket clients (each with its upstream)."""
         return self._open
 
-    def start(self, timeout: float = 10.0) -> WebSocketRelay:
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise RuntimeError(f"the WebSocket endpoints did not start within {timeout} s")
-        if self._error is not None:
-            self._thread.join(timeout)
-            raise self._error
-        return self
-
-    def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._listen())
-        except BaseException as err:  # noqa: BLE001 - reported to start()
-            self._error = err
-            loop.run_until_complete(self._close_all())
-            loop.close()
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.run_until_complete(self._close_all())
-            loop.close()
-
     async def _listen(self) -> None:
         for route in self.routes:
             try:
                 server = await serve(
                     functools.partial(self._relay, route=route), route.host, route.port,
-                    ssl=route.context, subprotocols=[SUBPROTOCOL], process_request=_check_path,
+                    ssl=route.context, subprotocols=[Subprotocol(SUBPROTOCOL)], process_request=_check_path,
                     compression=None, max_size=MAX_MESSAGE_SIZE,
                     # the clients keep the connection alive (aiohttp pings every 10 s); a sync client reads only
                     # when it waits for something, so a server ping could go unanswered and drop an idle sender
@@ -138,7 +111,7 @@ class WebSocketRelay:
         except OSError as err:
             # the namespace is down: the client meets a closed connection, as on the AMQP and AMQPS ports
             _LOGGER.debug("namespace %s: WebSocket client dropped, the AMQP port is closed: %s", route.name, err)
-            await ws.close(1011, "the namespace is not serving")
+            await self._drop(ws)
             return
         self._open += 1
         self._upstreams.add(up_writer)
@@ -158,8 +131,19 @@ class WebSocketRelay:
             with contextlib.suppress(Exception):
                 up_writer.transport.abort()
             self._upstreams.discard(up_writer)
-            # the client is told the stream ended (a close frame), then dropped if it does not answer in time
-            await ws.close(1000 if ws.close_code is None else ws.close_code)
+            if ws.state is State.OPEN:  # the namespace's side ended first
+                await self._drop(ws)
+
+    async def _drop(self, ws: ServerConnection) -> None:
+        """End the client's connection as a dropped AMQP connection ends: what was sent is delivered, then the
+        stream ends, without a WebSocket close frame. The sync SDK's transport (websocket-client) would hand a
+        close frame to the AMQP reader as an empty text message, which it cannot read (a TypeError, not the
+        connection error it retries on)."""
+        ws.transport.close()
+        try:
+            await asyncio.wait_for(ws.wait_closed(), self._close_timeout)
+        except TimeoutError:
+            ws.transport.abort()
 
     async def _close_all(self) -> None:
         for server in self._servers:
@@ -171,14 +155,6 @@ class WebSocketRelay:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), self._close_timeout + 1)
         self._servers.clear()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout)
 
 
 def _check_path(connection: ServerConnection, request: Request) -> Response | None:

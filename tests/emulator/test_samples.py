@@ -12,6 +12,12 @@ Samples whose calls other modules already follow:
   ``receive_deadlettered_messages``: ``test_sdk_dataplane``;
 - the credential samples (``authenticate_using_azure_named_key_credential``, ``..._sas_credential``,
   ``client_identity_authentication``): ``test_tls``.
+
+``proxy`` and ``proxy_async`` run here against the emulator's AMQP over WebSockets through a local HTTP proxy
+(:mod:`spark_sb.emulator.proxy`), with one change each: the emulator's WebSocket port named as
+``custom_endpoint_address`` (with ``http_proxy`` the SDK opens ``ws://`` on port 80, or 443 for the async client,
+without it). The async sample needs a second: aiohttp takes ``proxy_hostname`` as a URL (``http://127.0.0.1``);
+as written (a bare host, which the sync client needs) it fails with ``InvalidURL`` (``test_websockets``).
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ from azure.servicebus.management import SqlRuleFilter
 
 from spark_sb import admin as admin_module
 from spark_sb.admin import admin_client, async_admin_client
-from spark_sb.emulator import NamespaceInfo
+from spark_sb.emulator import Emulator, NamespaceInfo
+from spark_sb.emulator.model import QueueSpec
+from spark_sb.emulator.proxy import HttpProxy
 
 
 def _text(value: Any) -> Any:
@@ -286,3 +294,57 @@ def test_without_aiohttp_the_async_admin_client_says_what_to_install(primary: Na
             async_admin_client(primary.connection_string)
     finally:
         admin_module._async_classes.cache_clear()
+
+
+def _proxy_sample_queue(emulator: Emulator) -> tuple[NamespaceInfo, str]:
+    queue = f"proxy-sample-{uuid.uuid4().hex[:6]}"
+    server = emulator.server("primary")
+    server.call(lambda: server.broker.create_entity(QueueSpec(name=queue)))
+    return emulator["primary"], queue
+
+
+def _received(info: NamespaceInfo, queue: str) -> list[str]:
+    with ServiceBusClient.from_connection_string(info.connection_string) as client:
+        with client.get_queue_receiver(queue, max_wait_time=2) as receiver:
+            got = receiver.receive_messages(max_message_count=5, max_wait_time=2)
+            for message in got:
+                receiver.complete_message(message)
+    return [str(m) for m in got]
+
+
+def test_the_proxy_sample_sends_through_the_proxy(websocket_emulator: Emulator,
+                                                  http_proxy_server: HttpProxy) -> None:
+    """proxy: a client from the connection string with ``http_proxy`` (a host, a port, a username and a password)
+    sends one message."""
+    info, queue = _proxy_sample_queue(websocket_emulator)
+    opened = http_proxy_server.tunnels[("localhost", info.ws_port)]
+    http_proxy = http_proxy_server.http_proxy
+    assert set(http_proxy) == {"proxy_hostname", "proxy_port", "username", "password"}
+    client = ServiceBusClient.from_connection_string(conn_str=info.connection_string, http_proxy=http_proxy,
+                                                     **info.websocket_connection_string_kwargs)
+    with client:
+        sender = client.get_queue_sender(queue_name=queue)
+        with sender:
+            sender.send_messages(ServiceBusMessage("Single Message"))
+    assert http_proxy_server.tunnels[("localhost", info.ws_port)] == opened + 1
+    assert _received(info, queue) == ["Single Message"]
+
+
+def test_the_async_proxy_sample_sends_through_the_proxy(websocket_emulator: Emulator,
+                                                        http_proxy_server: HttpProxy) -> None:
+    """proxy_async: the same with the async client, its proxy host written as a URL."""
+    info, queue = _proxy_sample_queue(websocket_emulator)
+    opened = http_proxy_server.tunnels[("localhost", info.ws_port)]
+
+    async def main() -> None:
+        client = AsyncServiceBusClient.from_connection_string(
+            conn_str=info.connection_string, http_proxy=http_proxy_server.aio_http_proxy,
+            **info.websocket_connection_string_kwargs)
+        async with client:
+            sender = client.get_queue_sender(queue_name=queue)
+            async with sender:
+                await sender.send_messages(ServiceBusMessage("Single Message"))
+
+    asyncio.run(main())
+    assert http_proxy_server.tunnels[("localhost", info.ws_port)] == opened + 1
+    assert _received(info, queue) == ["Single Message"]
