@@ -728,11 +728,13 @@ class NamespaceServer(Handler):
                 cond = remote.condition
                 info = (cond.info if cond is not None else None) or {}
                 info = {str(k): v for k, v in dict(info).items()}
-                self.broker.dead_letter(path, token, codec.text(info.get("DeadLetterReason")),
-                                        codec.text(info.get("DeadLetterErrorDescription")))
+                reason = codec.text(info.pop("DeadLetterReason", None))
+                description = codec.text(info.pop("DeadLetterErrorDescription", None))
+                # the rest of the info is the properties to modify (the Java SDK puts them there)
+                self.broker.dead_letter(path, token, reason, description, info or None)
             elif state == Delivery.MODIFIED:
                 if remote.undeliverable:
-                    self.broker.defer(path, token)
+                    self.broker.defer(path, token, _annotations(remote.annotations))
                 else:
                     self.broker.abandon(path, token, _annotations(remote.annotations))
             elif state == Delivery.RELEASED:
@@ -858,20 +860,21 @@ class NamespaceServer(Handler):
             tokens = [_uuid(t) for t in body.get("lock-tokens", [])]
             expirations = b.renew_lock(path, tokens)
             # arrays, as the service sends (the Java SDK reads Date[] here and long[] for sequence numbers)
-            return {"expirations": Array(UNDESCRIBED, Data.TIMESTAMP, *(timestamp(int(e * 1000)) for e in expirations))}
+            return {"expirations": _array(Data.TIMESTAMP, [timestamp(int(e * 1000)) for e in expirations])}
         if op == "update-disposition":
             status = str(body.get("disposition-status", ""))
+            modify = _annotations(body.get("properties-to-modify"))
             for t in body.get("lock-tokens", []):
                 token = _uuid(t)
                 if status == "completed":
                     b.complete(path, token)
                 elif status == "abandoned":
-                    b.abandon(path, token, _annotations(body.get("properties-to-modify")))
+                    b.abandon(path, token, modify)
                 elif status == "defered":
-                    b.defer(path, token)
+                    b.defer(path, token, modify)
                 elif status == "suspended":
                     b.dead_letter(path, token, codec.text(body.get("deadletter-reason")),
-                                  codec.text(body.get("deadletter-description")))
+                                  codec.text(body.get("deadletter-description")), modify)
                 else:
                     raise BrokerError(Cond.INVALID, f"disposition-status {status!r} is not known")
             return {}
@@ -900,7 +903,7 @@ class NamespaceServer(Handler):
                 inc = codec.incoming(bytes(entry["message"]))
                 when = inc.scheduled_enqueue_time if inc.scheduled_enqueue_time is not None else self.clock()
                 seqs.extend(b.schedule(path, [inc], when))
-            return {"sequence-numbers": Array(UNDESCRIBED, Data.LONG, *seqs)}
+            return {"sequence-numbers": _array(Data.LONG, seqs)}
         if op == "cancel-scheduled-message":
             b.cancel_scheduled(path, [int(s) for s in body.get("sequence-numbers", [])])
             return {}
@@ -971,6 +974,11 @@ def _data_object(data: Any) -> Any:
     if data.next() is None:
         return None
     return data.get_object()
+
+
+def _array(element_type: int, values: list[Any]) -> Array:
+    """An AMQP array (not a list): the Java SDK reads long[] and Date[] and ignores a list."""
+    return Array(UNDESCRIBED, element_type, *values)  # type: ignore[arg-type]  # proton's stub: no Constant
 
 
 def _has_attr(obj: Any, name: str) -> bool:

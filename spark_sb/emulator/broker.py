@@ -567,6 +567,21 @@ class Broker:
         if box.topic is not None:
             self._unref(box.topic, msg.sequence_number, len(msg.raw))
 
+    def _modify(self, box: _Box, msg: Stored, properties_to_modify: dict | None) -> None:
+        """A settlement's properties-to-modify, merged into the stored message's application properties."""
+        if not properties_to_modify:
+            return
+        try:
+            raw = sections.modify_properties(msg.raw, properties_to_modify)
+        except sections.MalformedMessage as err:
+            raise BrokerError(Cond.INVALID, f"cannot modify the message's properties: {err}") from err
+        delta = len(raw) - len(msg.raw)
+        msg.raw = raw
+        box.size += delta
+        if box.topic is not None:
+            self._topic_size[box.topic] += delta  # the last copy's unref subtracts its own (new) length
+        self._store.replace_raw([msg])
+
     def _unlock(self, msg: Stored) -> None:
         if msg.lock_token is not None:
             self._locks.pop(msg.lock_token, None)
@@ -1227,13 +1242,12 @@ class Broker:
         """Unlock; when delivery_count >= max_delivery_count the message is dead-lettered with reason
         ``MaxDeliveryCountExceeded``. LOCK_LOST as for complete.
 
-        ``properties_to_modify`` is not applied: the broker keeps the encoded message as it was sent."""
+        ``properties_to_modify`` is merged into the message's application properties, as the service does."""
         now = self._clock()
         box = self._box(path)
         msg = self._locked(box, lock_token, now)
-        if properties_to_modify:
-            _LOGGER.debug("abandon on %s: properties_to_modify is not applied by the emulator", box.path)
         with self._store.transaction():
+            self._modify(box, msg, properties_to_modify)
             self._unlock(msg)
             self._release(box, msg, now, abandoned=True)
         self._flush()
@@ -1251,25 +1265,31 @@ class Broker:
             self._release(box, msg, now, abandoned=False)
         self._flush()
 
-    def defer(self, path: str, lock_token: uuid.UUID) -> None:
-        """The message becomes DEFERRED: never delivered by receive, only by receive_deferred."""
+    def defer(self, path: str, lock_token: uuid.UUID, properties_to_modify: dict | None = None) -> None:
+        """The message becomes DEFERRED: never delivered by receive, only by receive_deferred.
+        ``properties_to_modify`` as for abandon."""
         box = self._box(path)
         msg = self._locked(box, lock_token, self._clock())
-        msg.state = STATE_DEFERRED
-        self._store.update_messages([msg])
+        with self._store.transaction():
+            self._modify(box, msg, properties_to_modify)
+            msg.state = STATE_DEFERRED
+            self._store.update_messages([msg])
         self._unlock(msg)
 
     def dead_letter(
-        self, path: str, lock_token: uuid.UUID, reason: str | None, description: str | None
+        self, path: str, lock_token: uuid.UUID, reason: str | None, description: str | None,
+        properties_to_modify: dict | None = None,
     ) -> None:
         """Move to ``path + '/$DeadLetterQueue'`` keeping message id, body and properties; the DLQ copy
-        carries dead_letter_reason/description and dead_letter_source = path.
+        carries dead_letter_reason/description and dead_letter_source = path. ``properties_to_modify`` as
+        for abandon.
 
         On a dead-letter sub-queue (no further dead-lettering) the message is unlocked and stays there."""
         now = self._clock()
         box = self._box(path)
         msg = self._locked(box, lock_token, now)
         with self._store.transaction():
+            self._modify(box, msg, properties_to_modify)
             if box.is_dlq:
                 self._unlock(msg)
                 self._release(box, msg, now, abandoned=False)

@@ -145,6 +145,19 @@ def rewrite(raw: bytes, properties: dict[str, Any], fields: dict[str, Any]) -> b
     return b"".join(out)
 
 
+def modify_properties(raw: bytes, changes: dict[str, Any]) -> bytes:
+    """The message with ``changes`` merged into its application properties (a settlement's
+    properties-to-modify: abandon, defer and dead-letter may set them, as Service Bus applies them)."""
+    current: dict[str, Any] = {}
+    for code, sec in split_sections(raw):
+        if code == APPLICATION_PROPERTIES:
+            value = _decode(sec).value
+            current = dict(value) if isinstance(value, dict) else {}
+            break
+    current.update({str(k): v for k, v in changes.items()})
+    return rewrite(raw, current, {})
+
+
 def with_message_id(raw: bytes, message_id: str) -> bytes:
     """The message with ``message_id`` in its properties (a properties section is added where there is none).
     Every other section goes on byte for byte."""

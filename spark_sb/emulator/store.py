@@ -127,6 +127,10 @@ class Store:
         """Store the delivery count and state of messages that stay where they are."""
         raise NotImplementedError
 
+    def replace_raw(self, messages: Iterable[Stored]) -> None:
+        """Store the encoded bytes of messages whose properties a settlement modified."""
+        raise NotImplementedError
+
     def move_messages(self, moves: Iterable[tuple[str, Stored]]) -> None:
         """(old entity, message already carrying its new entity and dead-letter fields)."""
         raise NotImplementedError
@@ -279,6 +283,13 @@ class SqliteStore(Store):
                 [(m.delivery_count, m.state, m.entity, m.sequence_number) for m in messages],
             )
 
+    def replace_raw(self, messages: Iterable[Stored]) -> None:
+        with self.transaction():
+            self._conn.executemany(
+                "UPDATE messages SET raw = ? WHERE entity = ? AND seq = ?",
+                [(m.raw, m.entity, m.sequence_number) for m in messages],
+            )
+
     def move_messages(self, moves: Iterable[tuple[str, Stored]]) -> None:
         with self.transaction():
             self._conn.executemany(
@@ -369,6 +380,12 @@ class MemoryStore(Store):
             if row is not None:
                 row[9] = m.delivery_count
                 row[10] = m.state
+
+    def replace_raw(self, messages: Iterable[Stored]) -> None:
+        for m in messages:
+            row = self._messages.get((m.entity, m.sequence_number))
+            if row is not None:
+                row[2] = m.raw
 
     def move_messages(self, moves: Iterable[tuple[str, Stored]]) -> None:
         for old, m in moves:

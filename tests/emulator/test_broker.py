@@ -7,6 +7,7 @@ import uuid
 from collections.abc import Callable
 
 import pytest
+from proton import Message
 
 from spark_sb.emulator.broker import (
     DLQ_SUFFIX,
@@ -209,6 +210,38 @@ def test_dead_letter_keeps_the_message_with_reason(env: Env) -> None:
     d = b.receive("orders" + DLQ_SUFFIX, 1, peek_lock=True)[0]
     b.dead_letter("orders" + DLQ_SUFFIX, d.lock_token, "again", None)
     assert bodies(b.peek("orders" + DLQ_SUFFIX, 0, 5)) == ["a"]
+
+
+def _amqp(body: str, **properties: object) -> Incoming:
+    return Incoming(raw=bytes(Message(body=body, properties=properties).encode()), message_id=body)
+
+
+def _properties(stored) -> dict:
+    m = Message()
+    m.decode(stored.raw)
+    return dict(m.properties or {})
+
+
+def test_abandon_defer_and_dead_letter_apply_properties_to_modify(make_env: Callable[..., Env]) -> None:
+    # the service merges a settlement's properties-to-modify into the message's application properties
+    # (the Java and .NET SDKs send them with abandon, defer and dead-letter); they survive a restart
+    env = make_env()
+    b = env.broker
+    b.create_entity(QueueSpec("orders"))
+    b.send("orders", [_amqp("a", kept="yes", attempt=0), _amqp("d"), _amqp("x")])
+    a, d, x = b.receive("orders", 3, peek_lock=True)
+    b.abandon("orders", a.lock_token, {"attempt": 1, "why": "busy"})
+    b.defer("orders", d.lock_token, {"deferred-by": "worker-1"})
+    b.dead_letter("orders", x.lock_token, "Bad", "why", {"checked": True})
+    b = env.reopen()
+    again = b.receive("orders", 1, peek_lock=True)[0]
+    assert _properties(again) == {"kept": "yes", "attempt": 1, "why": "busy"}
+    (deferred,) = b.receive_deferred("orders", [d.sequence_number], peek_lock=True)
+    assert _properties(deferred) == {"deferred-by": "worker-1"}
+    (dead,) = b.peek("orders" + DLQ_SUFFIX, 0, 5)
+    assert _properties(dead) == {"checked": True} and dead.dead_letter_reason == "Bad"
+    b.abandon("orders", again.lock_token)  # no properties: the message stays as it is
+    assert _properties(b.receive("orders", 1, peek_lock=True)[0])["attempt"] == 1
 
 
 def test_defer_and_receive_deferred(env: Env) -> None:
