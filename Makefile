@@ -29,11 +29,20 @@ $(VENV)/.installed: pyproject.toml
 	.venv-spark$*/bin/python -m pip install -q -e '.[emulator,test]' 'pyarrow>=15' 'pandas<3' 'matplotlib>=3.8' $(PINS_$*)
 	touch $@
 
+# The Java SDK's scenarios (tests/sdks/java, run by tests/sdks/test_java_sdk.py): built on first use like .venv
+JAVA_SDK := tests/sdks/java
+$(JAVA_SDK)/target/.installed: $(JAVA_SDK)/pom.xml $(shell find $(JAVA_SDK)/src -name '*.java' 2>/dev/null)
+	@command -v java >/dev/null && command -v mvn >/dev/null || \
+	  { echo "the Java SDK tests need Java 17 (java) and Maven (mvn) on PATH" >&2; exit 1; }
+	rm -rf $(JAVA_SDK)/target/dependency
+	cd $(JAVA_SDK) && mvn -q -B package dependency:copy-dependencies
+	touch $@
+
 .PHONY: demo test test-spark-versions lint bench chaos
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
-test: $(VENV)/.installed $(SPARK_VENVS:%=%/.installed)
+test: $(VENV)/.installed $(SPARK_VENVS:%=%/.installed) $(JAVA_SDK)/target/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 	$(MAKE) --no-print-directory test-spark-versions
 

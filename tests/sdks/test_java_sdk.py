@@ -1,0 +1,112 @@
+"""The emulator held to the Java SDK: azure-messaging-servicebus 7.17.20 runs every scenario of
+tests/sdks/java (one JVM for the module) against the in-process emulator; one test per scenario.
+
+The Java program is built on first use, like .venv: ``make tests/sdks/java/target/.installed`` (Maven,
+Java 17), under a file lock because xdist may start this module while another worker builds."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spark_sb.emulator import Emulator
+from spark_sb.emulator.model import QueueSpec, RuleSpec, SubscriptionSpec, TopicSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+JAVA = ROOT / "tests" / "sdks" / "java"
+STAMP = "tests/sdks/java/target/.installed"
+RUN_TIMEOUT_S = 240
+
+#: scenario -> the entity it uses (named <prefix><scenario with hyphens>), as Scenarios.java expects
+QUEUES: dict[str, dict[str, Any]] = {
+    "send_receive_fields": {},
+    "batch": {},
+    "peek": {},
+    "defer": {},
+    "dead_letter": {},
+    "abandon": {},
+    "schedule": {},
+    "sessions": {"requires_session": True, "lock_duration": 30.0},
+    "duplicate_detection": {"requires_duplicate_detection": True},
+    "lock_renewal": {"lock_duration": 5.0},
+    "processor": {},
+    "async_clients": {},
+    "size_limit": {},
+    "close": {},
+}
+TOPIC = "topic_filters"
+SUBSCRIPTIONS = {
+    "sql": RuleSpec("red-many", {"type": "sql", "expression": "color = 'red' AND quantity > 2"}),
+    "correlation": RuleSpec("order-42", {"type": "correlation", "correlation_id": "order-42"}),
+    "all": RuleSpec(),
+}
+SCENARIOS = [*list(QUEUES)[:8], TOPIC, *list(QUEUES)[8:]]
+
+
+def _build() -> None:
+    """Run the Makefile rule (it rebuilds when pom.xml or a source is newer than the stamp)."""
+    missing = [tool for tool in ("java", "mvn", "make") if shutil.which(tool) is None]
+    if missing:
+        pytest.fail(f"the Java SDK tests need {', '.join(missing)} on PATH (Java 17 and Maven): install them",
+                    pytrace=False)
+    (JAVA / "target").mkdir(exist_ok=True)
+    with open(JAVA / "target" / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        done = subprocess.run(["make", "--no-print-directory", STAMP], cwd=ROOT, capture_output=True, text=True,
+                              timeout=900)
+    if done.returncode != 0:
+        pytest.fail(f"building tests/sdks/java failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}", pytrace=False)
+
+
+def create(emulator: Emulator, namespace: str, spec: Any) -> None:
+    server = emulator.server(namespace)  # as tests/conftest.py's create (a conftest is not importable)
+    server.call(lambda: server.broker.create_entity(spec))
+
+
+def _entities(emulator: Emulator, prefix: str) -> None:
+    for scenario, props in QUEUES.items():
+        create(emulator, "primary", QueueSpec(name=prefix + scenario.replace("_", "-"), **props))
+    topic = prefix + TOPIC.replace("_", "-")
+    create(emulator, "primary", TopicSpec(name=topic))
+    for sub, rule in SUBSCRIPTIONS.items():
+        create(emulator, "primary", SubscriptionSpec(topic=topic, name=sub, rules=[rule]))
+
+
+@pytest.fixture(scope="module")
+def java_results(emulator: Emulator) -> dict[str, Any]:
+    _build()
+    prefix = f"java-{uuid.uuid4().hex[:6]}-"
+    _entities(emulator, prefix)
+    env = dict(os.environ, SB_CONNECTION_STRING=emulator["primary"].connection_string, SB_ENTITY_PREFIX=prefix)
+    cmd = ["java", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp",
+           f"{JAVA / 'target' / 'classes'}{os.pathsep}{JAVA / 'target' / 'dependency' / '*'}", "sparksb.Scenarios"]
+    try:
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+        stdout, stderr, code = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as err:
+        stdout = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
+        stderr = (err.stderr or b"").decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
+        code = f"killed after {RUN_TIMEOUT_S} s"
+    lines = {}
+    for line in stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            lines[row["scenario"]] = row
+    return {"lines": lines, "exit": code, "stderr": stderr}
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_java_sdk(java_results: dict[str, Any], scenario: str) -> None:
+    row = java_results["lines"].get(scenario)
+    if row is None:
+        pytest.fail(f"the Java program printed no line for {scenario} (exit {java_results['exit']}); its stderr "
+                    f"ends:\n{java_results['stderr'][-4000:]}", pytrace=False)
+    assert row["ok"], f"{scenario}: {row['detail']}"
