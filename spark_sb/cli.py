@@ -74,6 +74,32 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
     heal.add_argument("--admin", required=True, metavar="URL")
     heal.add_argument("--entity", metavar="PATH", help="heal only this entity's fault (default: all)")
 
+    proxy = esub.add_parser("proxy", help="run a local HTTP proxy (CONNECT tunnels, Basic authentication) to try "
+                                          "http_proxy= against the emulator's WebSockets, until SIGINT/SIGTERM")
+    proxy.add_argument("--host", default="127.0.0.1", help="where it listens (default: %(default)s)")
+    proxy.add_argument("--port", type=int, default=8899,
+                       help="its port (default: %(default)s, the port of Microsoft's proxy samples; 0: a free one)")
+    proxy.add_argument("--username", help="ask clients for Basic authentication with this username")
+    proxy.add_argument("--password-env", metavar="VAR", default="SPARK_SB_PROXY_PASSWORD",
+                       help="environment variable holding the password, with --username (default: %(default)s)")
+    proxy.add_argument("--allow-port", type=int, action="append", metavar="PORT",
+                       help="connect only to this port (repeatable), as an egress firewall would; others get 403")
+
+
+def _emulator_proxy(args: argparse.Namespace) -> int:
+    from .emulator import proxy
+
+    password = os.environ.get(args.password_env) if args.username else None
+    if args.username and not password:
+        print(f"spark-sb emulator proxy: --username needs the password in ${args.password_env}", file=sys.stderr)
+        return 2
+    try:
+        return proxy.run_foreground(args.host, args.port, username=args.username, password=password,
+                                    allowed_ports=args.allow_port)
+    except OSError as err:
+        print(f"spark-sb emulator proxy: {err}", file=sys.stderr)
+        return 2
+
 
 def _paired_parsers(sub: argparse._SubParsersAction) -> None:
     provision = sub.add_parser("provision", help="create the missing backlog queues on the secondary and print "
@@ -171,6 +197,8 @@ def _emulator(args: argparse.Namespace) -> int:
         print(err, file=sys.stderr)
         return 2
 
+    if args.action == "proxy":
+        return _emulator_proxy(args)
     if args.action == "start":
         logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -234,3 +234,24 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
             await writer.drain()
     except OSError:
         return
+
+
+def run_foreground(host: str, port: int, *, username: str | None = None, password: str | None = None,
+                   allowed_ports: Collection[int] | None = None, out: Any = None) -> int:
+    """What ``spark-sb emulator proxy`` does: start, print ``PROXY <url>``, wait for SIGINT or SIGTERM, then say
+    how many tunnels it opened and how many requests it refused."""
+    import signal
+    import sys
+    import threading
+
+    out = out or sys.stdout
+    stop = threading.Event()
+    with HttpProxy(host, port, username=username, password=password, allowed_ports=allowed_ports) as proxy:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, lambda *_: stop.set())
+        print(f"PROXY {proxy.url}", file=out, flush=True)
+        while not stop.wait(0.5):
+            pass
+        print(f"opened {sum(proxy.tunnels.values())} tunnels, refused {proxy.refused} requests", file=out,
+              flush=True)
+    return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import os
 import socket
 import ssl
 import subprocess
@@ -299,6 +300,32 @@ def test_the_async_sdk_takes_the_proxy_as_a_url_and_the_sync_one_as_a_host(prima
         with client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
             assert [str(m) for m in receiver.receive_messages(max_message_count=5, max_wait_time=2)] \
                 == ["through the proxy"]
+
+
+def test_the_proxy_command_tunnels_for_the_sdk_with_its_password_from_the_environment(
+        primary: NamespaceInfo, proxy: HttpProxy, make_queue) -> None:
+    queue, secret = make_queue(), uuid.uuid4().hex
+    env = {**os.environ, "SPARK_SB_PROXY_PASSWORD": secret}
+    command = [sys.executable, "-m", "spark_sb.cli", "emulator", "proxy", "--port", "0", "--username", "egress"]
+    missing = subprocess.run(command, capture_output=True, text=True, timeout=30,
+                             env={k: v for k, v in env.items() if k != "SPARK_SB_PROXY_PASSWORD"})
+    assert (missing.returncode, missing.stderr.strip()) \
+        == (2, "spark-sb emulator proxy: --username needs the password in $SPARK_SB_PROXY_PASSWORD")
+    running = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        tag, url = running.stdout.readline().split()
+        assert tag == "PROXY" and url.startswith("http://127.0.0.1:")
+        http_proxy = {"proxy_hostname": "127.0.0.1", "proxy_port": int(url.rsplit(":", 1)[1]),
+                      "username": "egress", "password": secret}
+        with _sync_client("wss", primary, proxy, http_proxy=http_proxy) as client:
+            with client.get_queue_sender(queue) as sender:
+                sender.send_messages(ServiceBusMessage("through the command's proxy"))
+    finally:
+        running.terminate()
+        out, err = running.communicate(timeout=10)
+    assert running.returncode == 0 and out.strip() == "opened 1 tunnels, refused 0 requests"
+    assert secret not in out + err
+    assert not _empty(primary, queue, proxy)
 
 
 # --- outages ---------------------------------------------------------------------------------------------------
