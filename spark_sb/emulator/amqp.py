@@ -937,7 +937,31 @@ class NamespaceServer(Handler):
             if not page:
                 return None
             return {"sessions-ids": page, "skip": skip + len(page)}
+        if op in ("add-rule", "remove-rule", "enumerate-rules"):
+            return self._rules(path, op, body)
         raise BrokerError(Cond.NOT_IMPLEMENTED, f"The $management operation {op!r} is not supported by the emulator.")
+
+    def _rules(self, path: str, op: str, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The rule manager's operations (Listen is enough, as on the service), on a subscription's node."""
+        b = self.broker
+        assert b is not None
+        topic, sep, sub = path.partition("/subscriptions/")
+        if not sep:
+            raise BrokerError(Cond.INVALID, f"Rules belong to subscriptions; '{path}' is not one.")
+        if op == "add-rule":
+            name = codec.text(body.get("rule-name")) or ""
+            b.create_rule(topic, sub, codec.rule_from_amqp(name, body.get("rule-description") or {}))
+            return {}
+        if op == "remove-rule":
+            b.delete_rule(topic, sub, codec.text(body.get("rule-name")) or "")
+            return {}
+        rules = b.list_rules(topic, sub)
+        skip = int(body.get("skip", 0))
+        top = int(body.get("top", len(rules)))
+        page = rules[skip: skip + top]
+        if not page:
+            return None
+        return {"rules": [{"rule-description": codec.rule_to_amqp(r)} for r in page]}
 
 
 #: the right each $management operation needs (every other one: Listen)
@@ -950,6 +974,7 @@ _MGMT_STATUS = {
     Cond.LOCK_LOST: 410,
     Cond.SESSION_LOCK_LOST: 410,
     Cond.SESSION_CANNOT_BE_LOCKED: 409,
+    Cond.ALREADY_EXISTS: 409,
     Cond.BUSY: 503,
     Cond.TIMEOUT: 408,
     Cond.QUOTA: 403,

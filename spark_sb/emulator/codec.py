@@ -14,6 +14,7 @@ from typing import Any
 from proton import Data, Described, int32, symbol, timestamp, ulong
 
 from .broker import DLQ_SUFFIX, Incoming, Stored
+from .model import RuleSpec
 from .sections import (  # noqa: F401 - part of this module's interface
     _BODY,
     APPLICATION_PROPERTIES,
@@ -259,3 +260,62 @@ def iter_incoming(raw: bytes) -> Iterator[Incoming]:
         yield incoming(payload)
 
 
+# ------------------------------------------------------------------ rules on $management (the rule manager)
+#: the descriptors of a rule description and its parts, as the service and the SDKs encode them
+RULE_DESCRIPTION = 0x13700000004
+SQL_FILTER = 0x1370000006
+TRUE_FILTER = 0x1370000007
+FALSE_FILTER = 0x1370000008
+CORRELATION_FILTER = 0x1370000009
+EMPTY_RULE_ACTION = 0x13700000005
+SQL_RULE_ACTION = 0x13700000006
+_SQL_COMPATIBILITY_LEVEL = int32(20)
+#: the correlation filter's fields in the order of its described list; the map keys of add-rule name them
+_CORRELATION_WIRE = (("correlation-id", "correlation_id"), ("message-id", "message_id"), ("to", "to"),
+                     ("reply-to", "reply_to"), ("label", "subject"), ("session-id", "session_id"),
+                     ("reply-to-session-id", "reply_to_session_id"), ("content-type", "content_type"))
+
+
+def rule_from_amqp(name: str, description: dict[str, Any]) -> RuleSpec:
+    """The rule of an ``add-rule`` request: its ``rule-description`` map holds ``sql-filter`` or
+    ``correlation-filter`` (maps) and ``sql-rule-action`` (a map with an expression, or null)."""
+    d = {str(k): v for k, v in dict(description).items()}
+    sql_filter = d.get("sql-filter")
+    correlation = d.get("correlation-filter")
+    flt: dict[str, Any]
+    if sql_filter is not None:
+        flt = {"type": "sql", "expression": text({str(k): v for k, v in dict(sql_filter).items()}.get("expression"))}
+    elif correlation is not None:
+        c = {str(k): v for k, v in dict(correlation).items()}
+        flt = {"type": "correlation"}
+        for wire, field in _CORRELATION_WIRE:
+            if c.get(wire) is not None:
+                flt[field] = text(c[wire])
+        if c.get("properties"):
+            flt["properties"] = {str(k): v for k, v in dict(c["properties"]).items()}
+    else:
+        flt = {"type": "true"}
+    action = d.get("sql-rule-action")
+    expression = text({str(k): v for k, v in dict(action).items()}.get("expression")) if action else None
+    return RuleSpec(name=name, filter=flt, action=None if expression is None else {"expression": expression})
+
+
+def rule_to_amqp(rule: RuleSpec) -> Described:
+    """A rule as ``enumerate-rules`` answers it: described(rule-description, [filter, action, name])."""
+    f = rule.filter
+    kind = f.get("type")
+    if kind == "sql":
+        flt = Described(ulong(SQL_FILTER), [f.get("expression"), _SQL_COMPATIBILITY_LEVEL])
+    elif kind == "correlation":
+        values: list[Any] = [f.get(field) for _wire, field in _CORRELATION_WIRE]
+        values.append({str(k): v for k, v in (f.get("properties") or {}).items()})
+        flt = Described(ulong(CORRELATION_FILTER), values)
+    elif kind == "false":
+        flt = Described(ulong(FALSE_FILTER), ["1=0", _SQL_COMPATIBILITY_LEVEL])
+    else:
+        flt = Described(ulong(TRUE_FILTER), ["1=1", _SQL_COMPATIBILITY_LEVEL])
+    if rule.action is None:
+        action = Described(ulong(EMPTY_RULE_ACTION), [])
+    else:
+        action = Described(ulong(SQL_RULE_ACTION), [rule.action.get("expression"), _SQL_COMPATIBILITY_LEVEL])
+    return Described(ulong(RULE_DESCRIPTION), [flt, action, rule.name])

@@ -176,3 +176,34 @@ def test_deferred_and_peeked_messages_come_as_a_list_of_maps_with_binary_and_uui
     done = raw.management(q, "update-disposition",
                           {"disposition-status": "completed", "lock-tokens": Array(0, Data.UUID, got.body["messages"][0]["lock-token"])})
     assert _status(done) == 200
+
+
+def test_rule_manager_operations_add_list_and_remove_rules_in_the_service_encoding(
+    raw: RawClient, make_topic
+) -> None:
+    # the Java, .NET and JavaScript rule managers (ServiceBusRuleManager) use add-rule, enumerate-rules and
+    # remove-rule; the answer's rules are described types (rule description [filter, action, name])
+    topic = make_topic({"s": {}})
+    node = f"{topic}/Subscriptions/s"
+    sql = {"sql-filter": {"expression": "color = 'red'"}, "sql-rule-action": {"expression": "SET tagged = 1"},
+           "rule-name": "red"}
+    assert _status(raw.management(node, "add-rule", {"rule-name": "red", "rule-description": sql})) == 200
+    correlation = {"correlation-filter": {"correlation-id": "c-1", "label": "order", "to": None,
+                                          "properties": {"region": "eu"}},
+                   "sql-rule-action": None, "rule-name": "corr"}
+    assert _status(raw.management(node, "add-rule", {"rule-name": "corr", "rule-description": correlation})) == 200
+    again = raw.management(node, "add-rule", {"rule-name": "red", "rule-description": sql})
+    assert _status(again) == 409
+    assert _status(raw.management(node, "remove-rule", {"rule-name": "$Default"})) == 200
+    listed = raw.management(node, "enumerate-rules", {"skip": int32(0), "top": int32(2**31 - 1)})
+    assert _status(listed) == 200
+    rules = [entry["rule-description"] for entry in listed.body["rules"]]
+    assert [r.descriptor for r in rules] == [0x13700000004] * 2
+    (red_filter, red_action, red_name), (corr_filter, corr_action, corr_name) = (r.value for r in rules)
+    assert (red_name, red_filter.descriptor, red_filter.value[0]) == ("red", 0x1370000006, "color = 'red'")
+    assert (red_action.descriptor, red_action.value[0]) == (0x13700000006, "SET tagged = 1")
+    assert (corr_name, corr_filter.descriptor, corr_action.descriptor) == ("corr", 0x1370000009, 0x13700000005)
+    assert corr_filter.value[0] == "c-1" and corr_filter.value[4] == "order" and corr_filter.value[8] == {"region": "eu"}
+    assert _status(raw.management(node, "remove-rule", {"rule-name": "red"})) == 200
+    assert _status(raw.management(node, "remove-rule", {"rule-name": "corr"})) == 200
+    assert _status(raw.management(node, "enumerate-rules", {"skip": int32(0), "top": int32(10)})) == 204
