@@ -42,13 +42,16 @@ QUEUES: dict[str, dict[str, Any]] = {
     "size_limit": {},
     "close": {},
 }
-TOPIC = "topic_filters"
-SUBSCRIPTIONS = {
-    "sql": RuleSpec("red-many", {"type": "sql", "expression": "color = 'red' AND quantity > 2"}),
-    "correlation": RuleSpec("order-42", {"type": "correlation", "correlation_id": "order-42"}),
-    "all": RuleSpec(),
+#: scenario -> its topic's subscriptions and each one's rule
+TOPICS: dict[str, dict[str, RuleSpec]] = {
+    "topic_filters": {
+        "sql": RuleSpec("red-many", {"type": "sql", "expression": "color = 'red' AND quantity > 2"}),
+        "correlation": RuleSpec("order-42", {"type": "correlation", "correlation_id": "order-42"}),
+        "all": RuleSpec(),
+    },
+    "rule_manager": {"managed": RuleSpec()},
 }
-SCENARIOS = [*list(QUEUES)[:8], TOPIC, *list(QUEUES)[8:]]
+SCENARIOS = [*list(QUEUES)[:8], *TOPICS, *list(QUEUES)[8:]]
 
 
 def _build() -> None:
@@ -74,10 +77,11 @@ def create(emulator: Emulator, namespace: str, spec: Any) -> None:
 def _entities(emulator: Emulator, prefix: str) -> None:
     for scenario, props in QUEUES.items():
         create(emulator, "primary", QueueSpec(name=prefix + scenario.replace("_", "-"), **props))
-    topic = prefix + TOPIC.replace("_", "-")
-    create(emulator, "primary", TopicSpec(name=topic))
-    for sub, rule in SUBSCRIPTIONS.items():
-        create(emulator, "primary", SubscriptionSpec(topic=topic, name=sub, rules=[rule]))
+    for scenario, subscriptions in TOPICS.items():
+        topic = prefix + scenario.replace("_", "-")
+        create(emulator, "primary", TopicSpec(name=topic))
+        for sub, rule in subscriptions.items():
+            create(emulator, "primary", SubscriptionSpec(topic=topic, name=sub, rules=[rule]))
 
 
 @pytest.fixture(scope="module")

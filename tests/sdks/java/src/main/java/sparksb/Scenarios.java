@@ -12,9 +12,16 @@ import com.azure.messaging.servicebus.ServiceBusReceivedMessage;
 import com.azure.messaging.servicebus.ServiceBusReceivedMessageContext;
 import com.azure.messaging.servicebus.ServiceBusReceiverAsyncClient;
 import com.azure.messaging.servicebus.ServiceBusReceiverClient;
+import com.azure.messaging.servicebus.ServiceBusRuleManagerClient;
 import com.azure.messaging.servicebus.ServiceBusSenderAsyncClient;
 import com.azure.messaging.servicebus.ServiceBusSenderClient;
 import com.azure.messaging.servicebus.ServiceBusSessionReceiverClient;
+import com.azure.messaging.servicebus.administration.models.CorrelationRuleFilter;
+import com.azure.messaging.servicebus.administration.models.CreateRuleOptions;
+import com.azure.messaging.servicebus.administration.models.RuleProperties;
+import com.azure.messaging.servicebus.administration.models.SqlRuleAction;
+import com.azure.messaging.servicebus.administration.models.SqlRuleFilter;
+import com.azure.messaging.servicebus.administration.models.TrueRuleFilter;
 import com.azure.messaging.servicebus.models.AbandonOptions;
 import com.azure.messaging.servicebus.models.DeadLetterOptions;
 import com.azure.messaging.servicebus.models.ServiceBusMessageState;
@@ -92,6 +99,7 @@ public final class Scenarios {
         all.put("schedule", s::schedule);
         all.put("sessions", s::sessions);
         all.put("topic_filters", s::topicFilters);
+        all.put("rule_manager", s::ruleManager);
         all.put("duplicate_detection", s::duplicateDetection);
         all.put("lock_renewal", s::lockRenewal);
         all.put("processor", s::processor);
@@ -549,6 +557,66 @@ public final class Scenarios {
             equal(List.of("order"), got.get("correlation"), "correlation subscription (correlationId order-42)");
             equal(List.of("red-5", "red-1", "order", "other"), got.get("all"), "true-filter subscription");
             return "sql " + got.get("sql") + ", correlation " + got.get("correlation") + ", all " + got.get("all");
+        }
+    }
+
+    /** ServiceBusRuleManagerClient: list, create (SQL with an action, correlation) and delete rules; routing follows. */
+    String ruleManager() {
+        String t = entity("rule_manager");
+        ServiceBusClientBuilder b = builder();
+        try (ServiceBusRuleManagerClient rules = b.ruleManager().topicName(t).subscriptionName("managed")
+                 .buildClient();
+             ServiceBusSenderClient s = b.sender().topicName(t).buildClient();
+             ServiceBusReceiverClient r = b.receiver().topicName(t).subscriptionName("managed").buildClient()) {
+            List<RuleProperties> before = new ArrayList<>();
+            rules.listRules().forEach(before::add);
+            equal(List.of("$Default"), before.stream().map(RuleProperties::getName).collect(Collectors.toList()),
+                "rules of a new subscription");
+            check(before.get(0).getFilter() instanceof TrueRuleFilter, "$Default filter %s", before.get(0).getFilter());
+            rules.createRule("red", new CreateRuleOptions(new SqlRuleFilter("color = 'red'"))
+                .setAction(new SqlRuleAction("SET tagged = 'yes'")));
+            CorrelationRuleFilter correlation = new CorrelationRuleFilter().setCorrelationId("order-1");
+            correlation.getProperties().put("region", "eu");
+            rules.createRule("order", new CreateRuleOptions(correlation));
+            rules.deleteRule("$Default");
+            Map<String, RuleProperties> after = new LinkedHashMap<>();
+            rules.listRules().forEach(rule -> after.put(rule.getName(), rule));
+            equal(List.of("red", "order"), new ArrayList<>(after.keySet()), "rules after create and delete");
+            RuleProperties red = after.get("red");
+            check(red.getFilter() instanceof SqlRuleFilter
+                && "color = 'red'".equals(((SqlRuleFilter) red.getFilter()).getSqlExpression()),
+                "red's filter %s", red.getFilter());
+            check(red.getAction() instanceof SqlRuleAction
+                && "SET tagged = 'yes'".equals(((SqlRuleAction) red.getAction()).getSqlExpression()),
+                "red's action %s", red.getAction());
+            RuleProperties order = after.get("order");
+            check(order.getFilter() instanceof CorrelationRuleFilter, "order's filter %s", order.getFilter());
+            CorrelationRuleFilter got = (CorrelationRuleFilter) order.getFilter();
+            equal("order-1", got.getCorrelationId(), "order's correlationId");
+            equal("eu", got.getProperties().get("region"), "order's property");
+            String duplicate = null;
+            try {
+                rules.createRule("red", new CreateRuleOptions(new SqlRuleFilter("1=1")));
+            } catch (RuntimeException e) {
+                duplicate = e.getClass().getSimpleName();
+            }
+            check(duplicate != null, "a second rule named red was created");
+
+            ServiceBusMessage redMsg = new ServiceBusMessage("red");
+            redMsg.getApplicationProperties().put("color", "red");
+            ServiceBusMessage blue = new ServiceBusMessage("blue");
+            blue.getApplicationProperties().put("color", "blue");
+            ServiceBusMessage euOrder = new ServiceBusMessage("eu-order").setCorrelationId("order-1");
+            euOrder.getApplicationProperties().put("region", "eu");
+            ServiceBusMessage usOrder = new ServiceBusMessage("us-order").setCorrelationId("order-1");
+            usOrder.getApplicationProperties().put("region", "us");
+            s.sendMessages(List.of(redMsg, blue, euOrder, usOrder));
+            List<ServiceBusReceivedMessage> msgs = receive(r, 3, Duration.ofSeconds(3));
+            msgs.forEach(r::complete);
+            equal(List.of("red", "eu-order"), bodies(msgs), "routed by the new rules");
+            equal("yes", msgs.get(0).getApplicationProperties().get("tagged"), "the red rule's action");
+            return "listed $Default (true), created a SQL rule with an action and a correlation rule, deleted "
+                + "$Default, a duplicate name refused (" + duplicate + "); routing followed";
         }
     }
 
