@@ -1,6 +1,8 @@
 """Paired sender benchmark, one run, one emulator pair (a child process), the same 1 KiB messages.
 
 - healthy path: messages/s through PairedSender.send over the raw SDK's batch send (goal >= 0.9)
+- failed-over path: PairedSender.send with the primary down (the backlog rewrite, sent to a backlog queue) over
+  the raw SDK's batch send of the same messages to that backlog queue (goal >= 0.9, issue 21)
 - failover latency, failover_interval 1 s: from the primary going down to the first backlog send (goal <= 1.5 s)
 - failback latency, ping_primary_interval 1 s: from the primary healing to the first primary send (goal <= 2 s)
 - peak memory of this process over 200,000 messages sent through the paired sender
@@ -58,6 +60,36 @@ def paired(config: dict, queue: str, n: int) -> float:
         return n / (time.perf_counter() - started)
 
 
+def failed_over(config: dict, queue: str, n: int, admin_url: str, secondary_conn: str, rounds: int) -> list[tuple[float, float]]:
+    """(raw, failed-over paired) rates per round: the primary down, failover interval 0 s, one backlog queue
+    (the raw SDK sends to the same queue), rounds alternating which goes first."""
+    config = {**config, "send_availability": {**config["send_availability"], "failover_interval": "0s",
+                                              "ping_primary_interval": "30m", "backlog_queue_count": 1}}
+    out: list[tuple[float, float]] = []
+    with PairedSender.from_config(config) as sender:
+        sender.pair()
+        [backlog] = sender.backlog_queues
+        fault(admin_url, "down")
+        try:
+            assert sender.send(queue, ServiceBusMessage(b"warm-up")).destination == backlog
+            for r in range(rounds):
+                rates: dict[str, float] = {}
+                for name in (("raw", "paired") if r % 2 == 0 else ("paired", "raw")):
+                    if name == "raw":
+                        rates[name] = raw_sdk(secondary_conn, backlog, n)
+                        continue
+                    started = time.perf_counter()
+                    for offset in range(0, n, CHUNK):
+                        sender.send(queue, _messages(min(CHUNK, n - offset), f"f{r}-{offset}"))
+                    rates[name] = n / (time.perf_counter() - started)
+                out.append((rates["raw"], rates["paired"]))
+                print(f"round {r + 1} failed over: raw {rates['raw']:9.0f} msg/s, paired {rates['paired']:9.0f} "
+                      "msg/s", flush=True)
+        finally:
+            heal(admin_url)
+    return out
+
+
 def latencies(config: dict, queue: str, admin_url: str) -> tuple[float, float]:
     """Send one message every 20 ms; take the primary down, wait for the first backlog send; heal, wait for
     the first primary send. Returns (failover latency, failback latency) in seconds."""
@@ -105,7 +137,7 @@ def main() -> int:
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="sb-bench-"))
-    queues = [f"raw{i}" for i in range(args.rounds)] + [f"paired{i}" for i in range(args.rounds)] + ["lat", "mem"]
+    queues = [f"raw{i}" for i in range(args.rounds)] + [f"paired{i}" for i in range(args.rounds)] + ["fo", "lat", "mem"]
     # the memory run stores 200 MiB of messages: give its queue room
     entities = "queues:\n" + "".join(f"  - name: {q}\n    max_size_in_megabytes: 5120\n" for q in queues)
     (work / "entities.yaml").write_text(entities)
@@ -129,12 +161,18 @@ def main() -> int:
                 rates[name].append(rate)
                 print(f"round {r + 1} {name:6s} {rate:9.0f} msg/s", flush=True)
         raw, pair = statistics.median(rates["raw"]), statistics.median(rates["paired"])
+        fo = failed_over(base, "fo", args.messages, p.admin_url, s.connection_string, args.rounds)
+        fo_raw, fo_pair = statistics.median(r for r, _ in fo), statistics.median(f for _, f in fo)
         failover, failback = latencies(base, "lat", p.admin_url)
         before, after = peak_memory(base, "mem", args.memory_messages)
         print(f"\nhealthy path, {args.messages} x 1 KiB messages, chunks of {CHUNK}, median of {args.rounds}:")
         print(f"  raw SDK batch send     {raw:9.0f} msg/s")
         print(f"  PairedSender.send      {pair:9.0f} msg/s")
         print(f"  ratio paired/raw       {pair / raw:9.2f}   (goal >= 0.90)")
+        print(f"failed-over path (primary down), same messages, median of {args.rounds}:")
+        print(f"  raw SDK batch send to the backlog queue  {fo_raw:9.0f} msg/s")
+        print(f"  PairedSender.send, failed over           {fo_pair:9.0f} msg/s")
+        print(f"  ratio failed-over/raw                    {fo_pair / fo_raw:9.2f}   (goal >= 0.90)")
         print(f"failover latency, interval 1 s      {failover:6.2f} s   (goal <= 1.5 s)")
         print(f"failback latency, ping interval 1 s {failback:6.2f} s   (goal <= 2 s)")
         print(f"peak RSS over {args.memory_messages} messages: {after:.0f} MiB (before: {before:.0f} MiB, "

@@ -51,6 +51,7 @@ from ..bus.pings import Wait
 from ..config import NamespaceConfig, SparkSbConfig, load_config
 from ..errors import (
     BacklogUnavailableError,
+    BadMessageError,
     CredentialRejectedError,
     EntityNotFoundError,
     ErrorClass,
@@ -112,6 +113,19 @@ class SendResult:
     def destination(self) -> str | None:
         """The only destination, or ``None`` when there were several (or none)."""
         return next(iter(self.destinations)) if len(self.destinations) == 1 else None
+
+
+def _explained(bad: BadMessageError, items: Sequence[ServiceBusMessage], entity: str) -> BadMessageError:
+    """The error for a failed-over call a backlog batch could not encode: the first of ``items`` (the caller's
+    messages, before the backlog rewrite) that the full checks refuse, naming its field as the caller knows it;
+    ``bad`` itself when they find nothing (e.g. a message too large once rewritten)."""
+    for item in items:
+        try:
+            msgs.check_encodable(item, entity)
+            msgs.to_backlog(item, entity)
+        except BadMessageError as precise:
+            return precise
+    return bad
 
 
 def pairing_key(config: SparkSbConfig) -> tuple[str, str, str]:
@@ -420,11 +434,13 @@ class PairedSender:
 
     def _send_backlog(self, entity: str, items: Sequence[ServiceBusMessage]) -> dict[str, int]:
         usable = self._ensure_paired()
+        # One encode per message, the batch's own (``add_message``), as a plain batch send pays: the rewrite is not
+        # encoded to check it. What the primary could never accept is a bad message here too: a TTL out of range
+        # (the rewrite would carry it in an int64 property) is checked without an encode, and a message the batch
+        # cannot encode is explained field by field (:func:`_explained`), never the backlog queue's fault.
         for item in items:
-            # what the primary could never accept is a bad message here too (the backlog rewrite would hide a
-            # TTL out of range in an int64 property), never the backlog queue's fault
-            msgs.check_encodable(item, entity)
-        rewritten = [msgs.to_backlog(item, entity) for item in items]
+            msgs.check_time_to_live(item, entity)
+        rewritten = [msgs.to_backlog(item, entity, check=False) for item in items]
         counts: dict[str, int] = {}
         tried: list[str] = []
         last_error: BaseException | None = None
@@ -435,6 +451,8 @@ class PairedSender:
                                               "every backlog queue is cooling down") from last_error
             try:
                 send_batches(self._secondary, queue, rewritten, entity)
+            except BadMessageError as bad:
+                raise _explained(bad, items, entity) from bad.__cause__
             except PartialSend as partial:
                 if partial.sent:
                     counts[queue] = counts.get(queue, 0) + partial.sent
