@@ -36,7 +36,7 @@ from spark_sb.syphon import (
 
 
 def _config(primary: Any, secondary: Any, **send_availability: Any) -> dict:
-    sa = {"backlog_queue_count": 1, "failover_interval": "0s", "primary_try_timeout": "500ms", **send_availability}
+    sa = {"backlog_queue_count": 1, "failover_interval": "0s", "primary_try_timeout": "3s", **send_availability}
     return {**pair_config(primary, secondary, "sy", **sa), "syphon": {"retry_interval": "5s"}}
 
 
