@@ -38,11 +38,19 @@ $(JAVA_SDK)/target/.installed: $(JAVA_SDK)/pom.xml $(shell find $(JAVA_SDK)/src 
 	cd $(JAVA_SDK) && mvn -q -B package dependency:copy-dependencies
 	touch $@
 
+# The JavaScript SDK's scenarios (tests/sdks/js, run by tests/sdks/test_js_sdk.py): @azure/service-bus from npm on first use
+JS_SDK := tests/sdks/js
+$(JS_SDK)/node_modules/.installed: $(JS_SDK)/package-lock.json
+	@command -v node >/dev/null && command -v npm >/dev/null || \
+	  { echo "the JavaScript SDK tests need Node.js (node) and npm on PATH" >&2; exit 1; }
+	cd $(JS_SDK) && npm ci --silent --no-audit --no-fund
+	touch $@
+
 .PHONY: demo test test-spark-versions lint bench chaos
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
-test: $(VENV)/.installed $(SPARK_VENVS:%=%/.installed) $(JAVA_SDK)/target/.installed
+test: $(VENV)/.installed $(SPARK_VENVS:%=%/.installed) $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile
 	$(MAKE) --no-print-directory test-spark-versions
 
