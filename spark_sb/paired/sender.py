@@ -128,6 +128,22 @@ def _explained(bad: BadMessageError, items: Sequence[ServiceBusMessage], entity:
     return bad
 
 
+def _token_refused(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it wraps) is the credential failing to get a token (azure-identity: a wrong
+    secret, an unknown app), not the namespace refusing a token it got."""
+    from azure.core.exceptions import ClientAuthenticationError
+
+    seen: BaseException | None = exc
+    for _ in range(5):
+        if seen is None:
+            return False
+        if type(seen).__module__.startswith("azure.identity") or (
+                isinstance(seen, ClientAuthenticationError) and getattr(seen, "response", None) is None):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def pairing_key(config: SparkSbConfig) -> tuple[str, str, str]:
     """What identifies a pairing in a process: its senders share one health board (primary, secondary,
     backlog prefix)."""
@@ -252,9 +268,9 @@ class PairedSender:
             return classify(exc) in (ErrorClass.OUTAGE, ErrorClass.THROTTLED)
 
         def credential_error(exc: BaseException, doing: str) -> PairingError:
-            return PairingError(redact(
-                f"secondary {secondary}: credential rejected while {doing} (the secondary's credential needs "
-                f"Manage rights): {exc}"))
+            hint = ("the secondary's credential could not get a token" if _token_refused(exc)
+                    else "the secondary's credential needs Manage rights")
+            return PairingError(redact(f"secondary {secondary}: credential rejected while {doing} ({hint}): {exc}"))
 
         last_error: BaseException | None = None
         try:

@@ -134,6 +134,8 @@ def test_a_wrong_secret_is_a_clear_error_naming_the_credential(sp_emulator, capl
         text = str(caught.value)
         assert "credential rejected" in text and "AADSTS7000215: Invalid client secret" in text, text
         assert f"'{OWNER_APP}'" in text
+    # the app got no token at all: no hint about the rights a token would need
+    assert "could not get a token" in str(paired.value) and "Manage rights" not in str(paired.value)
     assert f"localhost:{emu['primary'].amqp_port}" in str(sent.value)
     shown = " ".join([str(paired.value), str(sent.value), caplog.text, *(repr(r.args) for r in caplog.records)])
     assert wrong not in shown and OWNER_SECRET not in shown
