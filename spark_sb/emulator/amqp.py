@@ -441,6 +441,11 @@ class NamespaceServer(Handler):
                 link.flow(_CREDIT)
             return
         link.role_kind = "entity"
+        if link.is_receiver and link.remote_target.type == Terminus.COORDINATOR:
+            # a transaction controller (createTransaction of the Java and .NET SDKs): its declare is refused
+            # with a clear error rather than taken for a send to an entity named ''
+            self._refuse_link(link, Cond.NOT_IMPLEMENTED, "Transactions are not supported by the emulator.")
+            return
         fault = self.fault_for(path)
         if fault == "down":
             self._refuse_link(link, *_FAULT_CONDITIONS["down"])
