@@ -16,6 +16,7 @@ import com.azure.messaging.servicebus.ServiceBusRuleManagerClient;
 import com.azure.messaging.servicebus.ServiceBusSenderAsyncClient;
 import com.azure.messaging.servicebus.ServiceBusSenderClient;
 import com.azure.messaging.servicebus.ServiceBusSessionReceiverClient;
+import com.azure.messaging.servicebus.ServiceBusTransactionContext;
 import com.azure.messaging.servicebus.administration.models.CorrelationRuleFilter;
 import com.azure.messaging.servicebus.administration.models.CreateRuleOptions;
 import com.azure.messaging.servicebus.administration.models.RuleProperties;
@@ -24,6 +25,7 @@ import com.azure.messaging.servicebus.administration.models.SqlRuleFilter;
 import com.azure.messaging.servicebus.administration.models.TrueRuleFilter;
 import com.azure.messaging.servicebus.models.AbandonOptions;
 import com.azure.messaging.servicebus.models.DeadLetterOptions;
+import com.azure.messaging.servicebus.models.DeferOptions;
 import com.azure.messaging.servicebus.models.ServiceBusMessageState;
 import com.azure.messaging.servicebus.models.ServiceBusReceiveMode;
 import com.azure.messaging.servicebus.models.SubQueue;
@@ -103,6 +105,9 @@ public final class Scenarios {
         all.put("duplicate_detection", s::duplicateDetection);
         all.put("lock_renewal", s::lockRenewal);
         all.put("processor", s::processor);
+        all.put("session_processor", s::sessionProcessor);
+        all.put("receive_and_delete", s::receiveAndDelete);
+        all.put("transactions_refused", s::transactionsRefused);
         all.put("async_clients", s::asyncClients);
         all.put("size_limit", s::sizeLimit);
         all.put("close", s::close);
@@ -372,15 +377,16 @@ public final class Scenarios {
             s.sendMessages(texts("d0", "d1", "d2"));
             List<ServiceBusReceivedMessage> got = receive(r, 3, Duration.ofSeconds(10));
             equal(3, got.size(), "received");
-            for (ServiceBusReceivedMessage m : got) {
-                r.defer(m);
-            }
+            r.defer(got.get(0), new DeferOptions().setPropertiesToModify(Map.of("deferredBy", "worker-1")));
+            r.defer(got.get(1));
+            r.defer(got.get(2));
             check(receive(r, 1, Duration.ofSeconds(2)).isEmpty(), "a deferred message was delivered again");
             ServiceBusReceivedMessage peeked = r.peekMessage(got.get(0).getSequenceNumber());
             equal(ServiceBusMessageState.DEFERRED, peeked.getState(), "peeked state");
             ServiceBusReceivedMessage d0 = r.receiveDeferredMessage(got.get(0).getSequenceNumber());
             equal("d0", d0 == null ? null : d0.getBody().toString(), "receiveDeferredMessage");
             check(d0.getLockedUntil() != null && d0.getLockToken() != null, "deferred message without a lock");
+            equal("worker-1", d0.getApplicationProperties().get("deferredBy"), "property set by defer");
             r.complete(d0);
             List<ServiceBusReceivedMessage> rest = new ArrayList<>();
             r.receiveDeferredMessageBatch(List.of(got.get(1).getSequenceNumber(), got.get(2).getSequenceNumber()))
@@ -390,7 +396,8 @@ public final class Scenarios {
                 r.complete(m);
             }
             check(r.peekMessage() == null, "messages left after completing the deferred ones");
-            return "3 deferred, 1 received by number, 2 by receiveDeferredMessageBatch, all completed";
+            return "3 deferred (one with propertiesToModify), 1 received by number, 2 by "
+                + "receiveDeferredMessageBatch, all completed";
         }
     }
 
@@ -406,7 +413,8 @@ public final class Scenarios {
             List<ServiceBusReceivedMessage> got = receive(r, 1, Duration.ofSeconds(10));
             equal(1, got.size(), "received");
             r.deadLetter(got.get(0), new DeadLetterOptions().setDeadLetterReason("BadFormat")
-                .setDeadLetterErrorDescription("the body is not JSON"));
+                .setDeadLetterErrorDescription("the body is not JSON")
+                .setPropertiesToModify(Map.of("checkedBy", "validator")));
             List<ServiceBusReceivedMessage> dead = receive(dlq, 1, Duration.ofSeconds(10));
             equal(1, dead.size(), "dead-lettered messages");
             ServiceBusReceivedMessage d = dead.get(0);
@@ -414,9 +422,10 @@ public final class Scenarios {
             equal("dl-1", d.getMessageId(), "messageId");
             equal("BadFormat", d.getDeadLetterReason(), "deadLetterReason");
             equal("the body is not JSON", d.getDeadLetterErrorDescription(), "deadLetterErrorDescription");
+            equal("validator", d.getApplicationProperties().get("checkedBy"), "property set by deadLetter");
             dlq.complete(d);
             check(r.peekMessage() == null, "the dead-lettered message is still in the queue");
-            return "dead-lettered with reason and description, read from the DLQ (source "
+            return "dead-lettered with reason, description and propertiesToModify, read from the DLQ (source "
                 + d.getDeadLetterSource() + ")";
         }
     }
@@ -700,6 +709,106 @@ public final class Scenarios {
         check(errors.isEmpty(), "processError called: %s", errors);
         check(closeS < 10, "processor close took %.1f s", closeS);
         return String.format("processor received and auto-completed %d messages; close %.1f s", n, closeS);
+    }
+
+    /** ServiceBusSessionProcessorClient over three sessions, two at a time, each session's messages in order. */
+    String sessionProcessor() throws InterruptedException {
+        String q = entity("session_processor");
+        ServiceBusClientBuilder b = builder();
+        Map<String, List<String>> expected = new LinkedHashMap<>();
+        try (ServiceBusSenderClient s = b.sender().queueName(q).buildClient()) {
+            List<ServiceBusMessage> out = new ArrayList<>();
+            for (String sid : List.of("s1", "s2", "s3")) {
+                List<String> bodies = new ArrayList<>();
+                for (int i = 0; i < 5; i++) {
+                    out.add(new ServiceBusMessage(sid + "-" + i).setSessionId(sid));
+                    bodies.add(sid + "-" + i);
+                }
+                expected.put(sid, bodies);
+            }
+            s.sendMessages(out);
+        }
+        Map<String, List<String>> got = new ConcurrentHashMap<>();
+        List<String> errors = Collections.synchronizedList(new ArrayList<>());
+        CountDownLatch all = new CountDownLatch(15);
+        ServiceBusProcessorClient p = builder().sessionProcessor().queueName(q).maxConcurrentSessions(2)
+            .sessionIdleTimeout(Duration.ofSeconds(1))
+            .processMessage(ctx -> {
+                ServiceBusReceivedMessage m = ctx.getMessage();
+                got.computeIfAbsent(m.getSessionId(), k -> Collections.synchronizedList(new ArrayList<>()))
+                    .add(m.getBody().toString());
+                all.countDown();
+            })
+            .processError(ctx -> errors.add(describe(ctx.getException())))
+            .buildProcessorClient();
+        p.start();
+        boolean done = all.await(40, TimeUnit.SECONDS);
+        boolean empty = false;
+        try (ServiceBusReceiverClient r = receiver(builder(), q)) {
+            long deadline = System.nanoTime() + Duration.ofSeconds(10).toNanos();
+            while (!(empty = r.peekMessage() == null) && System.nanoTime() < deadline) {
+                Thread.sleep(100);
+            }
+        }
+        long closing = System.nanoTime();
+        p.close();
+        double closeS = (System.nanoTime() - closing) / 1e9;
+        check(done, "session processor got %s; errors %s", got, errors);
+        equal(expected, new java.util.TreeMap<>(got), "messages per session, in order");
+        check(empty, "messages left: the session processor did not complete them");
+        check(errors.isEmpty(), "processError called: %s", errors);
+        check(closeS < 10, "session processor close took %.1f s", closeS);
+        return String.format("3 sessions x 5 messages, 2 sessions at a time, each in order; close %.1f s", closeS);
+    }
+
+    /** RECEIVE_AND_DELETE: messages are gone once received; a deferred message is received and deleted. */
+    String receiveAndDelete() {
+        String q = entity("receive_and_delete");
+        ServiceBusClientBuilder b = builder();
+        try (ServiceBusSenderClient s = b.sender().queueName(q).buildClient();
+             ServiceBusReceiverClient peekLock = receiver(b, q);
+             ServiceBusReceiverClient r = b.receiver().queueName(q).receiveMode(ServiceBusReceiveMode.RECEIVE_AND_DELETE)
+                 .buildClient()) {
+            s.sendMessages(texts("r0", "r1", "r2"));
+            ServiceBusReceivedMessage toDefer = receive(peekLock, 1, Duration.ofSeconds(10)).get(0);
+            peekLock.defer(toDefer);
+            List<ServiceBusReceivedMessage> got = receive(r, 2, Duration.ofSeconds(10));
+            equal(List.of("r1", "r2"), bodies(got), "received and deleted");
+            ServiceBusReceivedMessage deferred = r.receiveDeferredMessage(toDefer.getSequenceNumber());
+            equal("r0", deferred == null ? null : deferred.getBody().toString(), "deferred, received and deleted");
+            check(peekLock.peekMessage() == null, "messages left after receive-and-delete");
+            return "2 received and deleted, 1 deferred then received by number and deleted; nothing left";
+        }
+    }
+
+    /**
+     * Transactions: the emulator has none (a known difference). createTransaction must fail at once with an
+     * error naming it, not hang or blame authorisation; sends outside a transaction go on working.
+     */
+    String transactionsRefused() {
+        String q = entity("transactions_refused");
+        ServiceBusClientBuilder b = builder();
+        try (ServiceBusSenderClient s = b.sender().queueName(q).buildClient();
+             ServiceBusReceiverClient r = receiver(b, q)) {
+            long started = System.nanoTime();
+            String refused = null;
+            try {
+                ServiceBusTransactionContext tx = s.createTransaction();
+                s.sendMessage(new ServiceBusMessage("in a transaction"), tx);
+                s.commitTransaction(tx);
+            } catch (RuntimeException e) {
+                refused = describe(e);
+            }
+            double took = (System.nanoTime() - started) / 1e9;
+            check(refused != null, "a transaction was committed: the emulator has no transactions");
+            check(refused.contains("Transactions are not supported"), "refused with another error: %s", refused);
+            check(took < 10, "the refusal took %.1f s", took);
+            s.sendMessage(new ServiceBusMessage("outside"));
+            List<ServiceBusReceivedMessage> got = receive(r, 1, Duration.ofSeconds(10));
+            equal(List.of("outside"), bodies(got), "a send after the refusal");
+            r.complete(got.get(0));
+            return String.format("createTransaction refused in %.1f s (%s); sends without one work", took, refused);
+        }
     }
 
     /** ServiceBusSenderAsyncClient / ServiceBusReceiverAsyncClient. */
