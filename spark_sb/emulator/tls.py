@@ -24,7 +24,6 @@ import logging
 import os
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,6 +34,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from ._service import LoopService
 
 try:
     import fcntl
@@ -229,56 +230,26 @@ class Route:
     upstream_port: int
 
 
-class TlsRelay:
+class TlsRelay(LoopService):
     """Terminates TLS on each route's port and relays the plain bytes to its upstream, in one thread with an
     asyncio loop. ``start()`` fills in the routes' ports; ``stop()`` closes every listener and connection."""
 
+    what = "the AMQPS relay"
+
     def __init__(self, routes: Sequence[Route], context: ssl.SSLContext, *, handshake_timeout: float = 10.0,
                  name: str = "sb-emulator-tls") -> None:
+        super().__init__(name)
         self.routes = list(routes)
         self._context = context
         self._handshake_timeout = handshake_timeout
-        self._name = name
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._writers: set[asyncio.StreamWriter] = set()
         self._tasks: set[asyncio.Task] = set()
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
 
     @property
     def connections(self) -> int:
         """Open client connections (each with its upstream)."""
         return len(self._tasks)
-
-    def start(self, timeout: float = 10.0) -> TlsRelay:
-        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise RuntimeError(f"the AMQPS relay did not start within {timeout} s")
-        if self._error is not None:
-            self._thread.join(timeout)
-            raise self._error
-        return self
-
-    def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self._listen())
-        except BaseException as err:  # noqa: BLE001 - reported to start()
-            self._error = err
-            loop.run_until_complete(self._close_all())
-            loop.close()
-            self._ready.set()
-            return
-        self._ready.set()
-        try:
-            loop.run_forever()
-        finally:
-            loop.run_until_complete(self._close_all())
-            loop.close()
 
     async def _listen(self) -> None:
         for route in self.routes:
@@ -339,14 +310,6 @@ class TlsRelay:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(server.wait_closed(), 2)
         self._servers.clear()
-
-    def stop(self, timeout: float = 5.0) -> None:
-        loop, thread = self._loop, self._thread
-        if loop is None or thread is None or not thread.is_alive():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-            loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout)
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
