@@ -217,15 +217,18 @@ const scenarios = {
     await sender.close();
     const receiver = client.createReceiver(entities.abandon);
     const counts = [];
+    const props = [];
     for (let i = 0; i < 3; i++) {
       const [m] = await receive(receiver, 1);
       check(m, `delivery ${i + 1} did not arrive`);
       counts.push(m.deliveryCount);
+      props.push(m.applicationProperties?.reason ?? null);
       if (i < 2) await receiver.abandonMessage(m, { reason: `try ${i}` });
       else await receiver.completeMessage(m);
     }
     await receiver.close();
     equal(counts, [0, 1, 2], "deliveryCount after each abandon");
+    equal(props, [null, "try 0", "try 1"], "the properties abandonMessage modified");
     return `deliveryCount ${counts.join(", ")}`;
   },
 
@@ -452,6 +455,130 @@ const scenarios = {
     equal(await receiver.peekMessages(5), [], "peek after the automatic completion");
     await receiver.close();
     return "3 messages through processMessage, completed automatically";
+  },
+
+  async rule_manager() {
+    // the rule manager works over the subscription's $management node (add-rule, enumerate-rules, remove-rule)
+    const admin = adminClient();
+    const topic = `${entities.prefix}-rules`;
+    await admin.createTopic(topic);
+    await admin.createSubscription(topic, "managed");
+    const rules = client.createRuleManager(topic, "managed");
+    await rules.createRule("blue", { sqlExpression: "color = 'blue'" }, { sqlExpression: "SET seen = 'yes'" });
+    await rules.createRule("urgent", { subject: "urgent", applicationProperties: { level: 3 } });
+    await rules.deleteRule("$Default");
+    const listed = [];
+    for await (const rule of rules.listRules()) listed.push([rule.name, rule.filter.sqlExpression ?? rule.filter.subject]);
+    equal(listed.sort(), [["blue", "color = 'blue'"], ["urgent", "urgent"]], "listRules");
+    let duplicate;
+    try {
+      await rules.createRule("blue", { sqlExpression: "1 = 1" });
+    } catch (err) {
+      duplicate = err;
+    }
+    check(duplicate, "a second rule named blue was created");
+    const sender = client.createSender(topic);
+    await sender.sendMessages([
+      { body: "blue", applicationProperties: { color: "blue" } },
+      { body: "red", applicationProperties: { color: "red" } },
+      { body: "urgent", subject: "urgent", applicationProperties: { level: 3 } },
+    ]);
+    await sender.close();
+    const receiver = client.createReceiver(topic, "managed", { receiveMode: "receiveAndDelete" });
+    const got = await receive(receiver, 2);
+    got.push(...(await receiver.receiveMessages(1, { maxWaitTimeInMs: 300 })));
+    await receiver.close();
+    equal(bodies(got), ["blue", "urgent"], "routed by the managed rules");
+    equal(got[0].applicationProperties.seen, "yes", "the SQL action's SET");
+    await admin.deleteTopic(topic);
+    return `rules ${listed.map((r) => r[0]).join(", ")}; a duplicate name refused: ${duplicate.code ?? duplicate.name}`;
+  },
+
+  async expiry() {
+    // a message past its time to live is not delivered; the queue dead-letters it (deadLetteringOnMessageExpiration)
+    const admin = adminClient();
+    const queue = `${entities.prefix}-expiry`;
+    await admin.createQueue(queue, { deadLetteringOnMessageExpiration: true });
+    const sender = client.createSender(queue);
+    await sender.sendMessages([{ body: "short", timeToLive: 500 }, { body: "long", timeToLive: 60000 }]);
+    await sender.close();
+    await sleep(900);
+    const receiver = client.createReceiver(queue, { receiveMode: "receiveAndDelete" });
+    const got = await receive(receiver, 1);
+    got.push(...(await receiver.receiveMessages(1, { maxWaitTimeInMs: 300 })));
+    await receiver.close();
+    equal(bodies(got), ["long"], "received");
+    const dlq = client.createReceiver(queue, { subQueueType: "deadLetter", receiveMode: "receiveAndDelete" });
+    const [dead] = await receive(dlq, 1);
+    await dlq.close();
+    equal(dead?.body, "short", "dead-lettered on expiry");
+    equal(dead.deadLetterReason, "TTLExpiredException", "deadLetterReason");
+    await admin.deleteQueue(queue);
+    return `expired message dead-lettered: ${dead.deadLetterReason}`;
+  },
+
+  async lock_lost() {
+    // a message whose lock expired can no longer be settled by its receiver
+    const admin = adminClient();
+    const queue = `${entities.prefix}-lock-lost`;
+    await admin.createQueue(queue, { lockDuration: "PT5S" }); // the service's shortest lock
+    const sender = client.createSender(queue);
+    await sender.sendMessages({ body: "slow" });
+    await sender.close();
+    const receiver = client.createReceiver(queue, { maxAutoLockRenewalDurationInMs: 0 });
+    const [m] = await receive(receiver, 1);
+    check(m, "the message did not arrive");
+    await sleep(5500);
+    let error;
+    try {
+      await receiver.completeMessage(m);
+    } catch (err) {
+      error = err;
+    }
+    equal(error?.code, "MessageLockLost", "completing after the lock expired");
+    const [again] = await receive(receiver, 1);
+    equal([again?.body, again?.deliveryCount], ["slow", 1], "redelivered");
+    await receiver.completeMessage(again);
+    await receiver.close();
+    await admin.deleteQueue(queue);
+    return `${error.code}, then redelivered with deliveryCount 1`;
+  },
+
+  async body_types() {
+    // AMQP bodies other than one data section: a value and a sequence, sent as AmqpAnnotatedMessage
+    const sender = client.createSender(entities.body_types);
+    await sender.sendMessages([
+      { body: { a: [1, 2] }, bodyType: "value", header: { priority: 7 }, messageAnnotations: { note: "x" } },
+      { body: [["one", 2], [true]], bodyType: "sequence" },
+      { body: Buffer.from([0, 1, 2]), bodyType: "data" },
+    ]);
+    await sender.close();
+    const receiver = client.createReceiver(entities.body_types, { receiveMode: "receiveAndDelete" });
+    const got = await receive(receiver, 3);
+    await receiver.close();
+    const raw = got.map((m) => m._rawAmqpMessage); // the SDK's documented raw AMQP view
+    equal(raw.map((r) => r.bodyType), ["value", "sequence", "data"], "bodyType");
+    equal(got[0].body, { a: [1, 2] }, "value body");
+    equal(got[1].body, [["one", 2], [true]], "sequence body");
+    equal([...got[2].body], [0, 1, 2], "data body");
+    equal([raw[0].header?.priority, raw[0].messageAnnotations?.note], [7, "x"], "header and annotations");
+    return "value, sequence and data bodies kept with their header and annotations";
+  },
+
+  async iterator() {
+    const sender = client.createSender(entities.iterator);
+    await sender.sendMessages([0, 1, 2].map((i) => ({ body: `it-${i}` })));
+    await sender.close();
+    const receiver = client.createReceiver(entities.iterator);
+    const got = [];
+    for await (const m of receiver.getMessageIterator()) {
+      got.push(m.body);
+      await receiver.completeMessage(m);
+      if (got.length === 3) break;
+    }
+    await receiver.close();
+    equal(got, ["it-0", "it-1", "it-2"], "getMessageIterator");
+    return "3 messages through getMessageIterator";
   },
 
   async not_found() {
