@@ -54,7 +54,8 @@ TOPICS: dict[str, dict[str, RuleSpec]] = {
     },
     "rule_manager": {"managed": RuleSpec()},
 }
-SCENARIOS = [*list(QUEUES)[:8], *TOPICS, *list(QUEUES)[8:]]
+#: the administration scenario makes its own entities through the Java admin client
+SCENARIOS = [*list(QUEUES)[:8], *TOPICS, "administration", *list(QUEUES)[8:]]
 
 
 def _build() -> None:
@@ -92,7 +93,9 @@ def java_results(emulator: Emulator) -> dict[str, Any]:
     _build()
     prefix = f"java-{uuid.uuid4().hex[:6]}-"
     _entities(emulator, prefix)
-    env = dict(os.environ, SB_CONNECTION_STRING=emulator["primary"].connection_string, SB_ENTITY_PREFIX=prefix)
+    ns = emulator["primary"]
+    env = dict(os.environ, SB_CONNECTION_STRING=ns.connection_string, SB_ENTITY_PREFIX=prefix,
+               SB_ADMIN_ENDPOINT=f"http://localhost:{ns.admin_port}")
     cmd = ["java", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp",
            f"{JAVA / 'target' / 'classes'}{os.pathsep}{JAVA / 'target' / 'dependency' / '*'}", "sparksb.Scenarios"]
     try:

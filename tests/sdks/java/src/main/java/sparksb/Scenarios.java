@@ -1,6 +1,10 @@
 package sparksb;
 
 import com.azure.core.amqp.AmqpRetryOptions;
+import com.azure.core.exception.ResourceExistsException;
+import com.azure.core.exception.ResourceNotFoundException;
+import com.azure.core.http.HttpPipelinePosition;
+import com.azure.core.http.policy.HttpPipelinePolicy;
 import com.azure.core.util.BinaryData;
 import com.azure.core.util.IterableStream;
 import com.azure.messaging.servicebus.ServiceBusClientBuilder;
@@ -17,7 +21,12 @@ import com.azure.messaging.servicebus.ServiceBusSenderAsyncClient;
 import com.azure.messaging.servicebus.ServiceBusSenderClient;
 import com.azure.messaging.servicebus.ServiceBusSessionReceiverClient;
 import com.azure.messaging.servicebus.ServiceBusTransactionContext;
+import com.azure.messaging.servicebus.administration.ServiceBusAdministrationClient;
+import com.azure.messaging.servicebus.administration.ServiceBusAdministrationClientBuilder;
 import com.azure.messaging.servicebus.administration.models.CorrelationRuleFilter;
+import com.azure.messaging.servicebus.administration.models.CreateQueueOptions;
+import com.azure.messaging.servicebus.administration.models.QueueProperties;
+import com.azure.messaging.servicebus.administration.models.QueueRuntimeProperties;
 import com.azure.messaging.servicebus.administration.models.CreateRuleOptions;
 import com.azure.messaging.servicebus.administration.models.RuleProperties;
 import com.azure.messaging.servicebus.administration.models.SqlRuleAction;
@@ -30,6 +39,8 @@ import com.azure.messaging.servicebus.models.ServiceBusMessageState;
 import com.azure.messaging.servicebus.models.ServiceBusReceiveMode;
 import com.azure.messaging.servicebus.models.SubQueue;
 
+import java.net.MalformedURLException;
+import java.net.URL;
 import java.nio.charset.StandardCharsets;
 import java.time.Duration;
 import java.time.OffsetDateTime;
@@ -77,10 +88,12 @@ public final class Scenarios {
 
     private final String connectionString;
     private final String prefix;
+    private final String adminEndpoint;
 
-    Scenarios(String connectionString, String prefix) {
+    Scenarios(String connectionString, String prefix, String adminEndpoint) {
         this.connectionString = connectionString;
         this.prefix = prefix;
+        this.adminEndpoint = adminEndpoint;
     }
 
     public static void main(String[] args) throws Exception {
@@ -90,7 +103,7 @@ public final class Scenarios {
             System.err.println("SB_CONNECTION_STRING and SB_ENTITY_PREFIX must be set");
             System.exit(2);
         }
-        Scenarios s = new Scenarios(cs, prefix);
+        Scenarios s = new Scenarios(cs, prefix, System.getenv("SB_ADMIN_ENDPOINT"));
         Map<String, Scenario> all = new LinkedHashMap<>();
         all.put("send_receive_fields", s::sendReceiveFields);
         all.put("batch", s::batch);
@@ -102,6 +115,7 @@ public final class Scenarios {
         all.put("sessions", s::sessions);
         all.put("topic_filters", s::topicFilters);
         all.put("rule_manager", s::ruleManager);
+        all.put("administration", s::administration);
         all.put("duplicate_detection", s::duplicateDetection);
         all.put("lock_renewal", s::lockRenewal);
         all.put("processor", s::processor);
@@ -627,6 +641,85 @@ public final class Scenarios {
             return "listed $Default (true), created a SQL rule with an action and a correlation rule, deleted "
                 + "$Default, a duplicate name refused (" + duplicate + "); routing followed";
         }
+    }
+
+    /**
+     * ServiceBusAdministrationClient against the emulator's admin port. The client always builds
+     * {@code https://<host>/} URLs from the connection string; a pipeline policy sends them to the admin endpoint
+     * over plain HTTP (the Java counterpart of spark_sb.admin.admin_client). Create, get, update, list, runtime
+     * counts, topic, subscription and rule, exists, a duplicate refused, delete.
+     */
+    String administration() {
+        check(adminEndpoint != null, "SB_ADMIN_ENDPOINT is not set");
+        URL admin;
+        try {
+            admin = new URL(adminEndpoint);
+        } catch (MalformedURLException e) {
+            throw new Failed("SB_ADMIN_ENDPOINT " + adminEndpoint + ": " + e.getMessage());
+        }
+        HttpPipelinePolicy toEmulator = new HttpPipelinePolicy() {
+            @Override
+            public reactor.core.publisher.Mono<com.azure.core.http.HttpResponse> process(
+                com.azure.core.http.HttpPipelineCallContext context, com.azure.core.http.HttpPipelineNextPolicy next) {
+                URL url = context.getHttpRequest().getUrl();
+                try {
+                    context.getHttpRequest().setUrl(new URL(admin.getProtocol(), admin.getHost(), admin.getPort(),
+                        url.getFile()));
+                } catch (MalformedURLException e) {
+                    return reactor.core.publisher.Mono.error(e);
+                }
+                return next.process();
+            }
+
+            @Override
+            public HttpPipelinePosition getPipelinePosition() {
+                return HttpPipelinePosition.PER_RETRY;
+            }
+        };
+        ServiceBusAdministrationClient a = new ServiceBusAdministrationClientBuilder()
+            .connectionString(connectionString).addPolicy(toEmulator).buildClient();
+        String q = prefix + "admin-q";
+        String t = prefix + "admin-t";
+        QueueProperties created = a.createQueue(q, new CreateQueueOptions().setMaxDeliveryCount(3)
+            .setLockDuration(Duration.ofSeconds(20)).setDuplicateDetectionRequired(true));
+        equal(3, created.getMaxDeliveryCount(), "created maxDeliveryCount");
+        check(a.getQueueExists(q), "getQueueExists(%s) false", q);
+        String duplicate = null;
+        try {
+            a.createQueue(q);
+        } catch (ResourceExistsException e) {
+            duplicate = e.getClass().getSimpleName();
+        }
+        check(duplicate != null, "a second queue %s was created", q);
+        QueueProperties got = a.getQueue(q);
+        equal(Duration.ofSeconds(20), got.getLockDuration(), "lockDuration");
+        check(got.isDuplicateDetectionRequired(), "duplicate detection not kept");
+        got.setMaxDeliveryCount(7);
+        equal(7, a.updateQueue(got).getMaxDeliveryCount(), "updated maxDeliveryCount");
+        try (ServiceBusSenderClient s = builder().sender().queueName(q).buildClient()) {
+            s.sendMessages(texts("x", "y"));
+        }
+        QueueRuntimeProperties runtime = a.getQueueRuntimeProperties(q);
+        equal(2, runtime.getActiveMessageCount(), "activeMessageCount");
+        check(a.listQueues().stream().anyMatch(p -> p.getName().equals(q)), "listQueues lacks %s", q);
+        a.createTopic(t);
+        a.createSubscription(t, "sub");
+        a.createRule(t, "red", "sub", new CreateRuleOptions(new SqlRuleFilter("color = 'red'")));
+        List<String> ruleNames = a.listRules(t, "sub").stream().map(RuleProperties::getName)
+            .collect(Collectors.toList());
+        equal(List.of("$Default", "red"), ruleNames, "rules");
+        a.deleteTopic(t);
+        a.deleteQueue(q);
+        check(!a.getQueueExists(q), "the deleted queue still exists");
+        String missing = null;
+        try {
+            a.getQueue(q);
+        } catch (ResourceNotFoundException e) {
+            missing = e.getClass().getSimpleName();
+        }
+        check(missing != null, "getQueue of a deleted queue did not raise ResourceNotFoundException");
+        return "created, read, updated, listed, counted (2 active) and deleted a queue; topic, subscription, rule; "
+            + duplicate + " for a duplicate, " + missing + " after delete";
     }
 
     /** The same messageId twice within the window is stored once. */
