@@ -76,8 +76,9 @@ def _create(emulator: Emulator, spec: Any) -> None:
     server.call(lambda: server.broker.create_entity(spec))
 
 
-@pytest.fixture(scope="module")
-def js_results(emulator: Emulator) -> dict[str, Any]:
+def run_scenarios(emulator: Emulator, **extra_env: str) -> dict[str, Any]:
+    """Create the queues on ``emulator``'s primary and run scenarios.mjs once against it (``extra_env``: more of
+    its input, such as SB_WEBSOCKET); its JSON lines by scenario, its exit and its stderr."""
     _install()
     prefix = f"js-{uuid.uuid4().hex[:6]}"
     names: dict[str, str] = {"prefix": prefix}
@@ -86,7 +87,7 @@ def js_results(emulator: Emulator) -> dict[str, Any]:
         _create(emulator, QueueSpec(name=names[key], **props))
     ns = emulator["primary"]
     env = dict(os.environ, SB_CONNECTION_STRING=ns.connection_string, SB_ADMIN_PORT=str(ns.admin_port),
-               SB_ENTITIES=json.dumps(names))
+               SB_ENTITIES=json.dumps(names), **extra_env)
     try:
         done = subprocess.run(["node", "scenarios.mjs"], cwd=JS, env=env, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)
@@ -101,6 +102,11 @@ def js_results(emulator: Emulator) -> dict[str, Any]:
             row = json.loads(line)
             lines[row["scenario"]] = row
     return {"lines": lines, "exit": code, "stderr": stderr}
+
+
+@pytest.fixture(scope="module")
+def js_results(emulator: Emulator) -> dict[str, Any]:
+    return run_scenarios(emulator)
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)

@@ -7,6 +7,10 @@
 //   SB_ENTITIES           JSON: {"queue": name, ...} one plain queue per scenario, "session"/"fields" session queues,
 //                         "prefix": a unique prefix for the entities the admin client creates here
 //   SB_SCENARIOS          optional, comma-separated: run only these
+//   SB_WEBSOCKET          optional, JSON {"endpoint": "sb://localhost:PORT", "ca_file": path, "proxy": url}: every
+//                         client speaks AMQP over WebSockets (the ws package) to the emulator's wss port, trusting
+//                         its CA, through the HTTP proxy when one is named (tests/sdks/test_js_sdk_websockets.py)
+import { readFileSync } from "node:fs";
 import { ServiceBusAdministrationClient, ServiceBusClient, isServiceBusError } from "@azure/service-bus";
 
 const connectionString = process.env.SB_CONNECTION_STRING;
@@ -14,6 +18,24 @@ const adminPort = process.env.SB_ADMIN_PORT;
 const entities = JSON.parse(process.env.SB_ENTITIES || "{}");
 const only = process.env.SB_SCENARIOS ? new Set(process.env.SB_SCENARIOS.split(",")) : null;
 const SCENARIO_TIMEOUT_MS = 25000;
+const transport = await webSocketTransport(process.env.SB_WEBSOCKET);
+
+/** The ServiceBusClient options that carry AMQP over WebSockets (none without SB_WEBSOCKET). */
+async function webSocketTransport(spec) {
+  if (!spec) return {};
+  const { endpoint, ca_file: caFile, proxy } = JSON.parse(spec);
+  const { default: WebSocket } = await import("ws");
+  const ca = readFileSync(caFile);
+  const socketOptions = { ca };
+  if (proxy) {
+    const { HttpsProxyAgent } = await import("https-proxy-agent");
+    socketOptions.agent = new HttpsProxyAgent(proxy, { ca });
+  }
+  return {
+    customEndpointAddress: endpoint,
+    webSocketOptions: { webSocket: WebSocket, webSocketConstructorOptions: socketOptions },
+  };
+}
 
 class Failed extends Error {}
 
@@ -60,7 +82,10 @@ function adminClient() {
   return admin;
 }
 
-const client = new ServiceBusClient(connectionString, { retryOptions: { maxRetries: 0, timeoutInMs: 20000 } });
+const client = new ServiceBusClient(connectionString, {
+  ...transport,
+  retryOptions: { maxRetries: 0, timeoutInMs: 20000 },
+});
 
 const scenarios = {
   async message_fields() {
@@ -296,7 +321,10 @@ const scenarios = {
     await again.close();
     // no session has messages: no session is handed out (the SDK sends no com.microsoft:timeout and gives up after
     // its own operation timeout, here 1.5 s)
-    const impatient = new ServiceBusClient(connectionString, { retryOptions: { maxRetries: 0, timeoutInMs: 1500 } });
+    const impatient = new ServiceBusClient(connectionString, {
+      ...transport,
+      retryOptions: { maxRetries: 0, timeoutInMs: 1500 },
+    });
     let error;
     try {
       const handed = await impatient.acceptNextSession(queue, { maxAutoLockRenewalDurationInMs: 0 });
@@ -596,7 +624,7 @@ const scenarios = {
 
   async close() {
     // a client of its own that used a sender, a receiver and a session, as an application does at shutdown
-    const own = new ServiceBusClient(connectionString);
+    const own = new ServiceBusClient(connectionString, transport);
     const sender = own.createSender(entities.close);
     await sender.sendMessages({ body: "last" });
     const receiver = own.createReceiver(entities.close);
