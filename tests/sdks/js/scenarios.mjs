@@ -211,8 +211,15 @@ const scenarios = {
     equal(seq(again), seq(m), "sequence number");
     await receiver.completeMessage(again);
     equal(await receiver.peekMessages(5, { fromSequenceNumber: m.sequenceNumber }), [], "queue empty after complete");
+    let missing;
+    try {
+      await receiver.receiveDeferredMessages(m.sequenceNumber); // completed: no longer there
+    } catch (err) {
+      missing = err;
+    }
+    equal(missing?.code, "MessageNotFound", "receiveDeferredMessages of a completed message");
     await receiver.close();
-    return `deferred #${seq(m)} received by sequence number and completed`;
+    return `deferred #${seq(m)} received by sequence number and completed; again: ${missing.code}`;
   },
 
   async dead_letter() {
@@ -255,6 +262,29 @@ const scenarios = {
     equal(counts, [0, 1, 2], "deliveryCount after each abandon");
     equal(props, [null, "try 0", "try 1"], "the properties abandonMessage modified");
     return `deliveryCount ${counts.join(", ")}`;
+  },
+
+  async max_delivery() {
+    const admin = adminClient();
+    const queue = `${entities.prefix}-max-delivery`;
+    await admin.createQueue(queue, { maxDeliveryCount: 2 });
+    const sender = client.createSender(queue);
+    await sender.sendMessages({ body: "hopeless" });
+    await sender.close();
+    const receiver = client.createReceiver(queue);
+    for (let i = 0; i < 2; i++) {
+      const [m] = await receive(receiver, 1);
+      check(m, `delivery ${i + 1} did not arrive`);
+      await receiver.abandonMessage(m);
+    }
+    equal(await receiver.receiveMessages(1, { maxWaitTimeInMs: 300 }), [], "a third delivery");
+    await receiver.close();
+    const dlq = client.createReceiver(queue, { subQueueType: "deadLetter", receiveMode: "receiveAndDelete" });
+    const [dead] = await receive(dlq, 1);
+    await dlq.close();
+    equal([dead?.body, dead?.deadLetterReason], ["hopeless", "MaxDeliveryCountExceeded"], "dead-lettered");
+    await admin.deleteQueue(queue);
+    return `dead-lettered after 2 deliveries: ${dead.deadLetterReason}: ${dead.deadLetterErrorDescription}`;
   },
 
   async receive_and_delete() {
@@ -302,13 +332,21 @@ const scenarios = {
     equal(a.sessionId, "a", "sessionId");
     check(a.sessionLockedUntilUtc instanceof Date && a.sessionLockedUntilUtc.getTime() > Date.now(),
       `sessionLockedUntilUtc ${a.sessionLockedUntilUtc}`);
+    let locked;
+    try {
+      await client.acceptSession(queue, "a"); // a second receiver for a session already locked
+    } catch (err) {
+      locked = err;
+    }
+    equal(locked?.code, "SessionCannotBeLocked", "acceptSession of a locked session");
+    equal(bodies(await a.peekMessages(5)), ["a1", "a2"], "peek in session a");
     const gotA = await receive(a, 2);
     equal(bodies(gotA), ["a1", "a2"], "session a");
     for (const m of gotA) await a.completeMessage(m);
     const initial = await a.getSessionState();
     check(initial == null, `state before setSessionState: ${initial}`);
-    await a.setSessionState(Buffer.from("step-2"));
-    equal((await a.getSessionState())?.toString(), "step-2", "getSessionState");
+    await a.setSessionState({ step: 2, items: ["x"] }); // the SDK stores an object as JSON
+    equal(await a.getSessionState(), { step: 2, items: ["x"] }, "getSessionState");
     await a.close();
     const next = await client.acceptNextSession(queue);
     equal(next.sessionId, "b", "acceptNextSession");
@@ -317,7 +355,7 @@ const scenarios = {
     await next.completeMessage(gotB[0]);
     await next.close();
     const again = await client.acceptSession(queue, "a");
-    equal((await again.getSessionState())?.toString(), "step-2", "state kept after the receiver closed");
+    equal(await again.getSessionState(), { step: 2, items: ["x"] }, "state kept after the receiver closed");
     await again.close();
     // no session has messages: no session is handed out (the SDK sends no com.microsoft:timeout and gives up after
     // its own operation timeout, here 1.5 s)
@@ -334,7 +372,7 @@ const scenarios = {
     }
     await impatient.close();
     check(isServiceBusError(error), `acceptNextSession on an empty queue: ${describe(error)}`);
-    return `a: ${bodies(gotA)}, state kept; next available: b; empty queue: ${error.code}`;
+    return `a: ${bodies(gotA)}, state kept; locked twice: ${locked.code}; next available: b; empty queue: ${error.code}`;
   },
 
   async topic_filters() {
@@ -408,12 +446,20 @@ const scenarios = {
     const [m] = await receive(receiver, 1);
     check(m, "the message did not arrive");
     const before = m.lockedUntilUtc.getTime();
+    check(Math.abs(before - Date.now() - 60000) < 3000, `lockedUntilUtc is ${before - Date.now()} ms away, not the 60 s lock`);
     await sleep(1100);
     const renewed = await receiver.renewMessageLock(m);
     check(renewed instanceof Date && renewed.getTime() >= before + 1000,
       `renewMessageLock: ${renewed?.toISOString?.()} is not later than ${new Date(before).toISOString()}`);
     equal(m.lockedUntilUtc.getTime(), renewed.getTime(), "the message's lockedUntilUtc after renewal");
     await receiver.completeMessage(m);
+    let lost;
+    try {
+      await receiver.renewMessageLock(m);
+    } catch (err) {
+      lost = err;
+    }
+    equal(lost?.code, "MessageLockLost", "renewMessageLock of a completed message");
     await receiver.close();
     const sessionSender = client.createSender(entities.session_lock);
     await sessionSender.sendMessages({ body: "s", sessionId: "renewed" });
@@ -551,12 +597,18 @@ const scenarios = {
     const queue = `${entities.prefix}-lock-lost`;
     await admin.createQueue(queue, { lockDuration: "PT5S" }); // the service's shortest lock
     const sender = client.createSender(queue);
-    await sender.sendMessages({ body: "slow" });
+    await sender.sendMessages([{ body: "renewed" }, { body: "slow" }]);
     await sender.close();
+    // one receiver renews its locks itself (the SDK's default), one does not
+    const renewing = client.createReceiver(queue, { maxAutoLockRenewalDurationInMs: 60000 });
+    const [kept] = await receive(renewing, 1);
+    equal(kept?.body, "renewed", "the renewing receiver's message");
     const receiver = client.createReceiver(queue, { maxAutoLockRenewalDurationInMs: 0 });
     const [m] = await receive(receiver, 1);
-    check(m, "the message did not arrive");
+    equal(m?.body, "slow", "the other receiver's message");
     await sleep(5500);
+    await renewing.completeMessage(kept); // its lock was renewed in the background
+    await renewing.close();
     let error;
     try {
       await receiver.completeMessage(m);
@@ -569,7 +621,7 @@ const scenarios = {
     await receiver.completeMessage(again);
     await receiver.close();
     await admin.deleteQueue(queue);
-    return `${error.code}, then redelivered with deliveryCount 1`;
+    return `automatic renewal kept one lock past 5 s; the other: ${error.code}, then redelivered with deliveryCount 1`;
   },
 
   async body_types() {
