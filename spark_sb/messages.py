@@ -57,7 +57,12 @@ from azure.servicebus._pyamqp.message import Header, Properties
 from azure.servicebus._pyamqp.types import TYPE, VALUE, AMQPTypes
 from azure.servicebus._pyamqp.utils import amqp_long_value, get_message_encoded_size
 from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
-from azure.servicebus.amqp import AmqpAnnotatedMessage, AmqpMessageBodyType, AmqpMessageHeader
+from azure.servicebus.amqp import (
+    AmqpAnnotatedMessage,
+    AmqpMessageBodyType,
+    AmqpMessageHeader,
+    AmqpMessageProperties,
+)
 
 from .errors import BadMessageError
 
@@ -550,14 +555,15 @@ def to_backlog(message: ServiceBusMessage, entity: str, *, check: bool = True) -
             "group_sequence": source.group_sequence,
             "reply_to_group_id": source.reply_to_group_id,
         }
-    annotated = AmqpAnnotatedMessage(
-        header=new_header,
-        properties=new_properties,
-        application_properties=properties,
-        annotations=annotations or None,
-        footer=copy.deepcopy(raw.footer),
-        **_body_kwargs(raw),
-    )
+    # A shallow copy that shares the body (nothing here or in the encoder modifies it) with every other section
+    # replaced: a third of the cost of AmqpAnnotatedMessage(...), which copies the body and checks its arguments
+    annotated = copy.copy(raw)
+    annotated.header = AmqpMessageHeader(**new_header) if new_header else None
+    annotated.properties = AmqpMessageProperties(**new_properties) if new_properties is not None else None
+    annotated.application_properties = properties
+    annotated.annotations = annotations or None
+    annotated.delivery_annotations = None
+    annotated.footer = copy.deepcopy(raw.footer)
     if check:
         _check_encodable(raw, entity, annotated)
     return _wrap(annotated)
