@@ -35,6 +35,7 @@ _EXPORTS = {
     "BadInputError": ".errors",
     "BacklogUnavailableError": ".errors",
     "ReplicationError": ".errors",
+    "SourceUnavailableError": ".errors",
     "SyphonSettleError": ".syphon",
 }
 
@@ -50,6 +51,7 @@ __all__ = [
     "PairingError",
     "ReplicationError",
     "SparkSbConfig",
+    "SourceUnavailableError",
     "SparkSbError",
     "Syphon",
     "SyphonSettleError",
@@ -70,6 +72,7 @@ if TYPE_CHECKING:
         EntityNotFoundError,
         PairingError,
         ReplicationError,
+        SourceUnavailableError,
         SparkSbError,
     )
     from .paired import PairedSender

@@ -83,6 +83,7 @@ __all__ = [
     "PairingError",
     "UnsupportedSparkError",
     "ReplicationError",
+    "SourceUnavailableError",
     "SparkSbError",
     "as_spark_sb_error",
     "ENCODING_ERRORS",
@@ -283,6 +284,15 @@ class BacklogUnavailableError(SparkSbError):
         if detail:
             text += f": {detail}"
         super().__init__(redact(text))
+
+
+class SourceUnavailableError(SparkSbError):
+    """A source could not read a batch it had planned: its namespace did not answer for the source's
+    ``readRetryTimeout``. Nothing was lost: the batch's messages stay deferred, and a restarted query reads the
+    same batch from its checkpoint."""
+
+    error_class = ErrorClass.OUTAGE
+    retryable = True
 
 
 class ReplicationError(SparkSbError):

@@ -35,7 +35,8 @@ progress or event log (:func:`config_options` builds these): ``conf`` (a YAML pa
 secrets are ``${ENV_VAR}`` references, resolved where the reader runs), or flat options of
 :func:`spark_sb.config.from_options` that hold no literal secret; ``maxMessagesPerTrigger`` (default
 ``syphon.max_messages_per_trigger`` for the backlog, 1,000 for ``servicebus``); ``receiveTimeout`` (seconds a
-receive waits for the first message, default 1); ``reportBacklogDepth`` (default true). The ``servicebus``
+receive waits for the first message, default 1); ``reportBacklogDepth`` (default true); ``readRetryTimeout``
+(seconds, default 120: how long a ``read`` of a planned batch retries a namespace that does not answer). The ``servicebus``
 source also takes ``entity`` (required: ``orders``, or ``events/subscriptions/all``) and ``namespaces``
 (``primary``, ``secondary`` or ``primary,secondary``; default ``primary``). It checks before anything starts
 that the entity exists and needs no session: a session-enabled entity is **refused** with a clear error,
@@ -45,6 +46,13 @@ Columns of ``servicebus`` (:data:`SERVICEBUS_SCHEMA`), in the style of the Kafka
 ``namespace`` (primary or secondary), ``entity``, ``message_id``, ``body`` (binary), ``sequence_number``,
 ``enqueued_time``, ``delivery_count``, ``session_id``, ``partition_key``, ``subject``, ``content_type``,
 ``correlation_id``, ``reply_to``, ``to``, ``time_to_live_ms``, ``application_properties`` (map of strings).
+
+Blips: a ``read`` runs a batch already planned (its sequence numbers are in the checkpoint and cannot change), so
+a namespace that times out, drops the connection or is busy is retried with backoff for up to
+``readRetryTimeout``, then the task fails with :class:`SourceUnavailableError` naming the namespace, the entity
+and how long it tried (in local mode that ends the query: Spark does not retry a task there). A ``commit`` whose
+completions fail that way fails nothing: they are retried by the next ``latestOffset`` (the messages stay
+deferred meanwhile), as ``latestOffset`` leaves out an entity whose namespace does not answer.
 
 Receiving ahead: from the second batch on, the next batch is received and deferred in a background thread of
 the reader's process while Spark runs the current one (:class:`_Ahead`); ``latestOffset`` then only takes it.
@@ -101,7 +109,16 @@ from .config import (  # noqa: E402
     load_reference,
     positive_duration,
 )
-from .errors import ConfigError, EntityNotFoundError, ErrorClass, as_spark_sb_error, classify, redact  # noqa: E402
+from .errors import (  # noqa: E402
+    ConfigError,
+    EntityNotFoundError,
+    ErrorClass,
+    SourceUnavailableError,
+    as_spark_sb_error,
+    classify,
+    redact,
+)
+from .paired.retry import ExponentialBackoff  # noqa: E402
 
 if admission_control():  # Spark 4.2 and later
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
@@ -469,6 +486,7 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
         self.max_per_trigger = int(_positive(self.options, "maxMessagesPerTrigger", default_max,
                                              most=MAX_RECEIVE_BATCH))
         self.receive_timeout = float(_positive(self.options, "receiveTimeout", 1.0, float, most=300))
+        self.read_retry_timeout = float(_positive(self.options, "readRetryTimeout", 120.0, float, most=3600))
         depth = (_option(self.options, "reportBacklogDepth") or "true").lower()
         self.report_depth = depth in ("true", "1", "yes")
         self._taken_back: dict[str, list[int]] = {}
@@ -765,17 +783,64 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
                 for key, numbers in sorted(end.get(self.OFFSET_FIELD, {}).items())
                 for i in range(0, len(numbers), _PARTITION)]
 
+    #: time for the retries of a read (injectable: tests run the bound in milliseconds)
+    _clock: Any = staticmethod(time.monotonic)
+    _sleep: Any = staticmethod(time.sleep)
+    _read_backoff = ExponentialBackoff(0.5, 8.0, jitter=True)
+
     def read(self, partition: InputPartition) -> Iterator[tuple]:
         assert isinstance(partition, DeferredPartition)
         entity = self._by_key[partition.key]
         now = datetime.datetime.now(datetime.UTC)
-        with self._namespace(entity).receiver(entity.path) as receiver:
-            found = peek_deferred(receiver, partition.sequence_numbers)
+
+        def peek() -> list[Any]:
+            with self._namespace(entity).receiver(entity.path) as receiver:
+                return peek_deferred(receiver, partition.sequence_numbers)
+
+        found = self._retrying(entity, "reading a planned batch", peek)
         yield from (self.row(m, entity, now) for m in found)
 
+    def _retrying(self, entity: Entity, what: str, attempt: Any) -> Any:
+        """``attempt()``, again with backoff while it fails with a blip (a timeout, a lost connection, a busy
+        namespace) for up to ``readRetryTimeout``; then :class:`SourceUnavailableError`. Anything else (a
+        configuration error) is raised at once, converted as the sink converts it."""
+        started = self._clock()
+        failures = 0
+        while True:
+            try:
+                return attempt()
+            except Exception as exc:
+                if classify(exc) not in (ErrorClass.OUTAGE, ErrorClass.THROTTLED):
+                    converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
+                    if converted is None:
+                        raise
+                    raise converted from exc
+                failures += 1
+                elapsed = self._clock() - started
+                left = self.read_retry_timeout - elapsed
+                if left <= 0:
+                    raise SourceUnavailableError(
+                        f"{self.WHAT} {entity.path!r} on the {self._where(entity)}: {what} failed for {elapsed:.0f} s "
+                        f"({failures} attempts, readRetryTimeout {self.read_retry_timeout:g} s); the last error: "
+                        f"{type(exc).__name__}: {redact(str(exc))[:300]}") from exc
+                delay = min(self._read_backoff.compute(failures), left)
+                _LOGGER.warning("%s %r on the %s: %s failed (%s); retrying in %.1f s (%.0f s of %g s used)", self.WHAT,
+                                entity.path, entity.side, what, type(exc).__name__, delay, elapsed,
+                                self.read_retry_timeout)
+                self._sleep(delay)
+
     def commit(self, end: dict) -> None:
-        """Complete what the batch's sink left deferred (the syphon's sink leaves nothing)."""
-        self._complete(end)
+        """Complete what the batch's sink left deferred (the syphon's sink leaves nothing). A namespace that does
+        not answer fails nothing: the completion is retried by the next ``latestOffset``."""
+        try:
+            self._complete(end)
+        except Exception as exc:
+            if classify(exc) not in (ErrorClass.OUTAGE, ErrorClass.THROTTLED):
+                raise
+            _LOGGER.warning("completing %s batch %s failed (%s: %s); retrying with the next batch", self.WHAT,
+                            end.get("batch"), type(exc).__name__, redact(str(exc))[:200])
+            if end not in self._uncompleted:
+                self._uncompleted.append(end)
 
     def _complete(self, offset: dict) -> None:
         """Complete the messages of the batch ending at ``offset`` that are still deferred (once)."""

@@ -126,6 +126,70 @@ def test_a_namespace_down_is_left_out_and_read_when_it_is_back(conf, emulator, p
     assert _peek(primary, queue) == [] and _peek(secondary, queue) == []
 
 
+def test_a_read_carries_on_through_a_stall_of_its_namespace(conf, emulator, primary, replicated_queue) -> None:
+    """The primary holds every answer for 5 s, longer than one attempt's try timeout (3 s), while a planned batch
+    is read: the read retries and returns every row once (it raised OperationTimeoutError, and the query
+    stopped)."""
+    queue = replicated_queue()
+    _send(primary, queue, [ServiceBusMessage(f"b{i}", message_id=f"m{i}") for i in range(5)])
+    reader = _reader(conf, entity=queue)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, read_limit(10))
+    emulator.fault("primary", "timeout", duration=5)
+    rows = _rows(reader, start, end)
+    assert sorted(r["message_id"] for r in rows) == [f"m{i}" for i in range(5)]
+    reader.commit(end)
+    assert _peek(primary, queue) == []
+
+
+def test_a_read_gives_up_after_its_bound_naming_the_namespace_and_the_entity(conf, emulator, primary,
+                                                                               replicated_queue) -> None:
+    """A namespace down for longer than ``readRetryTimeout`` (a fake clock: the test takes no minutes) fails the
+    read with SourceUnavailableError naming where and how long; the batch stays deferred and is read later."""
+    from spark_sb.errors import SourceUnavailableError
+
+    queue = replicated_queue()
+    _send(primary, queue, [ServiceBusMessage(f"b{i}", message_id=f"m{i}") for i in range(3)])
+    reader = _reader(conf, entity=queue, readRetryTimeout="30")
+    now = [0.0]
+    reader._clock = lambda: now[0]
+    reader._sleep = lambda seconds: now.__setitem__(0, now[0] + seconds)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, read_limit(10))
+    emulator.fault("primary", "down")
+    try:
+        with pytest.raises(SourceUnavailableError) as caught:
+            _rows(reader, start, end)
+    finally:
+        emulator.heal("primary")
+    text = str(caught.value)
+    assert f"{queue!r} on the primary localhost:{primary.amqp_port}" in text and "failed for 30 s" in text, text
+    assert now[0] == 30.0
+    close_all()  # the clients the outage broke
+    assert sorted(r["message_id"] for r in _rows(reader, start, end)) == ["m0", "m1", "m2"]  # nothing lost
+    reader.commit(end)
+    assert _peek(primary, queue) == []
+
+
+def test_a_commit_that_cannot_reach_its_namespace_is_retried_with_the_next_batch(conf, emulator, primary,
+                                                                                   replicated_queue) -> None:
+    queue = replicated_queue()
+    _send(primary, queue, [ServiceBusMessage(f"b{i}", message_id=f"m{i}") for i in range(3)])
+    reader = _reader(conf, entity=queue)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, read_limit(10))
+    assert len(_rows(reader, start, end)) == 3
+    emulator.fault("primary", "down")
+    try:
+        reader.commit(end)  # logged; the query goes on
+    finally:
+        emulator.heal("primary")
+    assert len(_peek(primary, queue)) == 3  # still deferred
+    close_all()
+    reader.latestOffset(end, read_limit(10))  # the next batch completes them
+    assert _peek(primary, queue) == []
+
+
 def test_a_restarted_reader_takes_back_what_a_dead_one_left_deferred(conf, primary, replicated_queue) -> None:
     queue = replicated_queue()
     _send(primary, queue, [ServiceBusMessage(f"b{i}", message_id=f"m{i}") for i in range(3)])
