@@ -302,7 +302,7 @@ const scenarios = {
 
   async schedule() {
     const sender = client.createSender(entities.schedule);
-    const at = new Date(Date.now() + 2000);
+    const at = new Date(Date.now() + 2500);
     const seqs = await sender.scheduleMessages([{ body: "kept" }, { body: "cancelled" }], at);
     equal(seqs.length, 2, "sequence numbers returned");
     const receiver = client.createReceiver(entities.schedule);
@@ -310,7 +310,9 @@ const scenarios = {
     equal(peeked.map((m) => [m.body, m.state]), [["kept", "scheduled"], ["cancelled", "scheduled"]], "peeked");
     equal(peeked.map(seq), seqs.map((s) => s.toNumber()), "peeked sequence numbers");
     await sender.cancelScheduledMessages(seqs[1]);
-    equal(await receiver.receiveMessages(1, { maxWaitTimeInMs: 500 }), [], "a message before its time");
+    if (at.getTime() - Date.now() > 800) {
+      equal(await receiver.receiveMessages(1, { maxWaitTimeInMs: 500 }), [], "a message before its time");
+    }
     const got = await receive(receiver, 1, 5000);
     got.push(...(await receiver.receiveMessages(1, { maxWaitTimeInMs: 300 })));
     equal(bodies(got), ["kept"], "received after the scheduled time");
@@ -446,7 +448,7 @@ const scenarios = {
     const [m] = await receive(receiver, 1);
     check(m, "the message did not arrive");
     const before = m.lockedUntilUtc.getTime();
-    check(Math.abs(before - Date.now() - 60000) < 3000, `lockedUntilUtc is ${before - Date.now()} ms away, not the 60 s lock`);
+    check(Math.abs(before - Date.now() - 60000) < 10000, `lockedUntilUtc is ${before - Date.now()} ms away, not the 60 s lock`);
     await sleep(1100);
     const renewed = await receiver.renewMessageLock(m);
     check(renewed instanceof Date && renewed.getTime() >= before + 1000,
