@@ -941,7 +941,8 @@ class NamespaceServer(Handler):
             page = ids[skip: skip + top]
             if not page:
                 return None
-            return {"sessions-ids": page, "skip": skip + len(page)}
+            # as the service documents it: an array of strings and an int
+            return {"sessions-ids": _array(Data.STRING, page), "skip": int32(skip + len(page))}
         if op in ("add-rule", "remove-rule", "enumerate-rules"):
             return self._rules(path, op, body)
         raise BrokerError(Cond.NOT_IMPLEMENTED, f"The $management operation {op!r} is not supported by the emulator.")

@@ -241,3 +241,17 @@ def test_a_transaction_declare_is_refused_with_a_clear_error(primary: NamespaceI
 
     Container(Declare()).run()
     assert outcome == {"refused": ("amqp:not-implemented", "Transactions are not supported by the emulator.")}
+
+
+def test_session_listing_answers_an_array_of_strings_and_an_int_skip(
+    raw: RawClient, client: ServiceBusClient, make_queue
+) -> None:
+    # Microsoft's AMQP request-response reference: sessions-ids "array of strings", skip "int"
+    q = make_queue(requires_session=True)
+    with client.get_queue_sender(q) as s:
+        s.send_messages([ServiceBusMessage("x", session_id=sid) for sid in ("a", "b")])
+    listed = raw.management(q, "get-message-sessions",
+                            {"last-updated-time": timestamp(253402300799000), "skip": int32(0), "top": int32(10)})
+    assert _status(listed) == 200
+    assert sorted(_array_of(listed.body["sessions-ids"], Data.STRING)) == ["a", "b"]
+    assert type(listed.body["skip"]) is int32 and listed.body["skip"] == 2
