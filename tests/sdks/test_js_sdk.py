@@ -45,14 +45,15 @@ QUEUES: dict[str, dict[str, Any]] = {
     "subscribe": {},
     "body_types": {},
     "iterator": {},
+    "session_subscribe": {"requires_session": True},
     "close": {},
 }
 #: every scenario of scenarios.mjs, in its order; close_shared is the close of the client all the others used
 SCENARIOS = [
     "message_fields", "message_without_id", "batch", "peek", "defer", "dead_letter", "abandon", "max_delivery",
     "receive_and_delete", "schedule", "sessions", "topic_filters", "duplicate_detection", "lock_renewal",
-    "size_limit", "subscribe", "rule_manager", "expiry", "lock_lost", "body_types", "iterator", "not_found", "close",
-    "close_shared",
+    "size_limit", "subscribe", "session_subscribe", "rule_manager", "expiry", "lock_lost", "body_types", "iterator",
+    "not_found", "close", "close_shared",
 ]
 
 

@@ -533,6 +533,35 @@ const scenarios = {
     return "3 messages through processMessage, completed automatically";
   },
 
+  async session_subscribe() {
+    const sender = client.createSender(entities.session_subscribe);
+    await sender.sendMessages([0, 1, 2].map((i) => ({ body: `ss-${i}`, sessionId: "streamed" })));
+    await sender.close();
+    const receiver = await client.acceptNextSession(entities.session_subscribe);
+    equal(receiver.sessionId, "streamed", "acceptNextSession");
+    const got = [];
+    const errors = [];
+    let done;
+    const all = new Promise((resolve) => (done = resolve));
+    const subscription = receiver.subscribe({
+      processMessage: async (m) => {
+        got.push(m.body);
+        if (got.length === 3) done();
+      },
+      processError: async (args) => {
+        errors.push(`${args.errorSource}: ${args.error.message}`);
+      },
+    });
+    await Promise.race([all, sleep(8000)]);
+    await subscription.close();
+    await sleep(200); // the automatic completions settle
+    equal(got, ["ss-0", "ss-1", "ss-2"], "processMessage got, in order");
+    equal(errors, [], "processError got");
+    equal(await receiver.peekMessages(5), [], "peek after the automatic completion");
+    await receiver.close();
+    return "a session's 3 messages through processMessage, in order, completed automatically";
+  },
+
   async rule_manager() {
     // the rule manager works over the subscription's $management node (add-rule, enumerate-rules, remove-rule)
     const admin = adminClient();
