@@ -43,6 +43,10 @@ QUEUES: dict[str, dict[str, Any]] = {
     "transactions_refused": {},
     "async_clients": {},
     "size_limit": {},
+    "errors": {"lock_duration": 5.0},
+    "errors_disabled": {"status": "Disabled"},
+    "errors_busy": {},
+    "ttl_expiry": {"dead_lettering_on_message_expiration": True},
     "close": {},
 }
 #: scenario -> its topic's subscriptions and each one's rule
@@ -54,8 +58,10 @@ TOPICS: dict[str, dict[str, RuleSpec]] = {
     },
     "rule_manager": {"managed": RuleSpec()},
 }
+#: entities of a scenario, not scenarios; errors_busy carries an injected busy fault during the run
+HELPERS = {"errors_disabled", "errors_busy"}
 #: the administration scenario makes its own entities through the Java admin client
-SCENARIOS = [*list(QUEUES)[:8], *TOPICS, "administration", *list(QUEUES)[8:]]
+SCENARIOS = [*list(QUEUES)[:8], *TOPICS, "administration", *(q for q in list(QUEUES)[8:] if q not in HELPERS)]
 
 
 def _build() -> None:
@@ -98,6 +104,8 @@ def java_results(emulator: Emulator) -> dict[str, Any]:
                SB_ADMIN_ENDPOINT=f"http://localhost:{ns.admin_port}")
     cmd = ["java", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp",
            f"{JAVA / 'target' / 'classes'}{os.pathsep}{JAVA / 'target' / 'dependency' / '*'}", "sparksb.Scenarios"]
+    busy = prefix + "errors-busy"
+    emulator.fault("primary", "busy", entity=busy)
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
         stdout, stderr, code = done.stdout, done.stderr, done.returncode
@@ -105,6 +113,8 @@ def java_results(emulator: Emulator) -> dict[str, Any]:
         stdout = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
         stderr = (err.stderr or b"").decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
         code = f"killed after {RUN_TIMEOUT_S} s"
+    finally:
+        emulator.heal("primary", entity=busy)
     lines = {}
     for line in stdout.splitlines():
         if line.startswith("{"):

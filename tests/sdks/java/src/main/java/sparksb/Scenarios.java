@@ -9,6 +9,8 @@ import com.azure.core.util.BinaryData;
 import com.azure.core.util.IterableStream;
 import com.azure.messaging.servicebus.ServiceBusClientBuilder;
 import com.azure.messaging.servicebus.ServiceBusErrorContext;
+import com.azure.messaging.servicebus.ServiceBusException;
+import com.azure.messaging.servicebus.ServiceBusFailureReason;
 import com.azure.messaging.servicebus.ServiceBusMessage;
 import com.azure.messaging.servicebus.ServiceBusMessageBatch;
 import com.azure.messaging.servicebus.ServiceBusProcessorClient;
@@ -124,6 +126,8 @@ public final class Scenarios {
         all.put("transactions_refused", s::transactionsRefused);
         all.put("async_clients", s::asyncClients);
         all.put("size_limit", s::sizeLimit);
+        all.put("errors", s::errors);
+        all.put("ttl_expiry", s::ttlExpiry);
         all.put("close", s::close);
         List<String> names = args.length > 0 ? Arrays.asList(args) : new ArrayList<>(all.keySet());
         ExecutorService pool = Executors.newCachedThreadPool(r -> {
@@ -978,6 +982,116 @@ public final class Scenarios {
             got.forEach(r::complete);
             return "limit 262144 from the link; 300 KiB refused by sendMessage (" + refused
                 + ") and by tryAddMessage; a full batch says false; 200 KiB in a batch and 250 KiB alone received";
+        }
+    }
+
+    /**
+     * What the SDK raised for an action: the ServiceBusException's reason, or, where the SDK gives none (retries
+     * exhausted: GENERAL_ERROR; acceptSession: a bare AmqpException), the AMQP error condition in the chain.
+     */
+    private static String reasonOf(Runnable action) {
+        try {
+            action.run();
+            return "no error";
+        } catch (RuntimeException e) {
+            if (e instanceof ServiceBusException
+                && ((ServiceBusException) e).getReason() != ServiceBusFailureReason.GENERAL_ERROR) {
+                return ((ServiceBusException) e).getReason().toString();
+            }
+            for (Throwable t = e; t != null; t = t.getCause()) {
+                if (t instanceof com.azure.core.amqp.exception.AmqpException
+                    && ((com.azure.core.amqp.exception.AmqpException) t).getErrorCondition() != null) {
+                    return "condition "
+                        + ((com.azure.core.amqp.exception.AmqpException) t).getErrorCondition().getErrorCondition();
+                }
+            }
+            return describe(e);
+        }
+    }
+
+    /**
+     * The SDK's failure reasons for the emulator's errors: a missing entity, a disabled one, a busy one (a fault
+     * injected by the test on {@code <prefix>errors-busy}), a lost message lock, a session locked by another
+     * receiver, a wrong key.
+     */
+    String errors() throws InterruptedException {
+        String q = entity("errors");
+        Map<String, String> got = new LinkedHashMap<>();
+        Map<String, String> expected = new LinkedHashMap<>();
+        ServiceBusClientBuilder b = builder();
+        // no retries: a busy entity is reported at once
+        ServiceBusClientBuilder once = new ServiceBusClientBuilder().connectionString(connectionString)
+            .retryOptions(new AmqpRetryOptions().setMaxRetries(0).setTryTimeout(Duration.ofSeconds(10)));
+        try (ServiceBusSenderClient missing = b.sender().queueName(prefix + "no-such-queue").buildClient()) {
+            got.put("missing queue", reasonOf(() -> missing.sendMessage(new ServiceBusMessage("x"))));
+            expected.put("missing queue", ServiceBusFailureReason.MESSAGING_ENTITY_NOT_FOUND.toString());
+        }
+        try (ServiceBusSenderClient disabled = b.sender().queueName(entity("errors_disabled")).buildClient()) {
+            got.put("disabled queue", reasonOf(() -> disabled.sendMessage(new ServiceBusMessage("x"))));
+            expected.put("disabled queue", ServiceBusFailureReason.MESSAGING_ENTITY_DISABLED.toString());
+        }
+        try (ServiceBusSenderClient busy = once.sender().queueName(entity("errors_busy")).buildClient()) {
+            got.put("busy queue", reasonOf(() -> busy.sendMessage(new ServiceBusMessage("x"))));
+            // after its retries the SDK raises GENERAL_ERROR (Reactor's RetryExhaustedException) over the
+            // server-busy error, as against Service Bus
+            expected.put("busy queue", "condition com.microsoft:server-busy");
+        }
+        try (ServiceBusSenderClient s = b.sender().queueName(q).buildClient();
+             ServiceBusReceiverClient r = b.receiver().queueName(q).maxAutoLockRenewDuration(Duration.ZERO)
+                 .buildClient()) {
+            s.sendMessage(new ServiceBusMessage("slow"));
+            ServiceBusReceivedMessage m = receive(r, 1, Duration.ofSeconds(10)).get(0);
+            Thread.sleep(Math.max(0, Duration.between(OffsetDateTime.now(ZoneOffset.UTC), m.getLockedUntil())
+                .toMillis() + 1500));
+            got.put("complete after the lock expired", reasonOf(() -> r.complete(m)));
+            expected.put("complete after the lock expired", ServiceBusFailureReason.MESSAGE_LOCK_LOST.toString());
+            ServiceBusReceivedMessage again = receive(r, 1, Duration.ofSeconds(10)).get(0);
+            equal(1L, again.getDeliveryCount(), "deliveryCount after the lock expired");
+            r.complete(again);
+        }
+        String sq = entity("sessions");
+        try (ServiceBusSenderClient s = b.sender().queueName(sq).buildClient();
+             ServiceBusSessionReceiverClient first = b.sessionReceiver().queueName(sq).buildClient();
+             ServiceBusSessionReceiverClient second = builder().sessionReceiver().queueName(sq).buildClient()) {
+            s.sendMessage(new ServiceBusMessage("held").setSessionId("held"));
+            try (ServiceBusReceiverClient holder = first.acceptSession("held")) {
+                got.put("session locked elsewhere", reasonOf(() -> second.acceptSession("held").close()));
+                // acceptSession raises the AmqpException itself, not a ServiceBusException
+                expected.put("session locked elsewhere", "condition com.microsoft:session-cannot-be-locked");
+                receive(holder, 1, Duration.ofSeconds(10)).forEach(holder::complete);
+            }
+        }
+        String wrongKey = connectionString.replaceAll("SharedAccessKey=[^;]*", "SharedAccessKey=d3Jvbmc=");
+        try (ServiceBusSenderClient s = new ServiceBusClientBuilder().connectionString(wrongKey)
+                 .retryOptions(new AmqpRetryOptions().setMaxRetries(0).setTryTimeout(Duration.ofSeconds(10)))
+                 .sender().queueName(q).buildClient()) {
+            got.put("wrong key", reasonOf(() -> s.sendMessage(new ServiceBusMessage("x"))));
+            expected.put("wrong key", ServiceBusFailureReason.UNAUTHORIZED.toString());
+        }
+        equal(expected, got, "failure reasons");
+        return "reasons: " + got;
+    }
+
+    /** A message whose time to live passes is dead-lettered (the queue says so) with TTLExpiredException. */
+    String ttlExpiry() throws InterruptedException {
+        String q = entity("ttl_expiry");
+        ServiceBusClientBuilder b = builder();
+        try (ServiceBusSenderClient s = b.sender().queueName(q).buildClient();
+             ServiceBusReceiverClient r = receiver(b, q);
+             ServiceBusReceiverClient dlq = b.receiver().queueName(q).subQueue(SubQueue.DEAD_LETTER_QUEUE)
+                 .buildClient()) {
+            s.sendMessage(new ServiceBusMessage("short-lived").setTimeToLive(Duration.ofSeconds(1)));
+            s.sendMessage(new ServiceBusMessage("long-lived"));
+            Thread.sleep(1500);
+            List<ServiceBusReceivedMessage> live = receive(r, 1, Duration.ofSeconds(10));
+            receive(r, 1, Duration.ofMillis(500)).forEach(live::add);
+            equal(List.of("long-lived"), bodies(live), "received after the TTL passed");
+            live.forEach(r::complete);
+            List<ServiceBusReceivedMessage> dead = receive(dlq, 1, Duration.ofSeconds(10));
+            equal(List.of("short-lived"), bodies(dead), "dead-lettered");
+            equal("TTLExpiredException", dead.get(0).getDeadLetterReason(), "deadLetterReason");
+            dead.forEach(dlq::complete);
+            return "the expired message went to the DLQ with reason " + dead.get(0).getDeadLetterReason();
         }
     }
 
