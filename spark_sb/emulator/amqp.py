@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -147,6 +147,8 @@ class NamespaceServer(Handler):
         #: the port of this namespace's AMQPS (TLS) endpoint, when it has one: a client that came through it names
         #: that port in its token audiences
         self.tls_port: int | None = None
+        #: the namespace's other ports (admin, WebSockets), set by the Emulator: a token may name any of them
+        self.other_ports: Callable[[], Iterable[int | None]] = lambda: ()
         self._warned_unfiltered = False
         self.keys = dict(keys)
         #: Microsoft Entra ID: verifies ``jwt`` put-tokens (None: only SAS tokens are accepted)
@@ -235,6 +237,10 @@ class NamespaceServer(Handler):
             self._injector.close()
         assert self._container is not None
         self._container.stop()
+
+    def own_ports(self) -> set[int]:
+        """Every port of this namespace (AMQP, AMQPS, admin, WebSockets): the ports its tokens may name."""
+        return {p for p in (self.port, self.tls_port, *self.other_ports()) if p is not None}
 
     def call(self, fn: Callable[[], T], timeout: float = 30.0) -> T:
         """Run ``fn`` on the reactor thread and return its result (or raise its exception)."""
@@ -767,7 +773,7 @@ class NamespaceServer(Handler):
         claimed_port = sas.port_of(audience)
         if self.fault_for(None) == "unauthorized" or self.fault_for(entity_path(audience) or None) == "unauthorized":
             status, text = 401, "Unauthorized: the token was rejected. (injected fault)"
-        elif claimed_port is not None and claimed_port not in (self.port, self.tls_port):
+        elif claimed_port is not None and claimed_port not in self.own_ports():
             status, text = 401, f"Unauthorized: audience {audience!r} is not this namespace (port {self.port})"
         elif not token.startswith("SharedAccessSignature "):
             # an Entra ID token. The SDK says type "jwt" for SAS tokens too (pyamqp's JWTTokenAuth default), so

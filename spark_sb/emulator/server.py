@@ -322,12 +322,13 @@ class Emulator:
                     opt.host, opt.admin_port,
                     broker=_BrokerProxy(server), call=server.call, keys={opt.key_name: opt.key},
                     fault=_fault_reader(server), control=_control(server), namespace_port=server.port,
-                    other_ports=lambda server=server: (server.tls_port,),
+                    other_ports=lambda name=opt.name: self._ports_of(name),
                     authority=self.authority,
                 )
                 admin.start()
                 self._admins[opt.name] = admin
                 self.info[opt.name] = NamespaceInfo(opt.name, server.port, admin.port, opt.key_name, opt.key)
+                server.other_ports = lambda name=opt.name: self._ports_of(name)
                 _LOGGER.info("namespace %s: AMQP on %s:%d, admin on http://%s:%d", opt.name, opt.host,
                              server.port, opt.host, admin.port)
             self._start_tls()
@@ -373,6 +374,13 @@ class Emulator:
             self._servers[route.name].tls_port = route.port
             self.info[route.name].tls_port = route.port
             self.info[route.name].ca_file = str(certs.ca_file)
+
+    def _ports_of(self, name: str) -> tuple[int | None, ...]:
+        """A namespace's ports other than AMQP (admin, AMQPS, ws, wss): a token naming one is this namespace's."""
+        info = self.info.get(name)
+        if info is None:
+            return ()
+        return (info.amqp_port, info.admin_port, info.tls_port, info.ws_port, info.wss_port)
 
     def _start_websockets(self) -> None:
         """The AMQP over WebSockets endpoints (ws and wss), their AMQP bytes relayed to the namespace's AMQP port."""

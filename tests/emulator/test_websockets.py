@@ -559,3 +559,23 @@ def test_the_subprocess_emulator_keeps_its_websocket_ports_and_messages_across_a
                 assert [str(m) for m in receiver.receive_messages(max_wait_time=3)] == ["kept"]
     finally:
         proc.stop()
+
+
+def test_a_connection_string_naming_a_websocket_port_is_this_namespaces(primary: NamespaceInfo,
+                                                                        make_queue: Callable[..., str]) -> None:
+    """``Endpoint=sb://localhost:<ws port>``: the SDK's tokens then name that port. It is this namespace's, as
+    its AMQP, AMQPS and admin ports are (the put-token was refused as another namespace's)."""
+    from spark_sb.admin import admin_client
+
+    queue = make_queue()
+    conn = primary.connection_string.replace(f":{primary.amqp_port};", f":{primary.ws_port};")
+    with ServiceBusClient.from_connection_string(conn, retry_total=0,
+                                                 **primary.websocket_connection_string_kwargs) as client:
+        with client.get_queue_sender(queue) as sender:
+            sender.send_messages(ServiceBusMessage("via the ws port", message_id="ws-port"))
+        with client.get_queue_receiver(queue) as receiver:
+            [got] = receiver.receive_messages(max_wait_time=5)
+            receiver.complete_message(got)
+    assert got.message_id == "ws-port"
+    with admin_client(conn, admin_endpoint=primary.admin_url, retry_total=0) as admin:
+        assert admin.get_queue(queue).name == queue
