@@ -28,6 +28,7 @@ RUN_TIMEOUT_S = 240
 #: scenario -> the entity it uses (named <prefix><scenario with hyphens>), as Scenarios.java expects
 QUEUES: dict[str, dict[str, Any]] = {
     "send_receive_fields": {},
+    "body_types": {},
     "batch": {},
     "peek": {},
     "defer": {},
@@ -61,7 +62,7 @@ TOPICS: dict[str, dict[str, RuleSpec]] = {
 #: entities of a scenario, not scenarios; errors_busy carries an injected busy fault during the run
 HELPERS = {"errors_disabled", "errors_busy"}
 #: the administration scenario makes its own entities through the Java admin client
-SCENARIOS = [*list(QUEUES)[:8], *TOPICS, "administration", *(q for q in list(QUEUES)[8:] if q not in HELPERS)]
+SCENARIOS = [*(q for q in QUEUES if q not in HELPERS), *TOPICS, "administration"]
 
 
 def _build() -> None:
@@ -130,3 +131,9 @@ def test_java_sdk(java_results: dict[str, Any], scenario: str) -> None:
         pytest.fail(f"the Java program printed no line for {scenario} (exit {java_results['exit']}); its stderr "
                     f"ends:\n{java_results['stderr'][-4000:]}", pytrace=False)
     assert row["ok"], f"{scenario}: {row['detail']}"
+
+
+def test_the_java_program_exits_cleanly_and_every_scenario_it_ran_is_asserted(java_results: dict[str, Any]) -> None:
+    assert java_results["exit"] == 0, f"exit {java_results['exit']}; stderr ends:\n{java_results['stderr'][-4000:]}"
+    unasserted = sorted(set(java_results["lines"]) - set(SCENARIOS))
+    assert not unasserted, f"Scenarios.java ran {unasserted}: add them to SCENARIOS (with their entities)"

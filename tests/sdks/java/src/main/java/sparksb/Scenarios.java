@@ -1,6 +1,8 @@
 package sparksb;
 
 import com.azure.core.amqp.AmqpRetryOptions;
+import com.azure.core.amqp.models.AmqpMessageBody;
+import com.azure.core.amqp.models.AmqpMessageBodyType;
 import com.azure.core.exception.ResourceExistsException;
 import com.azure.core.exception.ResourceNotFoundException;
 import com.azure.core.http.HttpPipelinePosition;
@@ -108,6 +110,7 @@ public final class Scenarios {
         Scenarios s = new Scenarios(cs, prefix, System.getenv("SB_ADMIN_ENDPOINT"));
         Map<String, Scenario> all = new LinkedHashMap<>();
         all.put("send_receive_fields", s::sendReceiveFields);
+        all.put("body_types", s::bodyTypes);
         all.put("batch", s::batch);
         all.put("peek", s::peek);
         all.put("defer", s::defer);
@@ -326,6 +329,35 @@ public final class Scenarios {
             check(r.peekMessage() == null, "the completed message is still there");
             return "every field round-tripped; seq " + g.getSequenceNumber() + ", enqueued " + g.getEnqueuedTime()
                 + ", scheduled " + scheduled;
+        }
+    }
+
+    /** AMQP value and sequence bodies (ServiceBusMessage(AmqpMessageBody)) come back as they were sent. */
+    String bodyTypes() {
+        String q = entity("body_types");
+        ServiceBusClientBuilder b = builder();
+        try (ServiceBusSenderClient s = b.sender().queueName(q).buildClient();
+             ServiceBusReceiverClient r = receiver(b, q)) {
+            Map<String, Object> map = new LinkedHashMap<>();
+            map.put("order", 42L);
+            map.put("item", "book");
+            s.sendMessages(List.of(
+                new ServiceBusMessage(AmqpMessageBody.fromValue("a string value")),
+                new ServiceBusMessage(AmqpMessageBody.fromValue(map)),
+                new ServiceBusMessage(AmqpMessageBody.fromSequence(List.of("one", 2L, true)))));
+            List<ServiceBusReceivedMessage> got = receive(r, 3, Duration.ofSeconds(10));
+            equal(3, got.size(), "received");
+            AmqpMessageBody first = got.get(0).getRawAmqpMessage().getBody();
+            equal(AmqpMessageBodyType.VALUE, first.getBodyType(), "first body type");
+            equal("a string value", first.getValue(), "string value");
+            AmqpMessageBody second = got.get(1).getRawAmqpMessage().getBody();
+            equal(AmqpMessageBodyType.VALUE, second.getBodyType(), "second body type");
+            equal(map, second.getValue(), "map value");
+            AmqpMessageBody third = got.get(2).getRawAmqpMessage().getBody();
+            equal(AmqpMessageBodyType.SEQUENCE, third.getBodyType(), "third body type");
+            equal(List.of("one", 2L, true), third.getSequence(), "sequence");
+            got.forEach(r::complete);
+            return "a string value, a map value and a sequence body came back with their types and contents";
         }
     }
 
