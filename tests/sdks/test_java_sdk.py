@@ -48,6 +48,7 @@ QUEUES: dict[str, dict[str, Any]] = {
     "errors_disabled": {"status": "Disabled"},
     "errors_busy": {},
     "ttl_expiry": {"dead_lettering_on_message_expiration": True},
+    "outage_recovery": {},
     "close": {},
 }
 #: scenario -> its topic's subscriptions and each one's rule
