@@ -20,6 +20,9 @@ import pytest
 from spark_sb.emulator import Emulator
 from spark_sb.emulator.model import QueueSpec, RuleSpec, SubscriptionSpec, TopicSpec
 
+#: a JVM in a subprocess; the first test's setup also builds the program (Maven downloads its jars the first time)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
 ROOT = Path(__file__).resolve().parents[2]
 JAVA = ROOT / "tests" / "sdks" / "java"
 STAMP = "tests/sdks/java/target/.installed"
