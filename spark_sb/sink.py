@@ -2,7 +2,7 @@
 
 Every batch is sent from the executors, never collected to the driver: the driver checks the batch's schema,
 then runs one ``mapInArrow`` over the mapped columns. Each partition sends its rows through the paired sender of
-its Python worker process (one per configuration, kept in a process-level registry, paired once and reused by
+its Python worker process (one per configuration, kept in a process-level registry, reused by
 every task and batch that process runs) and returns one small summary row; the driver collects the summaries
 only, logs one line per batch, keeps :attr:`PairedSink.latest` and :attr:`PairedSink.totals`, and optionally
 appends the summary to a Delta metrics table. ``mapInArrow`` exists under Spark Connect; the RDD API is never
@@ -104,7 +104,8 @@ SENDER_KIND = "paired-sender"
 
 def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedSender | ReplicatingSender:
     """The sender of this process for ``config`` (whose fingerprint is ``fingerprint``): a paired sender
-    (``replication.mode: paired``, created and paired on first use) or a replicating sender (active or passive);
+    (``replication.mode: paired``, created on first use, its backlog queues provisioned when the backlog is first
+    needed) or a replicating sender (active or passive);
     then reused by every task and batch this process runs; closed at interpreter exit.
 
     A worker outlives a query: a sender of the same pairing built from an older configuration (other
@@ -117,13 +118,10 @@ def sender_for(config: SparkSbConfig, fingerprint: str | None = None) -> PairedS
             replicating = ReplicatingSender(config)
             _LOGGER.info("process %d: %s replicating sender ready", os.getpid(), config.replication.mode)
             return replicating
+        # not paired here: a healthy primary never needs the secondary, so a worker starts sending while the
+        # secondary is unreachable; the backlog queues are provisioned when the backlog is first needed
         sender = PairedSender(config)
-        try:
-            usable = sender.pair()
-        except BaseException:
-            sender.close()
-            raise
-        _LOGGER.info("process %d: paired sender ready (%d backlog queues)", os.getpid(), usable)
+        _LOGGER.info("process %d: paired sender ready (backlog queues provisioned when first needed)", os.getpid())
         return sender
 
     def outdated(old: PairedSender | ReplicatingSender) -> bool:

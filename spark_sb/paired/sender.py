@@ -17,7 +17,10 @@ Choices where behaviour.md is silent (also in the report):
   one due; :meth:`HealthBoard.claim_ping` hands each due ping to one of them. A ping refused for a rejected
   credential or an unknown entity makes every send of that entity raise that configuration error until a
   later ping answers otherwise;
-* :meth:`PairedSender.send` pairs first when :meth:`PairedSender.pair` was not called;
+* pairing (the backlog queues listed and created on the secondary) waits until the backlog is first needed: the
+  last wait before a failover (:meth:`PairedSender._prepare_backlog`) or the failover itself, unless
+  :meth:`PairedSender.pair` was called. A send to a healthy primary never needs the secondary; a secondary that
+  cannot be reached when the backlog is needed is that send's :class:`~spark_sb.errors.PairingError`;
 * a ``ServiceBusConnectionError`` (the SDK shut its connection down) on either side closes both sides'
   clients (in a helper thread, within 5 s) and both are rebuilt on next use;
 * a rejected credential on the secondary raises :class:`~spark_sb.errors.CredentialRejectedError` naming it
@@ -370,7 +373,8 @@ class PairedSender:
         """
         self._attach_pings()
         batch = call_messages(entity, message)
-        self._ensure_paired()
+        # no pairing here: a send to a healthy primary never needs the secondary; the backlog queues are
+        # provisioned when the backlog is first needed (_send_backlog, _prepare_backlog)
         with self.board.sending(entity):
             counts = self._send(entity, batch)
         result = SendResult(entity, counts)

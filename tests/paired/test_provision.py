@@ -8,6 +8,7 @@ import pytest
 from azure.servicebus import ServiceBusMessage
 
 from spark_sb.errors import PairingError
+from spark_sb.paired import PRIMARY
 
 MAX_DAYS = 10675199  # TimeSpan.MaxValue
 
@@ -48,15 +49,40 @@ def test_creates_the_missing_queues_with_the_backlog_properties_and_touches_noth
     assert sender.pair() == 2  # again: everything exists, nothing changes
 
 
-def test_zero_usable_queues_is_a_pairing_error_at_pair_time(emulator, make_sender, fake_time) -> None:
-    sender = make_sender(backlog_queue_count=2, provision_retries=3, provision_retry_spacing="2s")
+def test_zero_usable_queues_is_a_pairing_error_when_pairing_and_when_the_backlog_is_needed(
+        emulator, make_sender, make_queue, fake_time) -> None:
+    q = make_queue()
+    sender = make_sender(backlog_queue_count=2, provision_retries=3, provision_retry_spacing="2s",
+                         failover_interval="0s")
     emulator.fault("secondary", "busy")
     with pytest.raises(PairingError, match="no usable backlog queue"):
         sender.pair()
     # listing and each creation tried 3 times, 2 s apart
     assert fake_time.sleeps == [2.0] * 6
-    with pytest.raises(PairingError):  # send pairs first: never a later failure at send time
-        sender.send("anything", ServiceBusMessage("x"))
+    # a healthy primary never needs the secondary: the sends go on
+    assert sender.send(q, ServiceBusMessage("x")).destination == PRIMARY
+    emulator.fault("primary", "quota", entity=q)
+    with pytest.raises(PairingError, match="no usable backlog queue"):  # the failed-over batch's error
+        sender.send(q, ServiceBusMessage("y"))
+
+
+def test_a_new_sender_sends_to_a_healthy_primary_while_the_secondary_is_unreachable(
+        emulator, make_sender, make_queue, primary, drain) -> None:
+    """Pairing waits for the backlog to be needed: a new worker's sender (never paired) sends to a healthy primary
+    with the secondary down; once the secondary is back, a failover pairs and parks the messages."""
+    q = make_queue()
+    emulator.fault("secondary", "down")
+    try:
+        sender = make_sender(failover_interval="0s")
+        for i in range(3):
+            assert sender.send(q, ServiceBusMessage(f"m{i}", message_id=f"m{i}")).destination == PRIMARY
+        assert sender.backlog_queues == ()  # nothing provisioned yet
+    finally:
+        emulator.heal("secondary")
+    assert sorted(str(m) for m in drain(primary.connection_string, q, 3)) == ["m0", "m1", "m2"]
+    emulator.fault("primary", "quota", entity=q)
+    result = sender.send(q, ServiceBusMessage("parked", message_id="parked"))
+    assert result.backlog == 1 and len(sender.backlog_queues) == 2
 
 
 def test_an_authorisation_failure_aborts_at_once(emulator, make_sender, fake_time) -> None:
