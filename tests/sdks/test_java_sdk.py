@@ -6,15 +6,11 @@ Java 17), under a file lock because xdist may start this module while another wo
 
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import shutil
-import subprocess
 import uuid
-from pathlib import Path
 from typing import Any
 
+import harness
 import pytest
 
 from spark_sb.emulator import Emulator
@@ -23,7 +19,7 @@ from spark_sb.emulator.model import QueueSpec, RuleSpec, SubscriptionSpec, Topic
 #: a JVM in a subprocess; the first test's setup also builds the program (Maven downloads its jars the first time)
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = harness.ROOT
 JAVA = ROOT / "tests" / "sdks" / "java"
 STAMP = "tests/sdks/java/target/.installed"
 RUN_TIMEOUT_S = 240
@@ -71,17 +67,7 @@ SCENARIOS = [*(q for q in QUEUES if q not in HELPERS), *TOPICS, "administration"
 
 def _build() -> None:
     """Run the Makefile rule (it rebuilds when pom.xml or a source is newer than the stamp)."""
-    missing = [tool for tool in ("java", "mvn", "make") if shutil.which(tool) is None]
-    if missing:
-        pytest.fail(f"the Java SDK tests need {', '.join(missing)} on PATH (Java 17 and Maven): install them",
-                    pytrace=False)
-    (JAVA / "target").mkdir(exist_ok=True)
-    with open(JAVA / "target" / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = subprocess.run(["make", "--no-print-directory", STAMP], cwd=ROOT, capture_output=True, text=True,
-                              timeout=900)
-    if done.returncode != 0:
-        pytest.fail(f"building tests/sdks/java failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}", pytrace=False)
+    harness.make(STAMP, ("java", "mvn"), "Java SDK (Java 17 and Maven)", JAVA / "target" / ".build.lock", 900)
 
 
 def create(emulator: Emulator, namespace: str, spec: Any) -> None:
@@ -112,29 +98,14 @@ def java_results(emulator: Emulator) -> dict[str, Any]:
     busy = prefix + "errors-busy"
     emulator.fault("primary", "busy", entity=busy)
     try:
-        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-        stdout, stderr, code = done.stdout, done.stderr, done.returncode
-    except subprocess.TimeoutExpired as err:
-        stdout = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        stderr = (err.stderr or b"").decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
-        code = f"killed after {RUN_TIMEOUT_S} s"
+        return harness.run(cmd, cwd=ROOT, env=env, timeout=RUN_TIMEOUT_S)
     finally:
         emulator.heal("primary", entity=busy)
-    lines = {}
-    for line in stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            lines[row["scenario"]] = row
-    return {"lines": lines, "exit": code, "stderr": stderr}
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_java_sdk(java_results: dict[str, Any], scenario: str) -> None:
-    row = java_results["lines"].get(scenario)
-    if row is None:
-        pytest.fail(f"the Java program printed no line for {scenario} (exit {java_results['exit']}); its stderr "
-                    f"ends:\n{java_results['stderr'][-4000:]}", pytrace=False)
-    assert row["ok"], f"{scenario}: {row['detail']}"
+    harness.check(java_results, scenario, "the Java program")
 
 
 def test_the_java_program_exits_cleanly_and_every_scenario_it_ran_is_asserted(java_results: dict[str, Any]) -> None:

@@ -8,21 +8,18 @@ from package-lock.json), under a file lock because xdist may start this module w
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
-import shutil
-import subprocess
 import uuid
-from pathlib import Path
 from typing import Any
 
+import harness
 import pytest
 
 from spark_sb.emulator import Emulator
 from spark_sb.emulator.model import QueueSpec
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = harness.ROOT
 JS = ROOT / "tests" / "sdks" / "js"
 STAMP = "tests/sdks/js/node_modules/.installed"
 RUN_TIMEOUT_S = 180
@@ -59,17 +56,8 @@ SCENARIOS = [
 
 def _install() -> None:
     """Run the Makefile rule (it reinstalls when package-lock.json is newer than the stamp)."""
-    missing = [tool for tool in ("node", "npm", "make") if shutil.which(tool) is None]
-    if missing:
-        pytest.fail(f"the JavaScript SDK tests need {', '.join(missing)} on PATH (Node.js 18 or later with npm): "
-                    "install them", pytrace=False)
-    with open(JS / "package-lock.json") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        done = subprocess.run(["make", "--no-print-directory", STAMP], cwd=ROOT, capture_output=True, text=True,
-                              timeout=600)
-    if done.returncode != 0:
-        pytest.fail(f"installing tests/sdks/js (npm ci) failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}",
-                    pytrace=False)
+    harness.make(STAMP, ("node", "npm"), "JavaScript SDK (Node.js 18 or later with npm)", JS / "package-lock.json",
+                 600)
 
 
 def _create(emulator: Emulator, spec: Any) -> None:
@@ -89,20 +77,7 @@ def run_scenarios(emulator: Emulator, **extra_env: str) -> dict[str, Any]:
     ns = emulator["primary"]
     env = dict(os.environ, SB_CONNECTION_STRING=ns.connection_string, SB_ADMIN_PORT=str(ns.admin_port),
                SB_ENTITIES=json.dumps(names), **extra_env)
-    try:
-        done = subprocess.run(["node", "scenarios.mjs"], cwd=JS, env=env, capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S)
-        stdout, stderr, code = done.stdout, done.stderr, done.returncode
-    except subprocess.TimeoutExpired as err:
-        stdout = err.stdout.decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        stderr = err.stderr.decode() if isinstance(err.stderr, bytes) else (err.stderr or "")
-        code = f"killed after {RUN_TIMEOUT_S} s"
-    lines = {}
-    for line in stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            lines[row["scenario"]] = row
-    return {"lines": lines, "exit": code, "stderr": stderr}
+    return harness.run(["node", "scenarios.mjs"], cwd=JS, env=env, timeout=RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
@@ -112,11 +87,7 @@ def js_results(emulator: Emulator) -> dict[str, Any]:
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_js_sdk(js_results: dict[str, Any], scenario: str) -> None:
-    row = js_results["lines"].get(scenario)
-    if row is None:
-        pytest.fail(f"the node script printed no line for {scenario} (exit {js_results['exit']}); its stderr "
-                    f"ends:\n{js_results['stderr'][-4000:]}", pytrace=False)
-    assert row["ok"], f"{scenario}: {row['detail']}"
+    harness.check(js_results, scenario, "the node script")
 
 
 def test_every_scenario_is_asserted(js_results: dict[str, Any]) -> None:

@@ -11,6 +11,7 @@ import secrets
 from collections.abc import Iterator
 from typing import Any
 
+import harness
 import pytest
 from test_js_sdk import SCENARIOS, run_scenarios
 
@@ -44,11 +45,7 @@ def js_websocket_results(websocket_emulator: Emulator, proxy: HttpProxy) -> dict
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_js_sdk_over_websockets_through_a_proxy(js_websocket_results: dict[str, Any], scenario: str) -> None:
-    row = js_websocket_results["lines"].get(scenario)
-    if row is None:
-        pytest.fail(f"the node script printed no line for {scenario} (exit {js_websocket_results['exit']}); its "
-                    f"stderr ends:\n{js_websocket_results['stderr'][-4000:]}", pytrace=False)
-    assert row["ok"], f"{scenario}: {row['detail']}"
+    harness.check(js_websocket_results, scenario, "the node script")
 
 
 def test_every_connection_went_through_the_proxy_to_the_wss_port(js_websocket_results: dict[str, Any],
