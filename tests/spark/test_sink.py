@@ -104,7 +104,7 @@ def test_during_a_primary_outage_every_row_lands_in_the_primary_or_a_backlog_que
     assert summaries[2].backlog_total == 40  # still failed over: straight to the backlog, no new interval
     assert sink.totals.rows == 160 and sink.totals.sent == 160
     in_primary = [str(m.message_id) for m in receive_all(primary.connection_string, q)]
-    in_backlog = backlog_ids(secondary.connection_string, sender_for(sink.config).backlog_queues)
+    in_backlog = backlog_ids(secondary.connection_string, sink.config.send_availability.backlog_queue_names())
     counted = collections.Counter(in_primary + in_backlog)
     assert set(counted) == set(produced)  # none lost
     assert max(counted.values()) == 1  # none twice
