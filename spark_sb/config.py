@@ -470,14 +470,20 @@ class _Compact(_Frozen):
 _MICROSOFT_AUTHORITIES = ("login.microsoftonline.com", "login.microsoftonline.us", "login.chinacloudapi.cn")
 
 
+def _url(text: str, default_scheme: str, shown: object) -> tuple[Any, int | None]:
+    """``text`` parsed as a URL (``default_scheme`` when it names none) and its port; an invalid port is refused
+    showing ``shown`` (the value as it may be shown: a secret in it masked)."""
+    parsed = urlparse(text if "://" in text else f"{default_scheme}://{text}")
+    try:
+        return parsed, parsed.port
+    except ValueError:
+        raise _Invalid("has an invalid port", shown) from None
+
+
 def _authority(value: Any) -> str:
     """``https://host[:port]`` (scheme optional, ``https`` assumed; nothing else accepted), normalised."""
     text = value.strip() if isinstance(value, str) else ""
-    parsed = urlparse(text if "://" in text else f"https://{text}")
-    try:
-        parsed.port  # noqa: B018 -- validates the port
-    except ValueError:
-        raise _Invalid("has an invalid port", repr(value)) from None
+    parsed, _ = _url(text, "https", repr(value))
     if parsed.scheme != "https":
         raise _Invalid("must be an https URL (Entra ID tokens travel over TLS only)", repr(value))
     if not parsed.hostname or parsed.path.strip("/") or parsed.query or parsed.username:
@@ -581,11 +587,7 @@ def _namespace_address(value: Any) -> str:
 def _admin_endpoint(value: Any) -> str:
     """``http://host:port`` (scheme optional, ``http`` assumed), normalised."""
     text = value.strip() if isinstance(value, str) else ""
-    parsed = urlparse(text if "://" in text else f"http://{text}")
-    try:
-        parsed.port  # noqa: B018 -- validates the port
-    except ValueError:
-        raise _Invalid("has an invalid port", repr(value)) from None
+    parsed, _ = _url(text, "http", repr(value))
     if not text or parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path.strip("/") \
             or parsed.query:
         raise _Invalid("must look like http://host:port", repr(value))
@@ -600,12 +602,8 @@ def _proxy(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip()
-    parsed = urlparse(text if "://" in text else f"http://{text}")
-    shown = _proxy_shown(parsed)
-    try:
-        port = parsed.port
-    except ValueError:
-        raise _Invalid("has an invalid port", shown) from None
+    shown = _proxy_shown(urlparse(text if "://" in text else f"http://{text}"))
+    parsed, port = _url(text, "http", shown)
     if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path.strip("/") or parsed.query:
         raise _Invalid("must look like http://[user:password@]host:port", shown)
     if port is None:
@@ -655,11 +653,7 @@ class ProxyConfig(_Compact):
 def _custom_endpoint(value: Any) -> str:
     """``sb://host[:port]`` (scheme optional), normalised; the SDK connects there instead of the namespace."""
     text = value.strip() if isinstance(value, str) else ""
-    parsed = urlparse(text if "://" in text else f"sb://{text}")
-    try:
-        port = parsed.port
-    except ValueError:
-        raise _Invalid("has an invalid port", repr(value)) from None
+    parsed, port = _url(text, "sb", repr(value))
     if not text or not parsed.hostname or parsed.path.strip("/") or parsed.query or parsed.username:
         raise _Invalid("must look like sb://host[:port]", repr(value))
     host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
