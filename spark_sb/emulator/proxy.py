@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from ._service import LoopService
+from .relay import pump
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ class HttpProxy(LoopService):
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
             else:
                 up_writer.write(forward)
-            pumps = [asyncio.create_task(_pump(reader, up_writer)), asyncio.create_task(_pump(up_reader, writer))]
+            pumps = [asyncio.create_task(pump(reader, up_writer)), asyncio.create_task(pump(up_reader, writer))]
             # the first side to end ends both
             _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
             for p in pending:
@@ -225,15 +226,6 @@ def _host_port(authority: str, default: int | None) -> tuple[str | None, int | N
     except ValueError:
         return None, None
     return url.hostname, port
-
-
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except OSError:
-        return
 
 
 def run_foreground(host: str, port: int, *, username: str | None = None, password: str | None = None,

@@ -1,6 +1,7 @@
 """The emulator as a whole: several namespaces, each an AMQP port and an admin HTTP port, and optionally an
 AMQPS (TLS) port (:mod:`spark_sb.emulator.tls`) and AMQP over WebSockets ports, ``ws://`` and ``wss://``
-(:mod:`spark_sb.emulator.websocket`).
+(:mod:`spark_sb.emulator.websocket`). A namespace may be far away: a ``latency`` delays its AMQP bytes each way
+(:mod:`spark_sb.emulator.relay`).
 
 In-process::
 
@@ -31,8 +32,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..durations import duration_text, parse_seconds
 from . import aad as _aad
 from . import model
+from . import relay as _relay
 from .amqp import FAULT_KINDS, NamespaceServer
 from .broker import Broker, BrokerError, Cond
 
@@ -46,6 +49,8 @@ DEFAULT_KEY_NAME = "RootManageSharedAccessKey"
 DEFAULT_KEY = "SAS_KEY_VALUE"  # Microsoft's emulator uses the same well-known development key
 #: where AMQP over WebSockets is served (what every Service Bus SDK opens; :mod:`spark_sb.emulator.websocket`)
 WEBSOCKET_PATH = "/$servicebus/websocket"
+#: the form of ``--namespace`` (:meth:`NamespaceOptions.parse`)
+NAMESPACE_FORM = "NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION]"
 
 
 @dataclass(frozen=True)
@@ -64,11 +69,15 @@ class NamespaceOptions:
     ws_port: int | None = None
     #: AMQP over secure WebSockets (``wss://``, TLS with the emulator's CA) on this port; None likewise
     wss_port: int | None = None
+    #: a far namespace: seconds added to each direction of every AMQP connection (AMQP, AMQPS, ws, wss), so a
+    #: round trip costs twice this (:mod:`spark_sb.emulator.relay`); the admin API is not delayed
+    latency: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> NamespaceOptions:
-        """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT]`` (ports may be 0 for a free port)."""
-        form = "NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT]"
+        """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION]`` (ports may be 0 for a
+        free port; the latency is one way, e.g. ``20ms``)."""
+        form = NAMESPACE_FORM
         name, sep, rest = text.partition("=")
         ports, *extras = rest.split(",")
         parts = ports.split(":")
@@ -77,24 +86,34 @@ class NamespaceOptions:
         named: dict[str, str] = {}
         for extra in extras:
             key, eq, port = extra.partition("=")
-            if not eq or key not in ("ws", "wss") or key in named or not port.isdigit():
-                raise ValueError(f"--namespace {text!r}: after the ports come ws=PORT and wss=PORT ({form}), "
-                                 f"got {extra!r}")
+            if not eq or key not in ("ws", "wss", "latency") or key in named or (key != "latency"
+                                                                                 and not port.isdigit()):
+                raise ValueError(f"--namespace {text!r}: after the ports come ws=PORT, wss=PORT and "
+                                 f"latency=DURATION ({form}), got {extra!r}")
             named[key] = port
+        latency = 0.0
+        if "latency" in named:
+            try:
+                latency = parse_seconds(named.pop("latency"))
+            except ValueError as err:
+                raise ValueError(f"--namespace {text!r}: latency: {err}") from None
+            if latency < 0:
+                raise ValueError(f"--namespace {text!r}: latency must not be negative, got {latency:g} s")
         for what, port in [*zip(("AMQP_PORT", "ADMIN_PORT", "TLS_PORT"), parts, strict=False), *named.items()]:
             if int(port) > 65535:
                 raise ValueError(f"--namespace {text!r}: {what} must be a port number (0-65535), got {port}")
         return cls(name=name, amqp_port=int(parts[0]), admin_port=int(parts[1]),
                    tls_port=int(parts[2]) if len(parts) == 3 else None,
                    ws_port=int(named["ws"]) if "ws" in named else None,
-                   wss_port=int(named["wss"]) if "wss" in named else None)
+                   wss_port=int(named["wss"]) if "wss" in named else None, latency=latency)
 
     def spec(self) -> str:
         """The ``--namespace`` text for these ports."""
         tls = "" if self.tls_port is None else f":{self.tls_port}"
         ws = "" if self.ws_port is None else f",ws={self.ws_port}"
         wss = "" if self.wss_port is None else f",wss={self.wss_port}"
-        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}{ws}{wss}"
+        latency = f",latency={duration_text(self.latency)}" if self.latency else ""
+        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}{ws}{wss}{latency}"
 
 
 DEFAULT_NAMESPACES = (NamespaceOptions("primary", 5672, 5300), NamespaceOptions("secondary", 5673, 5301))
@@ -253,6 +272,7 @@ class Emulator:
         self.tls = tls
         self.certificates: _tls.Certificates | None = None
         self._relay: _tls.TlsRelay | None = None
+        self._latency_relay: _relay.Relay | None = None
         self._tls_tmp: str | None = None
         self.websockets = websockets
         self._ws_relay: _websocket.WebSocketRelay | None = None
@@ -311,8 +331,10 @@ class Emulator:
                     _apply_entities(broker, self.entities)
                     return broker
 
+                # a far namespace listens on loopback behind its latency relay, which takes its AMQP port
+                far = opt.latency > 0
                 server = NamespaceServer(
-                    opt.name, factory, host=opt.host, port=opt.amqp_port,
+                    opt.name, factory, host=_loopback(opt.host) if far else opt.host, port=0 if far else opt.amqp_port,
                     keys={opt.key_name: opt.key}, clock=self.clock, max_message_size=opt.max_message_size,
                     authority=self.authority,
                 )
@@ -331,6 +353,7 @@ class Emulator:
                 server.other_ports = lambda name=opt.name: self._ports_of(name)
                 _LOGGER.info("namespace %s: AMQP on %s:%d, admin on http://%s:%d", opt.name, opt.host,
                              server.port, opt.host, admin.port)
+            self._start_latency()
             self._start_tls()
             self._start_websockets()
             self._start_authority()
@@ -359,6 +382,21 @@ class Emulator:
         self.certificates = _tls.ensure_certificates(directory, hosts)
         return self.certificates
 
+    def _start_latency(self) -> None:
+        """The far namespaces: each AMQP port relayed, with its latency each way, to the namespace on loopback.
+        Their AMQPS and WebSocket endpoints relay to that port, so they are as far."""
+        routes = [_relay.Route(opt.name, opt.host, opt.amqp_port, _loopback(opt.host), self._servers[opt.name].port,
+                               delay=opt.latency) for opt in self.options if opt.latency > 0]
+        if not routes:
+            return
+        self._latency_relay = _relay.Relay(routes, name="sb-emulator-latency").start()
+        for route in routes:
+            self.info[route.name].amqp_port = route.port
+
+    def _upstream(self, opt: NamespaceOptions) -> tuple[str, int]:
+        """Where the AMQPS and WebSocket relays hand a namespace's AMQP bytes: its AMQP port (a far one's relay)."""
+        return _loopback(opt.host), self.info[opt.name].amqp_port
+
     def _start_tls(self) -> None:
         """The AMQPS endpoints: TLS on each TLS port, the plain bytes relayed to the namespace's AMQP port."""
         wanted = [(opt, port) for opt in self.options if (port := self._tls_port(opt)) is not None]
@@ -367,8 +405,7 @@ class Emulator:
         from . import tls as _tls
 
         certs = self._ensure_certificates()
-        routes = [_tls.Route(opt.name, opt.host, port, _loopback(opt.host), self._servers[opt.name].port)
-                  for opt, port in wanted]
+        routes = [_relay.Route(opt.name, opt.host, port, *self._upstream(opt)) for opt, port in wanted]
         self._relay = _tls.TlsRelay(routes, certs.server_context()).start()
         for route in routes:
             self._servers[route.name].tls_port = route.port
@@ -395,7 +432,7 @@ class Emulator:
             context = self._ensure_certificates().server_context()
         routes: list[_websocket.WebSocketRoute] = []
         for opt, ws, wss in wanted:
-            upstream = (_loopback(opt.host), self._servers[opt.name].port)
+            upstream = self._upstream(opt)
             if ws is not None:
                 routes.append(_websocket.WebSocketRoute(opt.name, opt.host, ws, *upstream))
             if wss is not None:
@@ -429,9 +466,10 @@ class Emulator:
         if self._ws_relay is not None:
             self._ws_relay.stop()
             self._ws_relay = None
-        if self._relay is not None:
-            self._relay.stop()
-            self._relay = None
+        for relay in (self._relay, self._latency_relay):
+            if relay is not None:
+                relay.stop()
+        self._relay = self._latency_relay = None
         for admin in self._admins.values():
             admin.stop()
         for server in self._servers.values():

@@ -15,10 +15,7 @@ other; otherwise all three are made again (an unreadable file is named in a warn
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import datetime
-import functools
 import ipaddress
 import logging
 import os
@@ -35,7 +32,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from ._service import LoopService
+from .relay import Relay, Route
 
 try:
     import fcntl
@@ -219,112 +216,13 @@ def _write(path: Path, data: bytes, mode: int) -> None:
 
 
 # ---------------------------------------------------------------------- the relay
-@dataclass
-class Route:
-    """One TLS endpoint: ``host:port`` (0: a free port) relayed to the plain AMQP port ``upstream`` on loopback."""
-
-    name: str
-    host: str
-    port: int
-    upstream_host: str
-    upstream_port: int
-
-
-class TlsRelay(LoopService):
-    """Terminates TLS on each route's port and relays the plain bytes to its upstream, in one thread with an
-    asyncio loop. ``start()`` fills in the routes' ports; ``stop()`` closes every listener and connection."""
+class TlsRelay(Relay):
+    """Terminates TLS on each route's port and relays the plain bytes to its upstream (:class:`Relay` with a
+    server context)."""
 
     what = "the AMQPS relay"
+    endpoint = "AMQPS (TLS)"
 
     def __init__(self, routes: Sequence[Route], context: ssl.SSLContext, *, handshake_timeout: float = 10.0,
                  name: str = "sb-emulator-tls") -> None:
-        super().__init__(name)
-        self.routes = list(routes)
-        self._context = context
-        self._handshake_timeout = handshake_timeout
-        self._servers: list[asyncio.AbstractServer] = []
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task] = set()
-
-    @property
-    def connections(self) -> int:
-        """Open client connections (each with its upstream)."""
-        return len(self._tasks)
-
-    async def _listen(self) -> None:
-        for route in self.routes:
-            try:
-                server = await asyncio.start_server(
-                    functools.partial(self._accept, route=route), route.host, route.port,
-                    ssl=self._context, ssl_handshake_timeout=self._handshake_timeout, backlog=1024,
-                    reuse_address=True)
-            except OSError as err:
-                raise OSError(err.errno, f"namespace {route.name}: cannot listen for AMQPS (TLS) on "
-                                         f"{route.host}:{route.port}: {err.strerror or err}") from None
-            self._servers.append(server)
-            route.port = server.sockets[0].getsockname()[1]
-            _LOGGER.info("namespace %s: AMQPS on %s:%d, relayed to %s:%d", route.name, route.host, route.port,
-                         route.upstream_host, route.upstream_port)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, route: Route) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self._tasks.add(task)
-        self._writers.add(writer)
-        up_writer: asyncio.StreamWriter | None = None
-        try:
-            try:
-                up_reader, up_writer = await asyncio.open_connection(route.upstream_host, route.upstream_port)
-            except OSError as err:
-                _LOGGER.debug("namespace %s: AMQPS client dropped, the AMQP port is closed: %s", route.name, err)
-                return
-            self._writers.add(up_writer)
-            pumps = [asyncio.create_task(_pump(reader, up_writer)), asyncio.create_task(_pump(up_reader, writer))]
-            # the first side to end ends both: an outage that drops the plain connection drops the TLS client
-            _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_COMPLETED)
-            for p in pending:
-                p.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-        finally:
-            # close, not abort: what one side sent last (a close frame) still reaches the other
-            ends = [w for w in (writer, up_writer) if w is not None]
-            for w in ends:
-                w.close()
-            for w in ends:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(w.wait_closed(), 2)
-                _abort(w)
-                self._writers.discard(w)
-            self._tasks.discard(task)
-
-    async def _close_all(self) -> None:
-        for server in self._servers:
-            server.close()
-        for w in list(self._writers):
-            _abort(w)
-        tasks = [t for t in self._tasks if t is not asyncio.current_task()]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        for server in self._servers:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(server.wait_closed(), 2)
-        self._servers.clear()
-
-
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while True:
-            data = await reader.read(65536)
-            if not data:
-                return
-            writer.write(data)
-            await writer.drain()
-    except (OSError, ssl.SSLError, asyncio.IncompleteReadError):
-        return
-
-
-def _abort(writer: asyncio.StreamWriter) -> None:
-    """Close a connection at once (no TLS close_notify exchange to wait for)."""
-    with contextlib.suppress(Exception):
-        writer.transport.abort()
+        super().__init__(routes, context, handshake_timeout=handshake_timeout, name=name)

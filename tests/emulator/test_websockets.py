@@ -501,7 +501,7 @@ def test_the_namespace_spec_names_websocket_ports_and_says_what_it_expects() -> 
     assert NamespaceOptions.parse(options.spec()) == options
     assert NamespaceOptions.parse("p=0:0,wss=0") == NamespaceOptions("p", wss_port=0)
     for bad in ("p=0:0,wx=1", "p=0:0,ws=1,ws=2", "p=0:0,ws=", "p=0:0,ws=70000"):
-        with pytest.raises(ValueError, match=r"ws=PORT and wss=PORT|port number") as err:
+        with pytest.raises(ValueError, match=r"ws=PORT, wss=PORT|port number") as err:
             NamespaceOptions.parse(bad)
         assert repr(bad) in str(err.value)
 
