@@ -65,6 +65,7 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) bench/emulator_ingest.py
+	$(PY) bench/latency.py
 
 chaos: $(VENV)/.installed
 	$(PY) bench/chaos.py

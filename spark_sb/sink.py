@@ -65,6 +65,7 @@ The registry closes its senders at interpreter exit (``atexit``). PySpark's fork
 
 from __future__ import annotations
 
+import collections
 import datetime
 import hashlib
 import logging
@@ -72,6 +73,7 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future, wait
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -85,9 +87,9 @@ from pyspark.sql import types as T
 from . import bus, tables
 from .config import SparkSbConfig, load_config
 from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
-from .paired import PRIMARY, PairedSender
+from .paired import PRIMARY, PairedSender, SendResult
 from .paired.sender import pairing_key
-from .replication.sender import SECONDARY, ReplicatingSender
+from .replication.sender import SECONDARY, ReplicatingSender, ReplicationResult
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -484,6 +486,9 @@ class _PartitionRun:
         self.backlog: dict[str, int] = {}
         self.entities: set[str] = set()
         self.pending: dict[str, list[tuple[ServiceBusMessage, Any]]] = {}
+        #: chunks submitted and not yet accounted for, oldest first: (entity, items, future)
+        self.in_flight: collections.deque[tuple[str, list[tuple[ServiceBusMessage, Any]], Future[Any]]] = \
+            collections.deque()
         self.rejects: list[tuple[str | None, str | None, str, bytes | None]] = []
         self.rejected = 0
         self.occurrences: dict[bytes, int] = {}
@@ -501,6 +506,7 @@ class _PartitionRun:
                 yield self._reject_batch()
         for entity in list(self.pending):
             self._flush(entity)
+        self._settle_all()  # every acknowledgement, before the partition reports
         if self.rejects:
             yield self._reject_batch()
         yield self._summary()
@@ -553,14 +559,46 @@ class _PartitionRun:
     # sending
 
     def _flush(self, entity: str) -> None:
+        """Send the pending chunk of ``entity``: submitted, with at most ``sink.sends_in_flight`` chunks in flight
+        (the oldest is settled first when that many are); sent at once, after every chunk in flight, when one
+        at a time is asked for or a message has a session id (a session's messages keep their order)."""
         items = self.pending.pop(entity, [])
-        if items:
+        if not items:
+            return
+        self.entities.add(entity)
+        messages = [message for message, _ in items]
+        if self.sink.sends_in_flight == 1 or any(message.session_id for message in messages):
+            self._settle_all()
             self._send(entity, items)
+            return
+        while len(self.in_flight) >= self.sink.sends_in_flight:
+            self._settle_oldest()
+        self.in_flight.append((entity, items, self.sender.submit(entity, messages)))
 
-    def _send(self, entity: str, items: list[tuple[ServiceBusMessage, Any]]) -> None:
+    def _settle_oldest(self) -> None:
+        """Account for the oldest chunk in flight (waiting for it). When it failed, wait for the others too (none
+        keeps sending after the task failed), then raise its error."""
+        entity, items, future = self.in_flight.popleft()
+        try:
+            self._send(entity, items, future.result)
+        except BaseException:
+            for _, _, other in self.in_flight:
+                other.cancel()
+            wait([other for _, _, other in self.in_flight])
+            self.in_flight.clear()
+            raise
+
+    def _settle_all(self) -> None:
+        while self.in_flight:
+            self._settle_oldest()
+
+    def _send(self, entity: str, items: list[tuple[ServiceBusMessage, Any]],
+              outcome: Callable[[], SendResult | ReplicationResult] | None = None) -> None:
+        """Send ``items`` to ``entity`` now, or account for the send already made (``outcome()`` returns its
+        result or raises its error), and record where they went or what was rejected."""
         self.entities.add(entity)
         try:
-            result = self.sender.send(entity, [message for message, _ in items])
+            result = outcome() if outcome is not None else self.sender.send(entity, [m for m, _ in items])
         except BadMessageError as err:
             bad = [i for i, (message, _) in enumerate(items) if message.message_id == err.message_id]
             if err.message_id is None or not bad:

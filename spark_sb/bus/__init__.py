@@ -21,6 +21,8 @@ from ._namespace import (
     STALE_AFTER,
     Namespace,
     admin_client,
+    current_lane,
+    send_lane,
     shared_namespace,
 )
 from ._registry import close_all, close_quietly, entries, shared
@@ -39,8 +41,10 @@ __all__ = [
     "all_boards",
     "close_all",
     "close_quietly",
+    "current_lane",
     "entries",
     "join_board",
+    "send_lane",
     "shared",
     "shared_board",
     "shared_namespace",

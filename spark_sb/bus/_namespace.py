@@ -6,8 +6,11 @@ connection error, or on close) starts a new generation for later uses and never 
 use in progress: the detached generation is closed (senders and receivers first, then the client) as soon as
 no ``with`` block holds any of its handles, by the last block to let go, in a helper thread.
 
-**One user per handle.** An SDK sender or receiver is not thread-safe: one lock per entity (senders) or per
-(queue, receive mode) (receivers) serialises their use.
+**One user per handle.** An SDK sender or receiver is not thread-safe: one lock per (entity, lane) (senders) or
+per (queue, receive mode) (receivers) serialises their use.
+
+**Lanes.** A thread sends through the senders of its lane (:func:`send_lane`; 0 unless it was given one): a pool
+whose threads each have a lane keeps several sends to the same entity in flight, each on its own connection.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ._registry import close_quietly, shared
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = ["NAMESPACE_KIND", "PING_SCHEDULE_AHEAD", "SENDER_KWARGS", "STALE_AFTER", "Namespace", "admin_client",
-           "shared_namespace"]
+           "current_lane", "send_lane", "shared_namespace"]
 
 # The SDK's keep-alive thread makes a failed sender's close() wait up to 1 s (it sleeps in 1 s steps), which
 # delays every outage signal by about half a second. Senders here run without it; a connection the service
@@ -50,6 +53,20 @@ NAMESPACE_KIND = "namespace"
 
 Spawn = Callable[[Callable[[], None]], None]
 
+_LANES = threading.local()
+
+
+def current_lane() -> int:
+    """The calling thread's send lane: 0, unless the thread was made a lane of its own by :func:`send_lane`."""
+    return getattr(_LANES, "lane", 0)
+
+
+def send_lane(lane: int) -> None:
+    """Make the calling thread use lane ``lane`` of every :class:`Namespace`: its own SDK senders (each its own
+    connection: the SDK shares none), so that sends from several threads are in flight at once instead of
+    waiting for one sender. For the threads of a pool that sends (``ThreadPoolExecutor(initializer=...)``)."""
+    _LANES.lane = lane
+
 
 class _Generation:
     """One generation of a namespace's SDK handles: a client and the senders and receivers it opened. Closed
@@ -58,7 +75,7 @@ class _Generation:
 
     def __init__(self) -> None:
         self.client: Any = None
-        self.senders: dict[str, Any] = {}
+        self.senders: dict[tuple[str, int], Any] = {}  # (entity, lane)
         self.receivers: dict[tuple[str, bool], Any] = {}
         self.users = 0
         self.detached = False
@@ -145,19 +162,21 @@ class Namespace:
 
     @contextmanager
     def sender(self, entity: str) -> Iterator[ServiceBusSender]:
-        """This namespace's SDK sender of ``entity`` (a queue or topic: an AMQP sender only needs the path),
-        held exclusively for the ``with`` block."""
-        with self._handle_lock(entity), self._use(
-                lambda g: g.senders, entity, lambda client: client.get_queue_sender(entity, **SENDER_KWARGS)
+        """This namespace's SDK sender of ``entity`` (a queue or topic: an AMQP sender only needs the path) in
+        the calling thread's lane (:func:`send_lane`), held exclusively for the ``with`` block."""
+        key = (entity, current_lane())
+        with self._handle_lock(key), self._use(
+                lambda g: g.senders, key, lambda client: client.get_queue_sender(entity, **SENDER_KWARGS)
         ) as (_, sdk_sender):
             yield sdk_sender
 
     def drop_sender(self, entity: str) -> None:
-        """Close and forget the sender of ``entity`` (after a failed send): the next use opens a new one. Waits
-        for a ``with`` block of another thread holding it."""
-        with self._handle_lock(entity):
+        """Close and forget the calling thread's lane's sender of ``entity`` (after a failed send): the next use
+        opens a new one. Waits for a ``with`` block of another thread holding it."""
+        key = (entity, current_lane())
+        with self._handle_lock(key):
             with self._lock:
-                sdk_sender = self._current.senders.pop(entity, None)
+                sdk_sender = self._current.senders.pop(key, None)
             if sdk_sender is not None:
                 close_quietly(sdk_sender, f"the sender of {entity!r}")
 

@@ -40,6 +40,7 @@ import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -50,6 +51,7 @@ from .. import bus
 from .. import messages as msgs
 from ..bus import EntityState, HealthBoard, Namespace, join_board
 from ..bus.batches import PartialSend, call_messages, send_batches
+from ..bus.inflight import SendPool
 from ..bus.pings import Wait
 from ..config import NamespaceConfig, SparkSbConfig, load_config
 from ..errors import (
@@ -199,6 +201,7 @@ class PairedSender:
         self._closed = False
         self._saw_connection_error = False
         self._counters: dict[str, int] = {"sent_primary": 0, "sent_backlog": 0, "busy_waits": 0}
+        self._pool = SendPool(config.sink.sends_in_flight)
         # joined last (nothing after it can fail); close() leaves it
         self._attached = False  # to the board's ping task
         self.board: HealthBoard = join_board(key, settings, clock, pairing, ping_wait)
@@ -382,6 +385,14 @@ class PairedSender:
             self._counters["sent_primary"] += result.primary
             self._counters["sent_backlog"] += result.backlog
         return result
+
+    def submit(self, entity: str, message: ServiceBusMessage | Sequence[ServiceBusMessage]) -> Future[SendResult]:
+        """:meth:`send` in one of the sender's ``sink.sends_in_flight`` threads, each with connections of its own
+        (:class:`~spark_sb.bus.inflight.SendPool`): several calls in flight at once, each with the guarantees of
+        :meth:`send`. The future holds its :class:`SendResult` or its error; what was not acknowledged is never
+        in a result. Calls to the same entity may be stored in any order."""
+        self._check_open()
+        return self._pool.submit(self.send, entity, message)
 
     def _send(self, entity: str, batch: list[ServiceBusMessage]) -> dict[str, int]:
         """The loop of :meth:`send`: returns ``{destination: count}``."""
@@ -588,6 +599,7 @@ class PairedSender:
         with self._state_lock:
             leaving = not self._closed
             self._closed = True
+        self._pool.shutdown()  # submitted calls not started are cancelled; running ones meet the closed handles
         deadline = time.monotonic() + CLOSE_TIMEOUT
         if leaving:
             self.board.leave()

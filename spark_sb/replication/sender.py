@@ -49,6 +49,7 @@ Choices where behaviour.md is silent (also in the report):
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 import os
 import threading
@@ -61,8 +62,9 @@ from typing import Any, Literal
 
 from azure.servicebus import ServiceBusMessage
 
-from ..bus import Namespace
+from ..bus import Namespace, send_lane
 from ..bus.batches import PartialSend, call_messages, send_batches
+from ..bus.inflight import SendPool
 from ..config import SparkSbConfig, load_config
 from ..errors import (
     BadMessageError,
@@ -86,6 +88,8 @@ SECONDARY: Side = "secondary"
 SIDES: tuple[Side, Side] = (PRIMARY, SECONDARY)
 #: threads of an active sender's pool that send to the secondary while the caller sends to the primary
 SIDE_THREADS = 8
+#: the first send lane of the side threads (:func:`spark_sb.bus.send_lane`); the calls' lanes are below it
+_SIDE_LANES = 1000
 CLOSE_TIMEOUT = 5.0
 
 
@@ -220,6 +224,7 @@ class ReplicatingSender:
         self._skip_until: dict[tuple[str, Side], float] = {}  # active mode: (entity, side) -> clock time
         self._pool: ThreadPoolExecutor | None = None
         self._in_flight: set[Future[_Outcome]] = set()
+        self._calls = SendPool(config.sink.sends_in_flight, "spark-sb-replicate-call")
         self._counters: dict[str, int] = {"sent_primary": 0, "sent_secondary": 0, "busy_waits": 0, "swaps": 0,
                                           "skipped_sides": 0, "degraded_sends": 0}
 
@@ -312,6 +317,14 @@ class ReplicatingSender:
         self._count(sent_primary=result.primary, sent_secondary=result.secondary,
                     degraded_sends=1 if result.errors else 0)
         return result
+
+    def submit(self, entity: str,
+               message: ServiceBusMessage | Sequence[ServiceBusMessage]) -> Future[ReplicationResult]:
+        """:meth:`send` in one of the sender's ``sink.sends_in_flight`` threads, each with connections of its own
+        (:class:`~spark_sb.bus.inflight.SendPool`): several calls in flight at once, each with the guarantees of
+        :meth:`send`. Calls to the same entity may be stored in any order."""
+        self._check_open()
+        return self._calls.submit(self.send, entity, message)
 
     def _send_side(self, side: Side, entity: str, items: Sequence[ServiceBusMessage]) -> _Outcome:
         """Send ``items`` to ``side`` until it accepted all of them or failed otherwise than busy."""
@@ -427,7 +440,11 @@ class ReplicatingSender:
             if self._closed:
                 raise RuntimeError("this ReplicatingSender is closed")
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix="spark-sb-replicate")
+                # lanes of their own (past the calls' lanes): the secondary sends of calls in flight at once
+                # are in flight at once too
+                lanes = itertools.count(_SIDE_LANES)
+                self._pool = ThreadPoolExecutor(max_workers=SIDE_THREADS, thread_name_prefix="spark-sb-replicate",
+                                                initializer=lambda: send_lane(next(lanes)))
             future = self._pool.submit(task)
             self._in_flight.add(future)
         future.add_done_callback(self._done)
@@ -469,6 +486,7 @@ class ReplicatingSender:
             self._closed = True
             pool, self._pool = self._pool, None
             in_flight = list(self._in_flight)
+        self._calls.shutdown()
         deadline = time.monotonic() + CLOSE_TIMEOUT
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

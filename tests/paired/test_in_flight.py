@@ -1,0 +1,164 @@
+"""Several sends in flight (issue 21): a sink partition keeps ``sink.sends_in_flight`` chunks on their way at once,
+each on a connection of its own, against a secondary 20 ms away (an emulator namespace with a latency), with the
+guarantees of one send at a time: every message once, in the backlog queue the rotation chose, nothing reported
+that was not acknowledged. Not timed: the tests count messages and connections, never seconds."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
+from pairing import pair_config
+
+from spark_sb import sink as sink_module
+from spark_sb.config import load_config
+from spark_sb.emulator import Emulator, NamespaceOptions
+
+ROWS = 3000  # six chunks of 500
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    """The primary 10 ms away (5 ms each way), the secondary 20 ms away (10 ms each way)."""
+    emu = Emulator([NamespaceOptions("primary", latency=0.005), NamespaceOptions("secondary", latency=0.01)],
+                   data_dir=tmp_path_factory.mktemp("far"))
+    with emu:
+        yield emu
+
+
+@pytest.fixture(autouse=True)
+def _fresh_senders() -> Iterator[None]:
+    yield
+    sink_module.close_senders()
+
+
+def _secondary_connections(emulator: Emulator) -> int:
+    """The secondary's open connections, once those of earlier tests are gone (their close frames travel 10 ms)."""
+    deadline = time.monotonic() + 10
+    while (count := emulator.server("secondary").stats()["connections"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return count
+
+
+def _config(primary: Any, secondary: Any, queue: str, **sink: Any) -> Any:
+    raw = pair_config(primary, secondary, "fl", backlog_queue_count=3, failover_interval="0s",
+                      ping_primary_interval="30m", primary_try_timeout="3s")
+    return load_config({**raw, "sink": {"entity": queue, "sends_in_flight": 4, **sink}})
+
+
+def _rows(n: int, tag: str, **columns: list[Any]) -> list[pa.RecordBatch]:
+    data = {"body": [f"{tag}-{i}".encode() for i in range(n)], "message_id": [f"{tag}-{i}" for i in range(n)],
+            **columns}
+    return [pa.RecordBatch.from_pydict(data)]
+
+
+def _run(config: Any, batches: list[pa.RecordBatch], failed_over: tuple[str, ...] = ()) -> dict[str, Any]:
+    """One sink partition run; returns its summary row."""
+    run = sink_module._PartitionRun(config, config.fingerprint(), 7, 0, failed_over, reject=False)
+    out = list(run.run(iter(batches)))
+    [summary] = [b for b in out if b.column("kind")[0].as_py() == "summary"]
+    return {name: summary.column(name)[0].as_py() for name in summary.schema.names}
+
+
+def _ids(connection_string: str, queue: str) -> list[str]:
+    """Every message id in ``queue`` (received and deleted), duplicates kept."""
+    ids: list[str] = []
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client, \
+            client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+        while batch := receiver.receive_messages(max_message_count=500, max_wait_time=1):
+            ids.extend(str(m.message_id) for m in batch)
+    return ids
+
+
+def test_a_failed_over_partition_with_sends_in_flight_lands_once_in_the_chosen_backlog_queue(
+        emulator, primary, secondary, make_queue) -> None:
+    q = make_queue()
+    config = _config(primary, secondary, q)
+    sender = sink_module.sender_for(config)
+    sender.pair()
+    emulator.fault("primary", "down")
+    before = _secondary_connections(emulator)
+    summary = _run(config, _rows(ROWS, "fo"), failed_over=(q,))
+    lanes = emulator.server("secondary").stats()["connections"] - before
+
+    assert summary["sent"] == ROWS and summary["primary"] == 0
+    [(chosen, count)] = summary["backlog"]  # one queue: each (process, entity) keeps the one it picked
+    assert count == ROWS and chosen in sender.backlog_queues
+    ids = _ids(secondary.connection_string, chosen)
+    assert sorted(ids) == sorted(f"fo-{i}" for i in range(ROWS))  # every message, once
+    for other in set(sender.backlog_queues) - {chosen}:
+        assert _ids(secondary.connection_string, other) == []
+    # a lane opens its connection only when every other lane is busy: two or more means sends overlapped
+    assert lanes >= 2, f"the run used {lanes} connection(s) to the secondary"
+
+
+def test_an_outage_while_sends_are_in_flight_fails_over_what_was_not_acknowledged_once(
+        emulator, primary, secondary, make_queue) -> None:
+    q = make_queue()
+    config = _config(primary, secondary, q)
+    sender = sink_module.sender_for(config)
+    sender.pair()
+    # the primary entity goes down as the second chunk is acknowledged, while later ones are on their way
+    done = collections.Counter()
+    lock = threading.Lock()
+    original = sender.send
+
+    def send(entity: str, messages: Any) -> Any:
+        result = original(entity, messages)
+        with lock:
+            done["n"] += 1
+            if done["n"] == 2:
+                emulator.fault("primary", "down", entity=q)
+        return result
+
+    sender.send = send  # type: ignore[method-assign]
+    try:
+        summary = _run(config, _rows(ROWS, "mid"))
+    finally:
+        del sender.send
+        emulator.heal("primary")
+
+    in_primary = _ids(primary.connection_string, q)
+    backlog = dict(summary["backlog"])
+    in_backlog = [i for queue in sender.backlog_queues for i in _ids(secondary.connection_string, queue)]
+    # reported once: the summary's counts are what each side holds
+    assert summary["sent"] == ROWS and summary["primary"] == len(in_primary) and sum(backlog.values()) == len(in_backlog)
+    assert 0 < len(in_primary) < ROWS and summary["failovers"] >= 1
+    # and every message is in exactly one place, once
+    assert sorted(in_primary + in_backlog) == sorted(f"mid-{i}" for i in range(ROWS))
+
+
+def test_a_sessions_messages_keep_their_order_with_sends_in_flight(emulator, primary, secondary, make_queue) -> None:
+    q = make_queue(requires_session=True)
+    config = _config(primary, secondary, q)
+    n = 1500
+    summary = _run(config, _rows(n, "s", session_id=["one"] * n))
+    assert summary["sent"] == n and summary["primary"] == n
+    with ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) as client, \
+            client.get_queue_receiver(q, session_id="one",
+                                      receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+        got: list[str] = []
+        while batch := receiver.receive_messages(max_message_count=500, max_wait_time=1):
+            got.extend(str(m.message_id) for m in batch)
+    assert got == [f"s-{i}" for i in range(n)]
+
+
+def test_one_send_at_a_time_when_asked(emulator, primary, secondary, make_queue) -> None:
+    q = make_queue()
+    config = _config(primary, secondary, q, sends_in_flight=1)
+    sender = sink_module.sender_for(config)
+    sender.pair()
+    emulator.fault("primary", "down")
+    before = _secondary_connections(emulator)
+    try:
+        summary = _run(config, _rows(1500, "one"), failed_over=(q,))
+    finally:
+        emulator.heal("primary")
+    assert summary["sent"] == 1500
+    assert emulator.server("secondary").stats()["connections"] - before == 1  # the calling thread's only
