@@ -12,12 +12,16 @@ Rows:
   failed over, over the raw SDK's sequential batch send of the same messages to the backlog queue;
 * **sink healthy, primary 5 ms away**: the same run to a healthy primary, over the raw SDK's sequential send to
   the primary entity;
+* **syphon job, secondary 40 ms away**: ``jobs/syphon.py``'s query on a local Spark session moving messages
+  parked over two backlog queues home, over bench/syphon.py's raw loop (receive a page, send it, complete each
+  message: one round trip per message to the far secondary);
 * **active replication, secondary 40 ms away**: the partition run in active mode (both namespaces), over the raw
   SDK's sequential send to the primary; its ratio to the paired run on the same emulator is printed too.
 
 Rounds alternate which side goes first; each rate is the median of the rounds. Prints a Markdown table.
 
-    .venv/bin/python bench/latency.py [--messages 12000] [--rounds 3] [--in-flight 4]
+    .venv/bin/python bench/latency.py [--messages 12000] [--rounds 3] [--in-flight 8] [--syphon-messages 1200]
+                                      [--no-spark]
 """
 
 from __future__ import annotations
@@ -111,7 +115,8 @@ def rounds(count: int, raw: Callable[[], float], ours: Callable[[], float]) -> t
 
 def emulator(work: Path, name: str, primary_latency: float, secondary_latency: float) -> EmulatorProcess:
     entities = work / f"{name}.yaml"
-    entities.write_text(f"queues:\n  - name: {QUEUE}\n    max_size_in_megabytes: 5120\n")
+    entities.write_text("queues:\n" + "".join(f"  - name: {q}\n    max_size_in_megabytes: 5120\n"
+                                               for q in (QUEUE, "syphon-raw", "syphon-job")))
     return EmulatorProcess.start(data_dir=work / name, entities=entities, namespaces=[
         NamespaceOptions("primary", latency=primary_latency), NamespaceOptions("secondary", latency=secondary_latency)])
 
@@ -165,11 +170,47 @@ def active_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, f
         sink_module.close_senders()
 
 
+def syphon_row(emu: EmulatorProcess, args: argparse.Namespace, work: Path) -> tuple[float, float]:
+    """(raw loop, syphon job) rates moving ``--syphon-messages`` parked over two backlog queues (bench/syphon.py:
+    the raw loop receives, sends and completes one page after the other; the job is timed from its first
+    batch's end)."""
+    import importlib.util
+
+    # bench/syphon.py under another name: its spark_job imports jobs/syphon.py as "syphon"
+    spec = importlib.util.spec_from_file_location("syphon_bench", Path(__file__).resolve().parent / "syphon.py")
+    assert spec is not None and spec.loader is not None
+    syphon_bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(syphon_bench)
+
+    p, s = emu["primary"], emu["secondary"]
+    config = {
+        "primary": {"connection_string": p.connection_string, "admin_endpoint": p.admin_url},
+        "secondary": {"connection_string": s.connection_string, "admin_endpoint": s.admin_url},
+        "send_availability": {"backlog_queue_count": 2, "backlog_prefix": "latency-syphon"},
+        "syphon": {"receive_batch": 100, "retry_interval": "1s", "checkpoint_location": str(work / "checkpoint"),
+                   "ledger": str(work / "ledger")},
+    }
+    sender = sink_module.sender_for(load_config(config))
+    sender.pair()
+    queues = list(sender.backlog_queues)
+    sink_module.close_senders()
+    n = args.syphon_messages
+    syphon_bench.park_evenly(s.connection_string, queues, "syphon-raw", n, "raw")
+    raw = syphon_bench.raw_loop(s.connection_string, p.connection_string, queues, "syphon-raw", n, 100)
+    syphon_bench.park_evenly(s.connection_string, queues, "syphon-job", n, "job")
+    job, _ = syphon_bench.spark_job(config, n, max(100, n // 3))
+    return raw, job
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--messages", type=int, default=12000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--in-flight", type=int, default=8, help="sink.sends_in_flight (default: %(default)s)")
+    parser.add_argument("--syphon-messages", type=int, default=1200,
+                        help="messages the syphon rows move (default: %(default)s; the raw loop completes one "
+                             "message per round trip)")
+    parser.add_argument("--no-spark", action="store_true", help="skip the syphon job row (the only one on Spark)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sb-bench-latency-"))
     rows: list[tuple[str, float, float, str]] = []
@@ -189,6 +230,9 @@ def main() -> int:
         emit("sink failed over, secondary 40 ms away", *failed_over_row(emu, args), ">= 2.0")
         raw, act, pair = active_row(emu, args)
         emit("active replication, secondary 40 ms away", raw, act, f"{act / pair:.2f} of paired; goal >= 0.75")
+        if not args.no_spark:
+            emit("syphon job, secondary 40 ms away (raw: receive, send, complete)", *syphon_row(emu, args, work),
+                 ">= 1.5")
     finally:
         emu.stop()
     emu = emulator(work, "near-primary", 0.0025, 0.0)

@@ -15,6 +15,7 @@ foreachBatch (``addBatch``: read and republish, ledger, settle) and Spark's own 
 The last line is ``syphon job ratio: X.XX``.
 
     .venv/bin/python bench/syphon.py [--messages 12000] [--batch 100] [--per-trigger 4000] [--no-spark]
+                                     [--secondary-latency 20ms]
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ from pathlib import Path
 
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from paired_send import _free_ports  # noqa: E402
-
 from spark_sb import messages  # noqa: E402
-from spark_sb.emulator import EmulatorProcess  # noqa: E402
+from spark_sb.durations import parse_seconds  # noqa: E402
+from spark_sb.emulator import EmulatorProcess, NamespaceOptions  # noqa: E402
 from spark_sb.paired import PairedSender  # noqa: E402
 from spark_sb.syphon import Syphon  # noqa: E402
 
@@ -126,10 +125,13 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=100, help="messages per receive (raw loop, Syphon.move)")
     parser.add_argument("--per-trigger", type=int, default=4000, help="the syphon job's maxMessagesPerTrigger")
     parser.add_argument("--no-spark", action="store_true", help="skip the syphon job")
+    parser.add_argument("--secondary-latency", type=parse_seconds, default=0.0, metavar="DURATION",
+                        help="the secondary far away: its latency each way (e.g. 20ms: 40 ms round trips)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sb-bench-"))
     (work / "entities.yaml").write_text("queues:\n  - name: raw\n  - name: syphon\n  - name: job\n")
-    emu = EmulatorProcess.start(data_dir=work / "data", entities=work / "entities.yaml", namespaces=_free_ports())
+    namespaces = [NamespaceOptions("primary"), NamespaceOptions("secondary", latency=args.secondary_latency)]
+    emu = EmulatorProcess.start(data_dir=work / "data", entities=work / "entities.yaml", namespaces=namespaces)
     try:
         p, s = emu["primary"], emu["secondary"]
         config = {
