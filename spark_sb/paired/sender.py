@@ -197,6 +197,8 @@ class PairedSender:
                    f"{config.secondary.fully_qualified_namespace}, backlog_prefix {sa.backlog_prefix!r}")
         self._usable: tuple[str, ...] | None = None
         self._pair_lock = threading.Lock()
+        self._pair_attempts = 0  # pairing attempts ended (under _pair_lock)
+        self._pair_error: PairingError | None = None  # the last attempt's error, None after a success
         self._state_lock = threading.Lock()
         self._closed = False
         self._saw_connection_error = False
@@ -259,9 +261,20 @@ class PairedSender:
         credential."""
         self._check_open()
         with self._pair_lock:
+            return self._pair_locked()
+
+    def _pair_locked(self) -> int:
+        """:meth:`pair` under ``_pair_lock``: one attempt, its answer kept for the calls that waited for it."""
+        try:
             usable = self._provision()
-            self._usable = tuple(usable)
-            return len(usable)
+        except PairingError as exc:
+            self._pair_error = exc
+            raise
+        finally:
+            self._pair_attempts += 1  # counted when it ends: a call that read the count before waits for it
+        self._pair_error = None
+        self._usable = tuple(usable)
+        return len(usable)
 
     def _provision(self) -> list[str]:
         sa = self._sa
@@ -356,9 +369,18 @@ class PairedSender:
         return f": the last request to the administration endpoint {endpoint} failed: {detail}"
 
     def _ensure_paired(self) -> tuple[str, ...]:
-        if self._usable is None:
-            self.pair()
-        return self._usable or ()
+        """The usable backlog queues, pairing first when not paired yet. One pairing at a time: a call that
+        waited for another thread's attempt takes that attempt's answer (its queues, or its error) instead of
+        trying again, so sends in flight at once wait out one pairing, not one each."""
+        usable, attempts = self._usable, self._pair_attempts
+        if usable is not None:
+            return usable
+        with self._pair_lock:
+            if self._usable is None and self._pair_attempts != attempts and self._pair_error is not None:
+                raise PairingError(str(self._pair_error)) from self._pair_error
+            if self._usable is None:
+                self._pair_locked()
+            return self._usable or ()
 
     # --- sending -------------------------------------------------------------------------------------------
 

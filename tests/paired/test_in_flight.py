@@ -52,6 +52,14 @@ def _config(primary: Any, secondary: Any, queue: str, **sink: Any) -> Any:
     return load_config({**raw, "sink": {"entity": queue, "sends_in_flight": 4, **sink}})
 
 
+def _paired(primary: Any, secondary: Any, queue: str, **sink: Any) -> tuple[Any, Any]:
+    """The configuration and the process's sender for it, its backlog queues provisioned."""
+    config = _config(primary, secondary, queue, **sink)
+    sender = sink_module.sender_for(config)
+    sender.pair()
+    return config, sender
+
+
 def _rows(n: int, tag: str, **columns: list[Any]) -> list[pa.RecordBatch]:
     data = {"body": [f"{tag}-{i}".encode() for i in range(n)], "message_id": [f"{tag}-{i}" for i in range(n)],
             **columns}
@@ -79,9 +87,7 @@ def _ids(connection_string: str, queue: str) -> list[str]:
 def test_a_failed_over_partition_with_sends_in_flight_lands_once_in_the_chosen_backlog_queue(
         emulator, primary, secondary, make_queue) -> None:
     q = make_queue()
-    config = _config(primary, secondary, q)
-    sender = sink_module.sender_for(config)
-    sender.pair()
+    config, sender = _paired(primary, secondary, q)
     emulator.fault("primary", "down")
     before = _secondary_connections(emulator)
     summary = _run(config, _rows(ROWS, "fo"), failed_over=(q,))
@@ -101,9 +107,7 @@ def test_a_failed_over_partition_with_sends_in_flight_lands_once_in_the_chosen_b
 def test_an_outage_while_sends_are_in_flight_fails_over_what_was_not_acknowledged_once(
         emulator, primary, secondary, make_queue) -> None:
     q = make_queue()
-    config = _config(primary, secondary, q)
-    sender = sink_module.sender_for(config)
-    sender.pair()
+    config, sender = _paired(primary, secondary, q)
     # the primary entity goes down as the second chunk is acknowledged, while later ones are on their way
     done = collections.Counter()
     lock = threading.Lock()
@@ -151,9 +155,7 @@ def test_a_sessions_messages_keep_their_order_with_sends_in_flight(emulator, pri
 
 def test_one_send_at_a_time_when_asked(emulator, primary, secondary, make_queue) -> None:
     q = make_queue()
-    config = _config(primary, secondary, q, sends_in_flight=1)
-    sender = sink_module.sender_for(config)
-    sender.pair()
+    config, _ = _paired(primary, secondary, q, sends_in_flight=1)
     emulator.fault("primary", "down")
     before = _secondary_connections(emulator)
     try:

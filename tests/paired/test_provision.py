@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -104,3 +106,43 @@ def test_an_unreachable_admin_endpoint_is_named_with_the_refused_connection(make
     assert "http://localhost:1" in text
     assert "connection refused" in text.lower()
     assert "SAS_KEY_VALUE" not in text and "SharedAccessKey=" not in text
+
+
+def test_sends_in_flight_wait_out_one_pairing_not_one_each(emulator, make_sender, make_queue, monkeypatch) -> None:
+    """Sends in flight at once that all need the backlog while the secondary cannot be reached: one pairing
+    attempt answers all of them (the chaos bench's row with every backlog queue failing wedged when each of a
+    partition's eight sends in flight waited out a pairing of its own, one after the other)."""
+    q = make_queue()
+    sender = make_sender(failover_interval="0s")
+    threads = 4
+    arrived: set[int] = set()  # the threads that asked for the backlog queues
+    everyone = threading.Condition()
+    attempts: list[int] = []
+    ensure, provision = sender._ensure_paired, sender._provision
+
+    def counted_ensure() -> tuple[str, ...]:
+        with everyone:
+            arrived.add(threading.get_ident())
+            everyone.notify_all()
+        return ensure()
+
+    def held_provision() -> list[str]:
+        attempts.append(1)
+        if len(attempts) == 1:  # the first attempt answers once every send is waiting for the backlog
+            with everyone:
+                assert everyone.wait_for(lambda: len(arrived) == threads, timeout=30)
+        return provision()
+
+    monkeypatch.setattr(sender, "_ensure_paired", counted_ensure)
+    monkeypatch.setattr(sender, "_provision", held_provision)
+    emulator.fault("primary", "quota", entity=q)  # refused at once: straight to the backlog (interval 0 s)
+    emulator.fault("secondary", "down")
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            futures = [pool.submit(sender.send, q, ServiceBusMessage(f"m{i}")) for i in range(threads)]
+            errors = [f.exception(60) for f in futures]
+    finally:
+        emulator.heal("secondary")
+        emulator.heal("primary")
+    assert all(isinstance(e, PairingError) for e in errors), errors
+    assert len(attempts) == 1
