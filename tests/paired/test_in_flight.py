@@ -20,7 +20,7 @@ from spark_sb import sink as sink_module
 from spark_sb.config import load_config
 from spark_sb.emulator import Emulator, NamespaceOptions
 
-ROWS = 3000  # six chunks of 500
+ROWS = 2000  # four chunks of 500
 
 
 @pytest.fixture(scope="module")
