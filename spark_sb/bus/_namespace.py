@@ -193,6 +193,10 @@ class Namespace:
                 lambda client: client.get_queue_receiver(queue, prefetch_count=0, receive_mode=mode),
         ) as (generation, sdk_receiver):
             try:
+                # open it here, with the SDK's retries and try timeout (at once when open): left to the first
+                # receive_messages, the opening would have only that call's max_wait_time, and against a far
+                # namespace (several round trips to open) a short wait never opened it
+                sdk_receiver.__enter__()
                 yield sdk_receiver
             except Exception as exc:
                 if not is_message_not_found(exc):
