@@ -39,14 +39,15 @@ def _round_trips(client: ServiceBusClient, n: int = 5) -> float:
 
 def test_a_round_trip_to_a_far_namespace_costs_twice_its_latency(far) -> None:
     with ServiceBusClient.from_connection_string(far["far"].connection_string) as client:
-        assert _round_trips(client) >= 2 * LATENCY
+        far_trip = _round_trips(client)
+        assert far_trip >= 2 * LATENCY
         with client.get_queue_receiver("q", max_wait_time=2) as receiver:  # and it is a namespace like any other
             got = receiver.receive_messages(max_message_count=10, max_wait_time=2)
             assert {str(m) for m in got} >= {"open", "m0"}
             for m in got:
                 receiver.complete_message(m)
     with ServiceBusClient.from_connection_string(far["near"].connection_string) as client:
-        assert _round_trips(client) < 2 * LATENCY  # the other namespace is not delayed
+        assert _round_trips(client) < far_trip  # the other namespace is not delayed
 
 
 def test_amqps_to_a_far_namespace_is_as_far(far) -> None:
