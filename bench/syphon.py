@@ -15,7 +15,7 @@ foreachBatch (``addBatch``: read and republish, ledger, settle) and Spark's own 
 The last line is ``syphon job ratio: X.XX``.
 
     .venv/bin/python bench/syphon.py [--messages 12000] [--batch 100] [--per-trigger 4000] [--no-spark]
-                                     [--secondary-latency 20ms]
+                                     [--secondary-latency 20ms] [--primary-latency 20ms]
 """
 
 from __future__ import annotations
@@ -127,10 +127,13 @@ def main() -> int:
     parser.add_argument("--no-spark", action="store_true", help="skip the syphon job")
     parser.add_argument("--secondary-latency", type=parse_seconds, default=0.0, metavar="DURATION",
                         help="the secondary far away: its latency each way (e.g. 20ms: 40 ms round trips)")
+    parser.add_argument("--primary-latency", type=parse_seconds, default=0.0, metavar="DURATION",
+                        help="the primary far away, as --secondary-latency")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sb-bench-"))
     (work / "entities.yaml").write_text("queues:\n  - name: raw\n  - name: syphon\n  - name: job\n")
-    namespaces = [NamespaceOptions("primary"), NamespaceOptions("secondary", latency=args.secondary_latency)]
+    namespaces = [NamespaceOptions("primary", latency=args.primary_latency),
+                  NamespaceOptions("secondary", latency=args.secondary_latency)]
     emu = EmulatorProcess.start(data_dir=work / "data", entities=work / "entities.yaml", namespaces=namespaces)
     try:
         p, s = emu["primary"], emu["secondary"]

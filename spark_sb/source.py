@@ -36,7 +36,9 @@ secrets are ``${ENV_VAR}`` references, resolved where the reader runs), or flat 
 :func:`spark_sb.config.from_options` that hold no literal secret; ``maxMessagesPerTrigger`` (default
 ``syphon.max_messages_per_trigger`` for the backlog, 1,000 for ``servicebus``); ``receiveTimeout`` (seconds a
 receive waits for the first message, default 1); ``reportBacklogDepth`` (default true); ``readRetryTimeout``
-(seconds, default 120: how long a ``read`` of a planned batch retries a namespace that does not answer). The ``servicebus``
+(seconds, default 120: how long a ``read`` of a planned batch retries a namespace that does not answer);
+``receivesInFlight`` (default 8, at most 32: receives at once, each a thread with its own connection; deferring
+costs a round trip per message, so against a far namespace this multiplies the rate). The ``servicebus``
 source also takes ``entity`` (required: ``orders``, or ``events/subscriptions/all``) and ``namespaces``
 (``primary``, ``secondary`` or ``primary,secondary``; default ``primary``). It checks before anything starts
 that the entity exists and needs no session: a session-enabled entity is **refused** with a clear error,
@@ -183,6 +185,8 @@ SERVICEBUS_SCHEMA = StructType([
 _FOUND_LOCK = threading.Lock()
 #: at most this many messages per input partition: a batch from one queue still runs on several cores
 _PARTITION = 1000
+#: receives in flight by default (option ``receivesInFlight``): lanes, each a thread with its own connection
+RECEIVES_IN_FLIGHT = 8
 
 
 def register(spark: Any) -> None:
@@ -487,6 +491,7 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
                                              most=MAX_RECEIVE_BATCH))
         self.receive_timeout = float(_positive(self.options, "receiveTimeout", 1.0, float, most=300))
         self.read_retry_timeout = float(_positive(self.options, "readRetryTimeout", 120.0, float, most=3600))
+        self.receives_in_flight = int(_positive(self.options, "receivesInFlight", RECEIVES_IN_FLIGHT, most=32))
         depth = (_option(self.options, "reportBacklogDepth") or "true").lower()
         self.report_depth = depth in ("true", "1", "yes")
         self._taken_back: dict[str, list[int]] = {}
@@ -628,40 +633,32 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
 
     def _defer(self, cap: int | None, found: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
         """Receive up to ``cap`` messages (None: all there are) from the swept entities in peek-lock and defer
-        them; pings are completed. The entities share ``cap`` evenly. One thread per connection: the two
-        namespaces are received from at once, the entities of one namespace one after the other (two threads
-        pumping one connection steal each other's settlement answers: measured, a defer then fails and the rest
-        of its page stays locked until the lock expires); an entity read alone gets two receivers on two
-        connections ("lanes"), which doubles what receiving and deferring (one round trip per message) gets
-        done. An entity that gives fewer than its share (it has no more for now) leaves the rest of ``cap`` to
-        the others in another round. Returns (and records in ``found``) the deferred sequence numbers by
-        entity key."""
+        them; pings are completed. Returns (and records in ``found``) the deferred sequence numbers by entity key.
+
+        Deferring costs a round trip per message (the SDK settles one message at a time), so against a far
+        namespace one receiver defers at most one message per round trip. The receives therefore run on up to
+        ``receivesInFlight`` **lanes** at once (:meth:`_lanes`): a lane is one thread with its own receivers
+        (its own connections), for one entity or, when there are more entities than lanes, a few entities one
+        after the other. The entities share ``cap`` evenly, and an entity's lanes its share; one that gives fewer
+        than its share (it has no more for now) leaves the rest to the others in another round. Lanes number
+        from 1: lane 0 is the reader's own (sweeps, completions), so that no two threads ever pump one
+        receiver."""
         found = {} if found is None else found
         owed = self._available_now
         ready = [e for e in self.entities if e.key not in self._unswept and (owed is None or owed[e.key] != 0)]
         if cap is None:
             for entity in ready:
-                self._defer_entity(entity, None, found)
+                self._defer_entity(entity, None, found, lane=1)
             return found
         if not ready:
             return found
-        # (entity, lane) units: a lane is a connection, used by one thread; an entity read alone gets two
-        # lanes, so that two receivers keep the client and the broker busy while the other waits
-        lanes = 2 if len(ready) == 1 and owed is None else 1
-        open_work = [(entity, lane) for entity in ready for lane in range(lanes)]
+        open_work = self._lanes(ready)
         count = 0
         threads = list(dict.fromkeys((entity.side, lane) for entity, lane in open_work))
         with ThreadPoolExecutor(len(threads), thread_name_prefix=f"spark-sb-{self.WHAT}-receive") as pool:
             while open_work and count < cap:
-                left = cap - count
-                shares = {unit: left // len(open_work) + (1 if i < left % len(open_work) else 0)
-                          for i, unit in enumerate(open_work)}
-                if owed is not None:  # Trigger.AvailableNow: no entity gives more than it held at the start
-                    shares = {unit: share if owed[unit[0].key] < 0 else min(share, owed[unit[0].key])
-                              for unit, share in shares.items()}
-                    open_work = [unit for unit in open_work if shares[unit] > 0]
-                    if not open_work:
-                        break
+                shares = self._shares(open_work, cap - count, owed)
+                open_work = [unit for unit in open_work if shares[unit] > 0]
                 futures = [pool.submit(self._defer_lane, [u for u in open_work if (u[0].side, u[1]) == thread],
                                        shares, found) for thread in threads]
                 for future in futures:
@@ -672,6 +669,28 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
                         if got < shares[unit]:  # this entity has no more for now (or did not answer)
                             open_work.remove(unit)
         return found
+
+    def _lanes(self, ready: Sequence[Entity]) -> list[tuple[Entity, int]]:
+        """The (entity, lane) units of a receive: ``receivesInFlight`` lanes shared out over the entities (at
+        least one each; lanes wrap round when there are more entities than lanes)."""
+        per = max(1, self.receives_in_flight // len(ready))
+        units = [entity for entity in ready for _ in range(per)]
+        return [(entity, 1 + i % self.receives_in_flight) for i, entity in enumerate(units)]
+
+    @staticmethod
+    def _shares(units: Sequence[tuple[Entity, int]], left: int, owed: Mapping[str, int] | None
+                ) -> dict[tuple[Entity, int], int]:
+        """``left`` messages shared out evenly over ``units``; under Trigger.AvailableNow no entity's lanes
+        together take more than the entity still owes."""
+        shares = {unit: left // len(units) + (1 if i < left % len(units) else 0) for i, unit in enumerate(units)}
+        if owed is not None:
+            room = {key: n for key, n in owed.items() if n >= 0}
+            for unit in units:
+                key = unit[0].key
+                if key in room:
+                    shares[unit] = min(shares[unit], room[key])
+                    room[key] -= shares[unit]
+        return shares
 
     def _defer_lane(self, units: Sequence[tuple[Entity, int]], shares: Mapping[tuple[Entity, int], int],
                     found: dict[str, list[int]]) -> list[tuple[tuple[Entity, int], int]]:

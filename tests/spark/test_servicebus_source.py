@@ -223,6 +223,7 @@ def test_reads_a_topic_subscription(conf, emulator, primary, request) -> None:
     ({"entity": "orders", "namespaces": " , "}, "namespaces", "names no namespace"),
     ({"entity": "events/subscriptions/"}, "entity", "topic/subscriptions/name"),
     ({"entity": "orders", "maxMessagesPerTrigger": "0"}, "maxMessagesPerTrigger", "positive"),
+    ({"entity": "orders", "receivesInFlight": "33"}, "receivesInFlight", "at most 32"),
 ])
 def test_bad_options_are_refused_before_anything_starts(conf, options, field, shown) -> None:
     with pytest.raises(ConfigError) as caught:

@@ -1,0 +1,104 @@
+"""The sources' receives in flight (option ``receivesInFlight``) against a far namespace: deferring costs a round
+trip per message, so a batch is received on several lanes at once (a thread each, with its own receivers), and
+every message still lands in the batch once. Not timed: the overlap is proven by the receives themselves (two
+lanes meet at a barrier), the guarantees by what the batch and the entity hold."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from azure.servicebus import ServiceBusClient, ServiceBusMessage
+
+from spark_sb.bus import close_all
+from spark_sb.emulator import Emulator, NamespaceOptions
+from spark_sb.source import SERVICEBUS_SCHEMA, ServiceBusStreamReader, config_options
+
+from .conftest import read_limit, sink_config
+
+QUEUE = "lanes-q"
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    emu = Emulator([NamespaceOptions("primary", latency=0.01), NamespaceOptions("secondary")],
+                   data_dir=tmp_path_factory.mktemp("lanes"), entities={"queues": [{"name": QUEUE}]})
+    with emu:
+        yield emu
+
+
+@pytest.fixture
+def conf(primary: Any, secondary: Any) -> Iterator[dict]:
+    config = sink_config(primary, secondary)
+    config["replication"] = {"mode": "active"}
+    config.pop("sink")
+    yield config
+    close_all()
+
+
+def _send(info: Any, n: int, tag: str) -> list[str]:
+    ids = [f"{tag}-{i}" for i in range(n)]
+    with ServiceBusClient.from_connection_string(info.connection_string) as client, \
+            client.get_queue_sender(QUEUE) as sender:
+        sender.send_messages([ServiceBusMessage(i, message_id=i) for i in ids])
+    return ids
+
+
+def _watched(reader: ServiceBusStreamReader, meet: int, wait: float) -> tuple[list[int], threading.Barrier]:
+    """Record the lane of each receive of ``reader``; the first ``meet`` receives wait for each other at a
+    barrier (broken after ``wait`` seconds): it is passed only if that many lanes receive at once."""
+    lanes: list[int] = []
+    barrier = threading.Barrier(meet, timeout=wait)
+    defer_entity = reader._defer_entity
+
+    def watched(entity: Any, cap: Any, found: Any, lane: int = 0) -> int:
+        lanes.append(lane)
+        if len(lanes) <= meet:
+            try:
+                barrier.wait()
+            except threading.BrokenBarrierError:
+                pass
+        return defer_entity(entity, cap, found, lane)
+
+    reader._defer_entity = watched  # type: ignore[method-assign]
+    return lanes, barrier
+
+
+def _batch(reader: ServiceBusStreamReader, n: int) -> tuple[dict, list[dict]]:
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, read_limit(n))
+    rows = [dict(zip(SERVICEBUS_SCHEMA.names, row, strict=True))
+            for partition in reader.partitions(start, end) for row in reader.read(partition)]
+    return end, rows
+
+
+def test_a_batch_is_received_on_several_lanes_at_once_and_holds_every_message_once(conf, primary) -> None:
+    ids = _send(primary, 300, "many")
+    reader = ServiceBusStreamReader({**config_options(conf), "entity": QUEUE, "receiveTimeout": "2",
+                                     "receivesInFlight": "4"})
+    lanes, barrier = _watched(reader, 2, 30)
+    end, rows = _batch(reader, 300)
+    reader.stop()
+    assert not barrier.broken, "two lanes never received at the same time"
+    assert set(lanes) == {1, 2, 3, 4}  # the reader's own lane (0) is left to its sweeps and completions
+    assert sorted(r["message_id"] for r in rows) == sorted(ids)  # each once
+    numbers = end["entities"][f"primary:{QUEUE}"]
+    assert len(numbers) == len(set(numbers)) == 300
+    reader.commit(end)
+    with ServiceBusClient.from_connection_string(primary.connection_string) as client, \
+            client.get_queue_receiver(QUEUE) as receiver:
+        assert receiver.peek_messages(max_message_count=10) == []  # completed, nothing left deferred
+
+
+def test_one_receive_in_flight_receives_on_one_lane(conf, primary) -> None:
+    ids = _send(primary, 50, "one")
+    reader = ServiceBusStreamReader({**config_options(conf), "entity": QUEUE, "receiveTimeout": "2",
+                                     "receivesInFlight": "1"})
+    lanes, barrier = _watched(reader, 2, 1)
+    end, rows = _batch(reader, 50)
+    reader.stop()
+    assert set(lanes) == {1} and barrier.broken  # no second receive ran beside the first
+    assert sorted(r["message_id"] for r in rows) == sorted(ids)
+    reader.commit(end)
