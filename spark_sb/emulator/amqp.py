@@ -63,6 +63,7 @@ _FAULT_CONDITIONS = {
     "down": ("amqp:link:detach-forced", "The namespace is unavailable. (injected fault)"),
 }
 _CREDIT = 1000
+_DETACH_FORCED = "amqp:link:detach-forced"
 _BATCH_ENVELOPE_SLACK = 1024
 MGMT_SUFFIX = "/$management"
 #: a ``last-updated-time`` at or after 9999-01-01 means "every session" (the SDK's DateTime.MaxValue marker)
@@ -108,6 +109,7 @@ class LinkState:
     waiting_since: float | None = None
     wait_timeout: float = 65.0
     held: list[Any] = field(default_factory=list)  # deliveries held by a timeout or ack-lost fault
+    active_at: float = 0.0  # the link's last transfer, flow or settlement (for idle detach)
     error: tuple[str, str] | None = None  # a doomed sending link: every transfer is rejected with this
 
 
@@ -139,6 +141,8 @@ class NamespaceServer(Handler):
         max_message_size: int = 256 * 1024,
         tick_interval: float = 0.05,
         authority: aad.Authority | None = None,
+        idle_detach: float = 0.0,
+        detach_every: float = 0.0,
     ) -> None:
         super().__init__()
         self.name = name
@@ -156,6 +160,13 @@ class NamespaceServer(Handler):
         self.clock = clock
         self.max_message_size = max_message_size
         self.tick_interval = tick_interval
+        #: Service Bus's habits (NamespaceOptions): detach an entity link idle this long; every entity link this
+        #: often; 0: never
+        self.idle_detach = idle_detach
+        self.detach_every = detach_every
+        self._next_detach: float | None = None
+        #: entity links detached by these habits, by why (idle, forced): for tests and the soak's tally
+        self.detached: dict[str, int] = {"idle": 0, "forced": 0}
         self._broker_factory = broker_factory
         self.broker: Broker | None = None
         self.faults: dict[str | None, Fault] = {}
@@ -272,6 +283,7 @@ class NamespaceServer(Handler):
         for key, f in list(self.faults.items()):
             if f.until is not None and f.until <= now:
                 self._heal(key)
+        self._habits(now)
         try:
             assert self.broker is not None
             self.broker.tick()
@@ -280,6 +292,27 @@ class NamespaceServer(Handler):
         for link in list(self._waiting_attach):
             self._try_session_attach(link)
         event.container.schedule(self.tick_interval, self)
+
+    def _habits(self, now: float) -> None:
+        """Service Bus's habits: entity links idle longer than ``idle_detach`` are detached, and every entity link
+        every ``detach_every`` seconds, both with ``amqp:link:detach-forced`` as the service does (the SDK opens
+        the link again on its next use)."""
+        if self.detach_every > 0:
+            if self._next_detach is None:
+                self._next_detach = now + self.detach_every
+            elif now >= self._next_detach:
+                self._next_detach = now + self.detach_every
+                for link in [link for links in self._links_by_path.values() for link in links]:
+                    self.detached["forced"] += 1
+                    self._close_link(link, _DETACH_FORCED, "The link was force detached by the broker (upgrade or "
+                                     "load balancing); reconnect. (emulator: detach-every)")
+        if self.idle_detach > 0:
+            for link in [link for links in self._links_by_path.values() for link in links]:
+                state: LinkState = link.sb
+                if now - state.active_at > self.idle_detach:
+                    self.detached["idle"] += 1
+                    self._close_link(link, _DETACH_FORCED, f"The link was force detached by the broker because it "
+                                     f"was idle for more than {self.idle_detach:g} s. (emulator: idle-detach)")
 
     def stats(self) -> dict[str, Any]:
         """Open connections and attached entity links, for monitoring and the benchmark."""
@@ -532,6 +565,7 @@ class NamespaceServer(Handler):
             self._pump(link)
 
     def _register(self, link: Any) -> None:
+        link.sb.active_at = self.clock()
         self._links_by_path.setdefault(link.sb.path, []).append(link)
 
     def _refuse_link(self, link: Any, condition: str, description: str, *, null_source: bool = False) -> None:
@@ -585,6 +619,8 @@ class NamespaceServer(Handler):
     @_guard
     def on_link_flow(self, event: Any) -> None:
         link = event.link
+        if _has_attr(link, "sb") and link.sb is not None:
+            link.sb.active_at = self.clock()
         if link.is_sender and _has_attr(link, "sb") and link.sb is not None and not link.sb.sending:
             self._pump(link)
         elif link.is_sender and link.drain_mode and link.credit > 0:
@@ -645,6 +681,8 @@ class NamespaceServer(Handler):
     def on_delivery(self, event: Any) -> None:
         dlv = event.delivery
         link = dlv.link
+        if _has_attr(link, "sb") and link.sb is not None:
+            link.sb.active_at = self.clock()
         if link.is_receiver:
             if not dlv.readable or dlv.partial:
                 return

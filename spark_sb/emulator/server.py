@@ -50,7 +50,10 @@ DEFAULT_KEY = "SAS_KEY_VALUE"  # Microsoft's emulator uses the same well-known d
 #: where AMQP over WebSockets is served (what every Service Bus SDK opens; :mod:`spark_sb.emulator.websocket`)
 WEBSOCKET_PATH = "/$servicebus/websocket"
 #: the form of ``--namespace`` (:meth:`NamespaceOptions.parse`)
-NAMESPACE_FORM = "NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION]"
+NAMESPACE_FORM = ("NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION]"
+                  "[,idle-detach=DURATION][,detach-every=DURATION]")
+#: the ``--namespace`` extras that take a duration, and the option each sets
+_DURATIONS = {"latency": "latency", "idle-detach": "idle_detach", "detach-every": "detach_every"}
 
 
 @dataclass(frozen=True)
@@ -72,11 +75,17 @@ class NamespaceOptions:
     #: a far namespace: seconds added to each direction of every AMQP connection (AMQP, AMQPS, ws, wss), so a
     #: round trip costs twice this (:mod:`spark_sb.emulator.relay`); the admin API is not delayed
     latency: float = 0.0
+    #: Service Bus's habits: detach (``amqp:link:detach-forced``) an entity link that had no transfer, flow or
+    #: settlement for this many seconds (Azure: 10 minutes); 0: never
+    idle_detach: float = 0.0
+    #: detach every entity link every this many seconds (Azure does now and then, in upgrades and rebalancing); 0:
+    #: never
+    detach_every: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> NamespaceOptions:
-        """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION]`` (ports may be 0 for a
-        free port; the latency is one way, e.g. ``20ms``)."""
+        """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION][,idle-detach=DURATION]
+        [,detach-every=DURATION]`` (ports may be 0 for a free port; the latency is one way, e.g. ``20ms``)."""
         form = NAMESPACE_FORM
         name, sep, rest = text.partition("=")
         ports, *extras = rest.split(",")
@@ -85,35 +94,39 @@ class NamespaceOptions:
             raise ValueError(f"--namespace must look like {form}, got {text!r}")
         named: dict[str, str] = {}
         for extra in extras:
-            key, eq, port = extra.partition("=")
-            if not eq or key not in ("ws", "wss", "latency") or key in named or (key != "latency"
-                                                                                 and not port.isdigit()):
-                raise ValueError(f"--namespace {text!r}: after the ports come ws=PORT, wss=PORT and "
-                                 f"latency=DURATION ({form}), got {extra!r}")
-            named[key] = port
-        latency = 0.0
-        if "latency" in named:
-            try:
-                latency = parse_seconds(named.pop("latency"))
-            except ValueError as err:
-                raise ValueError(f"--namespace {text!r}: latency: {err}") from None
-            if latency < 0:
-                raise ValueError(f"--namespace {text!r}: latency must not be negative, got {latency:g} s")
+            key, eq, value = extra.partition("=")
+            if not eq or key not in ("ws", "wss", *_DURATIONS) or key in named or (key in ("ws", "wss")
+                                                                                     and not value.isdigit()):
+                raise ValueError(f"--namespace {text!r}: after the ports come ws=PORT, wss=PORT and the durations "
+                                 f"{', '.join(f'{k}=DURATION' for k in _DURATIONS)} ({form}), got {extra!r}")
+            named[key] = value
+        durations: dict[str, float] = {}
+        for key, field_name in _DURATIONS.items():
+            if key in named:
+                try:
+                    durations[field_name] = parse_seconds(named.pop(key))
+                except ValueError as err:
+                    raise ValueError(f"--namespace {text!r}: {key}: {err}") from None
+                if durations[field_name] < 0:
+                    raise ValueError(f"--namespace {text!r}: {key} must not be negative, got "
+                                     f"{durations[field_name]:g} s")
         for what, port in [*zip(("AMQP_PORT", "ADMIN_PORT", "TLS_PORT"), parts, strict=False), *named.items()]:
             if int(port) > 65535:
                 raise ValueError(f"--namespace {text!r}: {what} must be a port number (0-65535), got {port}")
         return cls(name=name, amqp_port=int(parts[0]), admin_port=int(parts[1]),
                    tls_port=int(parts[2]) if len(parts) == 3 else None,
                    ws_port=int(named["ws"]) if "ws" in named else None,
-                   wss_port=int(named["wss"]) if "wss" in named else None, latency=latency)
+                   wss_port=int(named["wss"]) if "wss" in named else None, latency=durations.get("latency", 0.0),
+                   idle_detach=durations.get("idle_detach", 0.0), detach_every=durations.get("detach_every", 0.0))
 
     def spec(self) -> str:
         """The ``--namespace`` text for these ports."""
         tls = "" if self.tls_port is None else f":{self.tls_port}"
         ws = "" if self.ws_port is None else f",ws={self.ws_port}"
         wss = "" if self.wss_port is None else f",wss={self.wss_port}"
-        latency = f",latency={duration_text(self.latency)}" if self.latency else ""
-        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}{ws}{wss}{latency}"
+        durations = "".join(f",{key}={duration_text(getattr(self, field_name))}"
+                            for key, field_name in _DURATIONS.items() if getattr(self, field_name))
+        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}{ws}{wss}{durations}"
 
 
 DEFAULT_NAMESPACES = (NamespaceOptions("primary", 5672, 5300), NamespaceOptions("secondary", 5673, 5301))
@@ -336,7 +349,7 @@ class Emulator:
                 server = NamespaceServer(
                     opt.name, factory, host=_loopback(opt.host) if far else opt.host, port=0 if far else opt.amqp_port,
                     keys={opt.key_name: opt.key}, clock=self.clock, max_message_size=opt.max_message_size,
-                    authority=self.authority,
+                    authority=self.authority, idle_detach=opt.idle_detach, detach_every=opt.detach_every,
                 )
                 server.start()
                 self._servers[opt.name] = server

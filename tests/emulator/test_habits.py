@@ -1,0 +1,74 @@
+"""Service Bus's habits in the emulator (issue 22): an entity link idle longer than ``idle_detach`` is detached,
+and every entity link every ``detach_every`` seconds, both with ``amqp:link:detach-forced``; the SDK opens the
+link again on its next use, so a client that retries loses nothing. SAS tokens are accepted for their lifetime
+only (their ``se``): a connection that outlives its token must put a new one."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from azure.servicebus import ServiceBusClient, ServiceBusMessage
+from azure.servicebus.exceptions import ServiceBusConnectionError
+
+from spark_sb.emulator import Emulator, NamespaceOptions
+
+
+@pytest.fixture(scope="module")
+def habits() -> Iterator[Emulator]:
+    emu = Emulator([NamespaceOptions("idle", idle_detach=1.0), NamespaceOptions("forced", detach_every=2.0)],
+                   entities={"queues": [{"name": "q"}]})
+    with emu:
+        yield emu
+
+
+def _receive(receiver: Any) -> list[str]:
+    """Receive and complete what is there. A receive's retries must fit in its wait, so a short receive on a
+    detached link raises ServiceBusConnectionError (on Service Bus too): receive again, as a client must."""
+    for _ in range(3):
+        try:
+            got = receiver.receive_messages(max_message_count=10, max_wait_time=0.5)
+        except ServiceBusConnectionError:
+            continue
+        for message in got:
+            receiver.complete_message(message)
+        return [str(m) for m in got]
+    raise AssertionError("three receives in a row failed")
+
+
+def _detached(emu: Emulator, name: str) -> dict[str, int]:
+    server = emu.server(name)
+    return server.call(lambda: dict(server.detached))
+
+
+@pytest.mark.parametrize(("namespace", "kind"), [("idle", "idle"), ("forced", "forced")])
+def test_a_detached_link_is_opened_again_by_the_sdk_and_nothing_is_lost(habits, namespace, kind) -> None:
+    before = _detached(habits, namespace)[kind]
+    with ServiceBusClient.from_connection_string(habits[namespace].connection_string) as client, \
+            client.get_queue_sender("q") as sender, client.get_queue_receiver("q", prefetch_count=0) as receiver:
+        got: list[str] = []
+        sent = 0
+        # rounds longer than the idle limit (each receive waits less than it: a receiver waiting longer than the
+        # limit is idle too, as on Service Bus), until the sender's and the receiver's links were detached at least
+        # twice in all (a forced detach every 2 s takes a few rounds)
+        while sent < 2 or (_detached(habits, namespace)[kind] - before < 2 and sent < 20):
+            sender.send_messages(ServiceBusMessage(f"{namespace}-{sent}"))
+            sent += 1
+            time.sleep(1.2)
+            got += _receive(receiver)
+            time.sleep(1.2)
+        got += _receive(receiver)
+    assert sorted(got) == sorted(f"{namespace}-{i}" for i in range(sent))
+    assert _detached(habits, namespace)[kind] - before >= 2
+
+
+def test_the_namespace_spec_carries_the_habits() -> None:
+    options = NamespaceOptions.parse("p=0:0,idle-detach=10m,detach-every=30s,latency=5ms")
+    assert (options.idle_detach, options.detach_every, options.latency) == (600.0, 30.0, 0.005)
+    assert NamespaceOptions.parse(options.spec()) == options
+    with pytest.raises(ValueError, match="idle-detach"):
+        NamespaceOptions.parse("p=0:0,idle-detach=soon")
+    with pytest.raises(ValueError, match="detach-every"):
+        NamespaceOptions.parse("p=0:0,detach-every=-1s")
