@@ -504,6 +504,19 @@ def is_lock_lost(exc: BaseException) -> bool:
     return isinstance(exc, MessageLockLostError | MessageAlreadySettled)
 
 
+def is_link_gone(exc: BaseException) -> bool:
+    """A settlement failed because the link that delivered the message is gone: the service detached it (idle
+    for 10 minutes, or forced in an upgrade: ``amqp:link:detach-forced``) or the connection dropped. The
+    message's lock went with its link; the broker delivers the message again."""
+    if is_connection_lost(exc):
+        return True
+    for cause in _causes(exc):
+        text = str(cause).lower()
+        if "link already closed" in text or "detach-forced" in text or type(cause).__name__ == "AMQPLinkError":
+            return True
+    return False
+
+
 def is_too_large(exc: BaseException) -> bool:
     """A message does not fit a batch (or a send) because of its size."""
     return isinstance(exc, MessageSizeExceededError)

@@ -63,6 +63,7 @@ from .errors import (
     ErrorClass,
     SparkSbError,
     classify,
+    is_link_gone,
     is_lock_lost,
     is_too_large,
     redact,
@@ -293,7 +294,7 @@ class Syphon:
             raise
 
     def _deliver(self, receiver: Any, entity: str, items: list[tuple[Any, ServiceBusMessage]],
-                 summary: MoveSummary, *, one_by_one: bool = False) -> None:
+                 summary: MoveSummary, *, one_by_one: bool = False, fresh: bool = False) -> None:
         if self._skip_until.get(entity, 0.0) > self._clock():
             self._leave(receiver, entity, items, summary)
             return
@@ -319,6 +320,11 @@ class Syphon:
                 self._deliver(receiver, entity, rest, summary, one_by_one=one_by_one)
         except Exception as exc:
             rest = items[done:]
+            if not fresh and not done and is_link_gone(exc):
+                # the service detached the sender's link (idle, or forced in an upgrade): once more on a new one
+                self._primary.drop_sender(entity)
+                self._deliver(receiver, entity, rest, summary, one_by_one=one_by_one, fresh=True)
+                return
             error_class = classify(exc)
             if error_class is ErrorClass.BAD_MESSAGE:
                 if one_by_one or len(rest) == 1:
@@ -381,6 +387,7 @@ class Syphon:
                                   f"cannot be re-parked in {queue!r}: {type(exc).__name__}: {exc}", summary, entity)
                 continue
             copies.append((message, copy))
+        fresh = False
         while copies:
             sent = 0
             try:
@@ -396,9 +403,11 @@ class Syphon:
             except _BadMessage as bad:  # those before it were sent: dead-letter it, go on with the rest
                 self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
                 copies = [item for item in copies[sent:] if item[0] is not bad.message]
-            except Exception:
+            except Exception as exc:
                 self._secondary.drop_sender(queue)
-                raise
+                if fresh or sent or not is_link_gone(exc):
+                    raise
+                fresh = True  # the service detached the sender's link (idle, forced): once more on a new one
 
     @staticmethod
     def _dead_letter(receiver: Any | None, message: Any, reason: str, description: str | None,

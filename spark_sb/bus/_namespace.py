@@ -23,17 +23,18 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from azure.servicebus import ServiceBusReceiveMode, ServiceBusReceiver, ServiceBusSender
 
 from .. import messages as msgs
 from ..admin import admin_client as build_admin_client
 from ..config import NamespaceConfig, SparkSbConfig
-from ..errors import is_message_not_found, needs_session
+from ..errors import is_link_gone, is_message_not_found, needs_session
 from ._registry import close_quietly, shared
 
 _LOGGER = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 __all__ = ["NAMESPACE_KIND", "PING_SCHEDULE_AHEAD", "SENDER_KWARGS", "STALE_AFTER", "Namespace", "admin_client",
            "current_lane", "send_lane", "shared_namespace"]
@@ -170,6 +171,29 @@ class Namespace:
         ) as (_, sdk_sender):
             yield sdk_sender
 
+    def has_sender(self, entity: str) -> bool:
+        """Whether the calling thread's lane holds an open sender of ``entity`` (used before)."""
+        with self._lock:
+            return (entity, current_lane()) in self._current.senders
+
+    def with_sender(self, entity: str, attempt: Callable[[ServiceBusSender], _T]) -> _T:
+        """``attempt(sdk_sender)`` with this lane's sender of ``entity``. A sender used before whose link the
+        service detached meanwhile (idle for 10 minutes, or forced in an upgrade: ``amqp:link:detach-forced``)
+        fails its next operation: it is dropped and ``attempt`` runs once more on a new one. Any other failure,
+        or a second one, is raised. ``attempt`` must be safe to run again after a failure (it sent nothing)."""
+        reused = self.has_sender(entity)
+        try:
+            with self.sender(entity) as sdk_sender:
+                return attempt(sdk_sender)
+        except Exception as exc:
+            if not (reused and is_link_gone(exc)):
+                raise
+            _LOGGER.info("the %s namespace's sender of %r was detached (%s): opening a new one", self.name, entity,
+                         type(exc).__name__)
+            self.drop_sender(entity)
+        with self.sender(entity) as sdk_sender:
+            return attempt(sdk_sender)
+
     def drop_sender(self, entity: str) -> None:
         """Close and forget the calling thread's lane's sender of ``entity`` (after a failed send): the next use
         opens a new one. Waits for a ``with`` block of another thread holding it."""
@@ -226,13 +250,12 @@ class Namespace:
     def _schedule_and_cancel(self, entity: str, with_session: bool) -> None:
         ping = msgs.ping_message(str(uuid.uuid4()) if with_session else None)
         when = datetime.datetime.now(datetime.UTC) + PING_SCHEDULE_AHEAD
-        with self.sender(entity) as sdk_sender:
-            sequence_numbers = sdk_sender.schedule_messages(ping, when)
-            try:
+        sequence_numbers = self.with_sender(entity, lambda sdk_sender: sdk_sender.schedule_messages(ping, when))
+        try:
+            with self.sender(entity) as sdk_sender:
                 sdk_sender.cancel_scheduled_messages(sequence_numbers)
-            except Exception as exc:  # accepted: the ping proved the point; it expires unseen (TTL 1 s)
-                _LOGGER.warning("cancelling ping %s on %r failed: %s", sequence_numbers, entity,
-                                type(exc).__name__)
+        except Exception as exc:  # accepted: the ping proved the point; it expires unseen (TTL 1 s)
+            _LOGGER.warning("cancelling ping %s on %r failed: %s", sequence_numbers, entity, type(exc).__name__)
 
     # --- generations and closing -----------------------------------------------------------------------
 

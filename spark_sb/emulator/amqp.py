@@ -302,10 +302,7 @@ class NamespaceServer(Handler):
                 self._next_detach = now + self.detach_every
             elif now >= self._next_detach:
                 self._next_detach = now + self.detach_every
-                for link in [link for links in self._links_by_path.values() for link in links]:
-                    self.detached["forced"] += 1
-                    self._close_link(link, _DETACH_FORCED, "The link was force detached by the broker (upgrade or "
-                                     "load balancing); reconnect. (emulator: detach-every)")
+                self.detach_links()
         if self.idle_detach > 0:
             for link in [link for links in self._links_by_path.values() for link in links]:
                 state: LinkState = link.sb
@@ -313,6 +310,17 @@ class NamespaceServer(Handler):
                     self.detached["idle"] += 1
                     self._close_link(link, _DETACH_FORCED, f"The link was force detached by the broker because it "
                                      f"was idle for more than {self.idle_detach:g} s. (emulator: idle-detach)")
+
+    def detach_links(self, entity: str | None = None) -> int:
+        """Detach every entity link (of ``entity``, or all) with ``amqp:link:detach-forced``, as Service Bus does
+        in upgrades and load balancing; returns how many. Run on the reactor thread (:meth:`call`)."""
+        links = list(self._links_by_path.get(entity, [])) if entity is not None else [
+            link for links in self._links_by_path.values() for link in links]
+        for link in links:
+            self.detached["forced"] += 1
+            self._close_link(link, _DETACH_FORCED, "The link was force detached by the broker (upgrade or load "
+                             "balancing); reconnect. (emulator)")
+        return len(links)
 
     def stats(self) -> dict[str, Any]:
         """Open connections and attached entity links, for monitoring and the benchmark."""

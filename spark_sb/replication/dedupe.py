@@ -94,6 +94,7 @@ from ..errors import (
     as_spark_sb_error,
     classify,
     is_connection_lost,
+    is_link_gone,
     is_lock_lost,
     redact,
 )
@@ -303,6 +304,7 @@ class DedupeReceiver:
             return self._hand_out(out)
         deadline = time.monotonic() + (DEFAULT_WAIT if max_wait_time is None else max_wait_time)
         failed: dict[str, BaseException] = {}
+        retried: set[str] = set()
         while True:
             live = [name for name in self._names if name not in failed]
             if not live:
@@ -310,14 +312,26 @@ class DedupeReceiver:
             wait = min(ROUND_WAIT, deadline - time.monotonic())
             if wait <= 0:
                 return []
-            failed.update(self._round(live, max_message_count, wait))
+            for name, failure in self._round(live, max_message_count, wait).items():
+                # a link the service detached (idle for 10 minutes, or forced in an upgrade) fails its next
+                # receive: the namespace is tried once more in this call, on a new link; a second failure is an
+                # outage, and the namespace is left out of the call
+                what = f"{type(failure).__name__}: {redact(str(failure))}"
+                if name in retried:
+                    failed[name] = failure
+                    _LOGGER.warning("dedupe %s: the %s namespace failed again (%s); skipped for this call, its "
+                                    "receiver is rebuilt on the next", self.entity, name, what)
+                else:
+                    retried.add(name)
+                    _LOGGER.info("dedupe %s: the %s namespace failed (%s); trying it once more on a new link",
+                                 self.entity, name, what)
             out = self._promote(max_message_count)
             if out:
                 return self._hand_out(out)
 
     def _round(self, names: Sequence[str], count: int, wait: float) -> dict[str, BaseException]:
         """One receive on each of ``names`` at once; what they delivered is taken in. Returns the outages
-        (each logged, its namespace marked broken); a configuration failure raises (after the other
+        (each namespace marked broken); a configuration failure raises (after the other
         namespace's messages are taken in: they are returned by a later call)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=len(self._names), thread_name_prefix="spark-sb-dedupe")
@@ -338,8 +352,6 @@ class DedupeReceiver:
             error = as_spark_sb_error(failure, namespace=name, entity=self.entity)
             if error is not None:  # configuration: retrying cannot help
                 raise error from failure
-            _LOGGER.warning("dedupe %s: the %s namespace failed (%s: %s); skipped for this call, its receiver is "
-                            "rebuilt on the next", self.entity, name, type(failure).__name__, redact(str(failure)))
         return failed
 
     def _receive_from(self, name: str, count: int,
@@ -467,8 +479,9 @@ class DedupeReceiver:
 
     def _settle(self, delivery: _Delivery, operation: str) -> BaseException | None:
         """``operation`` (``complete_message``, ``abandon_message``) on the receiver that delivered it. Its
-        lock being gone (lost, already settled, or its receiver rebuilt since) is returned, not raised; any
-        other error marks the namespace broken and is raised."""
+        lock being gone (lost, already settled, its receiver rebuilt since, or its link detached by the
+        service) is returned as ``MessageLockLostError``, not raised; any other error marks the namespace
+        broken and is raised."""
         name = delivery.namespace
         if delivery.epoch != self._epochs[name]:
             return MessageLockLostError(message=f"the {name} receiver that delivered this message was rebuilt "
@@ -485,6 +498,10 @@ class DedupeReceiver:
                     raise
         except Exception as exc:
             self._broken(name, exc)
+            if is_link_gone(exc):  # detached by the service (idle, forced): the lock went with the link
+                return MessageLockLostError(message=f"the {name} link that delivered this message was detached "
+                                            f"({type(exc).__name__}): the lock is gone, the broker delivers it "
+                                            "again")
             raise
         return None
 
