@@ -224,8 +224,8 @@ class AadOptions:
 @dataclass(frozen=True)
 class Grant:
     """What a token put on ``$cbs`` allows on a connection: ``rights`` until ``expires`` (epoch seconds; None
-    never: SAS, whose expiry the emulator checks only when the token is put). ``principal`` and ``roles`` name
-    it in refusals (``roles`` None for SAS)."""
+    never). A SAS token's grant expires at its ``se``, an Entra ID token's at its ``exp``: a client renews it
+    with a new put-token. ``principal`` and ``roles`` name it in refusals (``roles`` None for SAS)."""
 
     rights: frozenset[str]
     expires: float | None

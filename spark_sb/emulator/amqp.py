@@ -10,6 +10,7 @@ What the SDK expects on the wire is described in ``shared/design/emulator.md``: 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -835,8 +836,10 @@ class NamespaceServer(Handler):
                     status, text = 401, f"Unauthorized: {err}"
         else:
             try:
-                sas.verify(token, self.keys, audience=audience, now=self.clock())
-                link.connection.authorized[entity_path(audience)] = aad.SAS_GRANT
+                key_name = sas.verify(token, self.keys, audience=audience, now=self.clock())
+                # valid until its se, as on Service Bus: a client renews it with a new put-token
+                link.connection.authorized[entity_path(audience)] = dataclasses.replace(
+                    aad.SAS_GRANT, expires=sas.expiry(token), principal=f"the shared access key {key_name!r}")
             except sas.SasError as err:
                 status, text = 401, f"Unauthorized: {err}"
         if status != 202:

@@ -79,6 +79,15 @@ def verify(token: str, keys: dict[str, str], *, audience: str | None = None, now
     return key_name
 
 
+def expiry(token: str) -> float:
+    """The ``se`` (epoch seconds) of a SharedAccessSignature token :func:`verify` accepted."""
+    for part in token[len("SharedAccessSignature "):].split("&"):
+        name, _, value = part.partition("=")
+        if name.strip() == "se":
+            return float(int(value))
+    raise SasError("SharedAccessSignature token lacks se")
+
+
 def port_of(resource: str) -> int | None:
     """The port of a resource URI or ``host:port/path`` (``None`` when it names none)."""
     authority = _normalise_resource(resource).split("/", 1)[0]

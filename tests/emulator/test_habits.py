@@ -18,7 +18,8 @@ from spark_sb.emulator import Emulator, NamespaceOptions
 
 @pytest.fixture(scope="module")
 def habits() -> Iterator[Emulator]:
-    emu = Emulator([NamespaceOptions("idle", idle_detach=1.0), NamespaceOptions("forced", detach_every=2.0)],
+    emu = Emulator([NamespaceOptions("idle", idle_detach=1.0), NamespaceOptions("forced", detach_every=2.0),
+                    NamespaceOptions("plain")],
                    entities={"queues": [{"name": "q"}]})
     with emu:
         yield emu
@@ -72,3 +73,69 @@ def test_the_namespace_spec_carries_the_habits() -> None:
         NamespaceOptions.parse("p=0:0,idle-detach=soon")
     with pytest.raises(ValueError, match="detach-every"):
         NamespaceOptions.parse("p=0:0,detach-every=-1s")
+
+
+class _ShortSas:
+    """A TokenCredential that signs SAS tokens valid for ``ttl`` seconds (the SDK's own last an hour): the SDK
+    puts a new one on $cbs when 10% of its life is left."""
+
+    def __init__(self, info: Any, ttl: float) -> None:
+        self.info, self.ttl, self.issued = info, ttl, 0
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> Any:
+        from azure.core.credentials import AccessToken
+
+        from spark_sb.emulator.sas import make_token
+
+        self.issued += 1
+        expires = int(time.time() + self.ttl)
+        # for the whole namespace (the SDK asks a TokenCredential for its Entra ID scope, not a resource)
+        resource = f"sb://localhost:{self.info.amqp_port}"
+        return AccessToken(make_token(resource, self.info.key_name, self.info.key, ttl=self.ttl), expires)
+
+
+def _client(info: Any, credential: Any) -> ServiceBusClient:
+    return ServiceBusClient(f"localhost:{info.amqp_port}", credential, use_tls=False, retry_total=0)
+
+
+class _LyingSas:
+    """A TokenCredential that hands the SDK a SAS token valid for 2 s but says it lasts an hour: the SDK neither
+    renews it nor notices its expiry, so only the service can refuse it."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+
+    def get_token(self, *scopes: str, **kwargs: Any) -> Any:
+        from azure.core.credentials import AccessToken
+
+        return AccessToken(self.token, int(time.time() + 3600))
+
+
+def test_a_sas_token_is_accepted_for_its_lifetime_only(habits) -> None:
+    from azure.servicebus.exceptions import ServiceBusAuthenticationError, ServiceBusAuthorizationError
+
+    from spark_sb.emulator.sas import make_token
+
+    info = habits["plain"]
+    token = make_token(f"sb://localhost:{info.amqp_port}", info.key_name, info.key, ttl=2)
+    with _client(info, _LyingSas(token)) as client, client.get_queue_sender("q") as sender:
+        sender.send_messages(ServiceBusMessage("in time"))
+        time.sleep(3)  # the token expired: the emulator refuses what it no longer covers (it took it forever)
+        with pytest.raises((ServiceBusAuthenticationError, ServiceBusAuthorizationError), match="ExpiredToken"):
+            sender.send_messages(ServiceBusMessage("too late"))
+
+
+def test_the_sdk_renews_a_short_lived_sas_token_and_carries_on(habits) -> None:
+    info = habits["plain"]
+    credential = _ShortSas(info, ttl=10)  # the SDK renews in the last 10%, in whole seconds: at least 1 s
+    with _client(info, credential) as client, client.get_queue_sender("q") as sender:
+        for i in range(24):  # 12 s, past the first token's life, a send in its last second
+            sender.send_messages(ServiceBusMessage(f"renewed-{i}"))
+            time.sleep(0.5)
+    assert credential.issued >= 2
+    got = []
+    with ServiceBusClient.from_connection_string(info.connection_string) as client, \
+            client.get_queue_receiver("q", prefetch_count=0) as receiver:
+        while page := _receive(receiver):
+            got += page
+    assert sorted(m for m in got if m.startswith("renewed-")) == sorted(f"renewed-{i}" for i in range(24))
