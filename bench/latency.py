@@ -13,8 +13,8 @@ Rows:
 * **sink healthy, primary 5 ms away**: the same run to a healthy primary, over the raw SDK's sequential send to
   the primary entity;
 * **syphon job, secondary 40 ms away**: ``jobs/syphon.py``'s query on a local Spark session moving messages
-  parked over two backlog queues home, over bench/syphon.py's raw loop (receive a page, send it, complete each
-  message: one round trip per message to the far secondary);
+  parked over ten backlog queues (the default count) home, over bench/syphon.py's raw loop (receive a page, send
+  it, complete each message: one round trip per message to the far secondary);
 * **active replication, secondary 40 ms away**: the partition run in active mode (both namespaces), over the raw
   SDK's sequential send to the primary; its ratio to the paired run on the same emulator is printed too.
 
@@ -171,9 +171,10 @@ def active_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, f
 
 
 def syphon_row(emu: EmulatorProcess, args: argparse.Namespace, work: Path) -> tuple[float, float]:
-    """(raw loop, syphon job) rates moving ``--syphon-messages`` parked over two backlog queues (bench/syphon.py:
-    the raw loop receives, sends and completes one page after the other; the job is timed from its first
-    batch's end)."""
+    """(raw loop, syphon job) rates moving ``--syphon-messages`` parked evenly over ten backlog queues (the
+    product's default ``backlog_queue_count``, over which the rotation spreads a failed-over sink's chunks;
+    bench/syphon.py: the raw loop receives, sends and completes one page after the other; the job is timed from
+    its first batch's end and reads up to ``syphon.receives_in_flight``, 8, queues at once)."""
     import importlib.util
 
     # bench/syphon.py under another name: its spark_job imports jobs/syphon.py as "syphon"
@@ -186,7 +187,7 @@ def syphon_row(emu: EmulatorProcess, args: argparse.Namespace, work: Path) -> tu
     config = {
         "primary": {"connection_string": p.connection_string, "admin_endpoint": p.admin_url},
         "secondary": {"connection_string": s.connection_string, "admin_endpoint": s.admin_url},
-        "send_availability": {"backlog_queue_count": 2, "backlog_prefix": "latency-syphon"},
+        "send_availability": {"backlog_queue_count": 10, "backlog_prefix": "latency-syphon"},
         "syphon": {"receive_batch": 100, "retry_interval": "1s", "checkpoint_location": str(work / "checkpoint"),
                    "ledger": str(work / "ledger")},
     }

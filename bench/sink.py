@@ -83,6 +83,7 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--derived-ids", action="store_true", help="no key column: message ids derived by the sink")
+    parser.add_argument("--in-flight", type=int, default=None, help="sink.sends_in_flight (default: the sink's)")
     args = parser.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
@@ -107,7 +108,8 @@ def main() -> int:
             "secondary": {"connection_string": emu["secondary"].connection_string,
                           "admin_endpoint": emu["secondary"].admin_url},
             "send_availability": {"backlog_queue_count": 1},
-            "sink": {"entity": "sink", "chunk_size": CHUNK, **({} if args.derived_ids else {"key_column": "key"})},
+            "sink": {"entity": "sink", "chunk_size": CHUNK, **({} if args.derived_ids else {"key_column": "key"}),
+                     **({} if args.in_flight is None else {"sends_in_flight": args.in_flight})},
         }
         sink = PairedSink.from_config(config)
 

@@ -941,6 +941,9 @@ class SyphonConfig(_Frozen):
     #: messages per batch of the syphon job (the source's default ``maxMessagesPerTrigger``): Spark's cost per
     #: batch (planning, a Delta commit, the offset logs) is spread over this many messages
     max_messages_per_trigger: Count = Field(default=4000, ge=1, le=MAX_RECEIVE_BATCH)
+    #: backlog queues received from at once (the source's ``receivesInFlight``), each in a thread with its own
+    #: connection: against a secondary in another region each deferred message costs a round trip
+    receives_in_flight: Count = Field(default=8, ge=1, le=32)
     #: the syphon job's Spark checkpoint (required by jobs/syphon.py)
     checkpoint_location: Text | None = None
     #: the syphon job's Delta ledger: a path (contains ``/`` or ``:``) or a table name (required by the job)

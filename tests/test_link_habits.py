@@ -102,7 +102,7 @@ def test_dedupe_receiver_gives_each_id_once_and_completes_both_copies(emulator, 
     with DedupeReceiver.from_config(config, "h-rep") as receiver:
         for _ in range(30):
             try:
-                page = receiver.receive_messages(max_message_count=5, max_wait_time=0.5)
+                page = receiver.receive_messages(max_message_count=10, max_wait_time=0.5)
             except ReceiveUnavailableError:  # both namespaces detached twice in one call: repeat it (the contract)
                 unavailable += 1
                 continue
