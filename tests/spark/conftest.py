@@ -111,3 +111,16 @@ def wait_until(condition: Any, timeout: float = 30.0, step: float = 0.2) -> None
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(step)
+
+
+@pytest.fixture
+def conf(primary: Any, secondary: Any) -> Iterator[dict]:
+    """The emulator pair in active replication, no sink section: for the ``servicebus`` source's readers (a module
+    may define its own ``conf``)."""
+    from spark_sb.bus import close_all
+
+    config = sink_config(primary, secondary)
+    config["replication"] = {"mode": "active"}
+    config.pop("sink")
+    yield config
+    close_all()

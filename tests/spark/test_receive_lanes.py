@@ -12,11 +12,10 @@ from typing import Any
 import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
 
-from spark_sb.bus import close_all
 from spark_sb.emulator import Emulator, NamespaceOptions
 from spark_sb.source import SERVICEBUS_SCHEMA, ServiceBusStreamReader, config_options
 
-from .conftest import read_limit, sink_config
+from .conftest import read_limit
 
 QUEUE = "lanes-q"
 
@@ -27,15 +26,6 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
                    data_dir=tmp_path_factory.mktemp("lanes"), entities={"queues": [{"name": QUEUE}]})
     with emu:
         yield emu
-
-
-@pytest.fixture
-def conf(primary: Any, secondary: Any) -> Iterator[dict]:
-    config = sink_config(primary, secondary)
-    config["replication"] = {"mode": "active"}
-    config.pop("sink")
-    yield config
-    close_all()
 
 
 def _send(info: Any, n: int, tag: str) -> list[str]:
@@ -74,19 +64,26 @@ def _batch(reader: ServiceBusStreamReader, n: int) -> tuple[dict, list[dict]]:
     return end, rows
 
 
+def _read_watched(conf: dict, n: int, in_flight: int, wait: float) -> tuple[dict, list[dict], list[int], bool]:
+    """One batch of up to ``n`` through a reader with ``receivesInFlight: in_flight``, watched (:func:`_watched`):
+    the batch's end offset, its rows, the lanes used and whether two receives met at the barrier."""
+    reader = ServiceBusStreamReader({**config_options(conf), "entity": QUEUE, "receiveTimeout": "2",
+                                     "receivesInFlight": str(in_flight)})
+    lanes, barrier = _watched(reader, 2, wait)
+    end, rows = _batch(reader, n)
+    reader.commit(end)
+    reader.stop()
+    return end, rows, lanes, not barrier.broken
+
+
 def test_a_queue_read_alone_is_received_on_two_lanes_at_once_and_every_message_lands_once(conf, primary) -> None:
     ids = _send(primary, 300, "many")
-    reader = ServiceBusStreamReader({**config_options(conf), "entity": QUEUE, "receiveTimeout": "2",
-                                     "receivesInFlight": "4"})
-    lanes, barrier = _watched(reader, 2, 30)
-    end, rows = _batch(reader, 300)
-    reader.stop()
-    assert not barrier.broken, "two lanes never received at the same time"
+    end, rows, lanes, met = _read_watched(conf, 300, 4, 30)
+    assert met, "two lanes never received at the same time"
     assert set(lanes) == {1, 2}  # the reader's own lane (0) is left to its sweeps and completions
     assert sorted(r["message_id"] for r in rows) == sorted(ids)  # each once
     numbers = end["entities"][f"primary:{QUEUE}"]
     assert len(numbers) == len(set(numbers)) == 300
-    reader.commit(end)
     with ServiceBusClient.from_connection_string(primary.connection_string) as client, \
             client.get_queue_receiver(QUEUE) as receiver:
         assert receiver.peek_messages(max_message_count=10) == []  # completed, nothing left deferred
@@ -94,11 +91,6 @@ def test_a_queue_read_alone_is_received_on_two_lanes_at_once_and_every_message_l
 
 def test_one_receive_in_flight_receives_on_one_lane(conf, primary) -> None:
     ids = _send(primary, 50, "one")
-    reader = ServiceBusStreamReader({**config_options(conf), "entity": QUEUE, "receiveTimeout": "2",
-                                     "receivesInFlight": "1"})
-    lanes, barrier = _watched(reader, 2, 1)
-    end, rows = _batch(reader, 50)
-    reader.stop()
-    assert set(lanes) == {1} and barrier.broken  # no second receive ran beside the first
+    _, rows, lanes, met = _read_watched(conf, 50, 1, 1)
+    assert set(lanes) == {1} and not met  # no second receive ran beside the first
     assert sorted(r["message_id"] for r in rows) == sorted(ids)
-    reader.commit(end)

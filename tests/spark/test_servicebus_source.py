@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import datetime
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,7 +19,7 @@ from spark_sb.emulator.model import QueueSpec, SubscriptionSpec, TopicSpec
 from spark_sb.errors import ConfigError, EntityNotFoundError
 from spark_sb.source import SERVICEBUS_SCHEMA, ServiceBusStreamReader, config_options
 
-from .conftest import read_limit, sink_config
+from .conftest import read_limit
 
 #: run on every Spark version make test tries (Makefile, EVERY_SPARK)
 pytestmark = pytest.mark.every_spark
@@ -32,15 +32,6 @@ def create(emulator: Any, namespace: str, spec: Any) -> None:
 
 def unique_name(request: pytest.FixtureRequest, prefix: str) -> str:
     return f"{prefix}{request.node.name[:30].strip('_-[]')}-{uuid.uuid4().hex[:6]}".replace("_", "-").replace("[", "-")
-
-
-@pytest.fixture
-def conf(primary: Any, secondary: Any) -> Iterator[dict]:
-    config = sink_config(primary, secondary)
-    config["replication"] = {"mode": "active"}
-    config.pop("sink")
-    yield config
-    close_all()
 
 
 @pytest.fixture
