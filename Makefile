@@ -46,7 +46,7 @@ $(JS_SDK)/node_modules/.installed: $(JS_SDK)/package-lock.json
 	cd $(JS_SDK) && npm ci --silent --no-audit --no-fund
 	touch $@
 
-.PHONY: demo test test-spark-versions lint bench chaos
+.PHONY: demo test test-spark-versions lint bench chaos soak
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
@@ -69,3 +69,6 @@ bench: $(VENV)/.installed
 
 chaos: $(VENV)/.installed
 	$(PY) bench/chaos.py
+
+soak: $(VENV)/.installed
+	$(PY) bench/soak.py $(SOAK_ARGS)

@@ -1,0 +1,651 @@
+"""The soak run (issue 22): a known, growing input streamed through the sink for many minutes while a seeded
+nemesis overlaps faults at random, then every message accounted for.
+
+    flock /tmp/spark.lock .venv/bin/python bench/soak.py [--minutes 30] [--seed S] [--modes paired active]
+    flock /tmp/spark.lock .venv/bin/python bench/soak.py --outage 10     # one long outage instead of the nemesis
+
+Each mode gets a fresh world: two emulator processes (the primary and the secondary namespace, each its own
+process, data dir and ports, so either can be killed with ``kill -9`` and restarted alone), two primary queues,
+``soak-dedup`` (duplicate detection, a two-hour window) and ``soak-plain`` (none), a producer that writes one
+parquet file of ``--rate`` new keys every second (each key once per queue; the key is the message id), and
+jobs in processes of their own, each restarted by a supervisor whenever it exits, as a job scheduler would:
+
+* the writer (``jobs/paired_writer.py``: ``foreachBatch(PairedSink)``), in both modes;
+* paired mode: the syphon (``jobs/syphon.py``), moving the backlog home beside the writer;
+* active mode: a reader (this script, ``--reader``): ``format("servicebus")`` over both namespaces through
+  ``spark_sb.dedupe`` into one Delta table per queue.
+
+The nemesis draws from ``random.Random(seed)`` for ``--minutes`` (split evenly over the modes): a namespace
+fault (down, timeout, busy, ack-lost, disabled) on either namespace for 2 to 60 s; either emulator killed with
+``kill -9`` and restarted 1 to 8 s later; a Python worker of the writer, the writer or the syphon (the reader)
+killed with SIGKILL; a quiet spell of 20 to 60 s; 2 to 20 s between draws, so faults overlap. Every draw is
+logged with its time (``faults.jsonl`` in the work folder, and on the console): the same seed draws the same
+schedule. Then the producer stops, everything is healed, the jobs drain (``--drain-minutes``), and the queues
+are counted: produced, in the primary (paired) or read (active), lost, duplicated, left in the backlog or the
+namespaces, dead-lettered with reasons, faults by kind, restarts.
+
+``--outage M``: paired mode, no nemesis: two healthy minutes, the primary down for M minutes under the same
+steady input, two healthy minutes, then the drain. It reports the sink's batch durations healthy and failed
+over (from the writer's log) and how long the syphon took to bring the backlog home, at what rate.
+
+Exit code: 1 when anything was lost, 2 when nothing was lost but a queue with duplicate detection (or the
+deduplicated read) holds a duplicate or a mode did not drain in time, else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from azure.servicebus import ServiceBusSubQueue
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from chaos import SUBPROCESS_ENV, _delta_rows, _first_line, _kill_group, _peek_all, _proc_table  # noqa: E402
+
+from spark_sb import messages  # noqa: E402
+from spark_sb.emulator import EmulatorProcess, NamespaceOptions, fault, heal  # noqa: E402
+from spark_sb.paired import PairedSender  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+JOBS = ROOT / "jobs"
+DEDUP, PLAIN = "soak-dedup", "soak-plain"
+QUEUES = (DEDUP, PLAIN)
+ENTITIES = f"""
+queues:
+  - name: {DEDUP}
+    requires_duplicate_detection: true
+    duplicate_detection_history_time_window: 2h
+  - name: {PLAIN}
+"""
+SIDES = ("primary", "secondary")
+NAMESPACE_FAULTS = ("down", "timeout", "busy", "ack-lost", "disabled")
+DEDUPE_WINDOW = "2 hours"
+
+_STARTED = time.monotonic()
+
+
+def say(text: str) -> None:
+    print(f"[{time.monotonic() - _STARTED:7.1f}s] {text}", flush=True)
+
+
+# --- the world of one mode ------------------------------------------------------------------------------
+
+
+@dataclass
+class Result:
+    mode: str
+    produced: int = 0
+    arrived: dict[str, int] = field(default_factory=dict)  # per queue: in the primary (paired) / read (active)
+    lost: dict[str, int] = field(default_factory=dict)
+    duplicated: dict[str, int] = field(default_factory=dict)
+    left: int = 0  # in the backlog (paired) or unread in either namespace (active)
+    dead: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
+    faults: collections.Counter = field(default_factory=collections.Counter)  # kind -> count
+    restarts: collections.Counter = field(default_factory=collections.Counter)  # job -> count
+    drained: bool = True
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+class World:
+    """Two emulator processes, the input folder, the configuration and the supervised jobs of one mode."""
+
+    def __init__(self, work: Path, mode: str, rate: int) -> None:
+        self.work, self.mode, self.rate = work, mode, rate
+        work.mkdir(parents=True)
+        (work / "entities.yaml").write_text(ENTITIES)
+        self.emu = {side: EmulatorProcess.start(data_dir=work / f"emulator-{side}", namespaces=[NamespaceOptions(side)],
+                                                entities=work / "entities.yaml", log_file=work / f"emulator-{side}.log")
+                    for side in SIDES}
+        self.emu_lock = {side: threading.Lock() for side in SIDES}
+        self.source = work / "source"
+        self.source.mkdir()
+        self.files: list[str] = []  # the input files, in order
+        self.keys = 0
+        self.stop = threading.Event()  # ends the producer
+        self.config = self._config()
+        self.conf_path = work / "soak.json"
+        self.conf_path.write_text(json.dumps(self.config))
+        self.backlog_queues: tuple[str, ...] = ()
+        if mode == "paired":
+            with PairedSender.from_config(self.config) as sender:
+                sender.pair()  # the syphon reads every backlog queue from its start
+                self.backlog_queues = tuple(sender.backlog_queues)
+        self.jobs: dict[str, Job] = {}
+
+    def info(self, side: str) -> Any:
+        return self.emu[side][side]
+
+    def _config(self) -> dict:
+        p, s = self.info("primary"), self.info("secondary")
+        config = {
+            "primary": {"connection_string": p.connection_string, "admin_endpoint": p.admin_url},
+            "secondary": {"connection_string": s.connection_string, "admin_endpoint": s.admin_url},
+            "send_availability": {"backlog_queue_count": 4, "failover_interval": "2s", "ping_primary_interval": "2s",
+                                  "backlog_prefix": "soak", "primary_try_timeout": "5s"},
+            "sink": {"entity": DEDUP, "key_column": "key", "chunk_size": 100, "trigger": "1s",
+                     "checkpoint_location": str(self.work / "writer-checkpoint"),
+                     "source": {"format": "parquet", "path": str(self.source),
+                                "options": {"maxFilesPerTrigger": "10"}}},
+            "syphon": {"retry_interval": "2s", "receive_batch": 100,
+                       "checkpoint_location": str(self.work / "syphon-checkpoint"),
+                       "ledger": str(self.work / "ledger")},
+        }
+        if self.mode == "active":
+            config["replication"] = {"mode": "active", "retry_interval": "2s"}
+        return config
+
+    # the producer
+
+    def produce(self) -> None:
+        """One parquet file of ``rate`` new keys a second until ``stop`` (written aside, then renamed: the file
+        source never sees half a file)."""
+        schema = pa.schema([pa.field("key", pa.string()), pa.field("body", pa.string()),
+                            pa.field("entity", pa.string())])
+        while not self.stop.is_set():
+            started = time.monotonic()
+            rows = []
+            for _ in range(self.rate):
+                self.keys += 1
+                key = f"k{self.keys:07d}"
+                rows += [{"key": key, "body": f"row {key}", "entity": q} for q in QUEUES]
+            name = f"part-{len(self.files):06d}.parquet"
+            pq.write_table(pa.Table.from_pylist(rows, schema=schema), self.source / f".{name}.tmp")
+            os.rename(self.source / f".{name}.tmp", self.source / name)
+            self.files.append(name)
+            self.stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
+
+    def written(self) -> set[str]:
+        """The input files in batches the writer committed (its file source's log and its commits)."""
+        checkpoint = Path(self.config["sink"]["checkpoint_location"])
+        commits = {int(p.name) for p in (checkpoint / "commits").glob("[0-9]*") if p.name.isdigit()}
+        done: set[str] = set()
+        for log in (checkpoint / "sources" / "0").glob("[0-9]*"):
+            for line in log.read_text(errors="replace").splitlines():
+                if line.startswith("{"):
+                    entry = json.loads(line)
+                    if entry.get("batchId") in commits:
+                        done.add(Path(entry["path"]).name)
+        return done
+
+    # the emulators
+
+    def kill_emulator(self, side: str, down_for: float) -> bool:
+        if not self.emu_lock[side].acquire(blocking=False):
+            return False  # already down
+
+        def run() -> None:
+            try:
+                self.emu[side].kill()
+                time.sleep(down_for)
+                self.emu[side] = self.emu[side].restart()
+            except Exception as err:
+                say(f"  {side} emulator restart failed: {_first_line(err)}")
+            finally:
+                self.emu_lock[side].release()
+
+        threading.Thread(target=run, daemon=True, name=f"soak-kill-{side}").start()
+        return True
+
+    def heal_all(self) -> None:
+        for side in SIDES:
+            with self.emu_lock[side]:  # waits out a restart in progress
+                if self.emu[side].proc.poll() is not None:
+                    self.emu[side] = self.emu[side].restart()
+                heal(self.info(side).admin_url)
+
+    def close(self) -> None:
+        for job in self.jobs.values():
+            job.halt()
+        for emu in self.emu.values():
+            emu.stop()
+
+
+class Job:
+    """A job in its own process (and session: its JVM and Python workers), restarted whenever it exits until
+    ``halt``; ``restarts`` counts them."""
+
+    def __init__(self, world: World, name: str, argv: list[str]) -> None:
+        self.world, self.name, self.argv = world, name, argv
+        self.proc: subprocess.Popen | None = None
+        self.runs = 0
+        self.halted = threading.Event()
+        self.thread = threading.Thread(target=self._supervise, daemon=True, name=f"soak-{name}")
+        self.thread.start()
+
+    def _spawn(self) -> subprocess.Popen:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
+        env.update(SUBPROCESS_ENV)
+        self.runs += 1
+        with (self.world.work / f"{self.name}-{self.runs}.log").open("w") as out:
+            return subprocess.Popen([sys.executable, *self.argv], stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    start_new_session=True, cwd=ROOT)
+
+    def _supervise(self) -> None:
+        while not self.halted.is_set():
+            self.proc = self._spawn()
+            while self.proc.poll() is None and not self.halted.is_set():
+                time.sleep(0.2)
+            if self.halted.is_set():
+                break
+            say(f"  {self.name} run {self.runs} exited with {self.proc.returncode}: {self.tail()}")
+            self.halted.wait(2.0)
+
+    @property
+    def restarts(self) -> int:
+        return max(0, self.runs - 1)
+
+    def tail(self, lines: int = 1) -> str:
+        text = (self.world.work / f"{self.name}-{self.runs}.log").read_text(errors="replace").strip().splitlines()
+        named = [t for t in text if re.search(r"(Error|Exception)\b", t)]
+        return " | ".join(line.strip()[:200] for line in (named or text)[-lines:])
+
+    def kill(self) -> bool:
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        _kill_group(self.proc)
+        return True
+
+    def halt(self) -> None:
+        self.halted.set()
+        if self.proc is not None and self.proc.poll() is None:
+            _kill_group(self.proc)
+        self.thread.join(30)
+
+    def workers(self) -> list[int]:
+        """The Python workers (forks of ``pyspark.daemon``) of this job's process tree."""
+        if self.proc is None or self.proc.poll() is not None:
+            return []
+        table = _proc_table()
+
+        def under(pid: int) -> bool:
+            while pid > 1 and pid in table:
+                if pid == self.proc.pid:
+                    return True
+                pid = table[pid][0]
+            return False
+
+        return [pid for pid, (ppid, cmd, _) in table.items()
+                if "pyspark.daemon" in cmd and "pyspark.daemon" in table.get(ppid, (0, "", 0))[1] and under(pid)]
+
+
+# --- the nemesis ----------------------------------------------------------------------------------------
+
+
+class Nemesis:
+    """Seeded random faults, overlapping, for ``seconds``; each logged with its time."""
+
+    def __init__(self, world: World, rng: random.Random, seconds: float, log: Path, result: Result) -> None:
+        self.world, self.rng, self.seconds, self.log, self.result = world, rng, seconds, log, result
+        self.started = time.monotonic()
+
+    def record(self, kind: str, **detail: Any) -> None:
+        at = time.monotonic() - self.started
+        entry = {"mode": self.world.mode, "at": round(at, 1), "kind": kind, **detail}
+        with self.log.open("a") as out:
+            out.write(json.dumps(entry) + "\n")
+        if not detail.get("skipped"):
+            self.result.faults[kind] += 1
+        say(f"  nemesis +{at:6.1f}s {kind} {json.dumps(detail)}")
+
+    def run(self) -> None:
+        rng = self.rng
+        kinds = ["namespace"] * 10 + ["emulator-killed", "worker-killed", "writer-killed", "job-killed"] + ["quiet"] * 2
+        while time.monotonic() - self.started < self.seconds:
+            kind = rng.choice(kinds)
+            side = rng.choice(SIDES)
+            what = rng.choice(NAMESPACE_FAULTS)
+            length = round(rng.uniform(2, 60), 1)
+            pause = round(rng.uniform(1, 8), 1)
+            gap = round(rng.uniform(2, 20), 1)
+            pick = rng.random()
+            try:
+                self._one(kind, side, what, length, pause, pick)
+            except Exception as err:  # an emulator being restarted: the draw is skipped, the schedule goes on
+                self.record(kind if kind != "namespace" else f"{side} {what}", skipped=_first_line(err))
+            if kind == "quiet":
+                gap += round(rng.uniform(20, 60), 1)
+            time.sleep(min(gap, max(0.0, self.seconds - (time.monotonic() - self.started))))
+
+    def _one(self, kind: str, side: str, what: str, length: float, pause: float, pick: float) -> None:
+        world = self.world
+        if kind == "namespace":
+            if world.emu_lock[side].locked():
+                raise ConnectionError(f"the {side} emulator is down")
+            fault(world.info(side).admin_url, what, duration=length)
+            self.record(f"{side} {what}", seconds=length)
+        elif kind == "emulator-killed":
+            done = world.kill_emulator(side, pause)
+            self.record(f"{side} emulator killed", down_for=pause, **({} if done else {"skipped": "already down"}))
+        elif kind == "worker-killed":
+            workers = world.jobs["writer"].workers()
+            if not workers:
+                self.record(kind, skipped="no Python worker running")
+                return
+            pid = sorted(workers)[int(pick * len(workers))]
+            os.kill(pid, signal.SIGKILL)
+            self.record(kind, pid=pid, of=len(workers))
+        elif kind in ("writer-killed", "job-killed"):
+            job = world.jobs["writer" if kind == "writer-killed" else "syphon" if world.mode == "paired" else "reader"]
+            done = job.kill()
+            self.record(f"{job.name} killed", **({} if done else {"skipped": "not running"}))
+        else:
+            self.record("quiet")
+
+
+def outage(world: World, minutes: float, log: Path, result: Result) -> dict[str, float]:
+    """Two healthy minutes, the primary down for ``minutes``, two healthy minutes; returns the times."""
+    nemesis = Nemesis(world, random.Random(0), 0, log, result)
+    marks = {"start": time.time()}
+    time.sleep(120)
+    marks["down"] = time.time()
+    fault(world.info("primary").admin_url, "down")
+    nemesis.record("primary down", minutes=minutes)
+    time.sleep(minutes * 60)
+    heal(world.info("primary").admin_url)
+    marks["healed"] = time.time()
+    nemesis.record("primary healed")
+    time.sleep(120)
+    return marks
+
+
+# --- one mode, start to count ---------------------------------------------------------------------------
+
+
+def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rng: random.Random) -> Result:
+    result = Result(mode)
+    started = time.monotonic()
+    say(f"== {mode}: {seconds / 60:.1f} minutes of {'an outage' if args.outage else 'nemesis'} at {args.rate} keys/s")
+    world = World(work / mode, mode, args.rate)
+    producer = threading.Thread(target=world.produce, daemon=True, name="soak-producer")
+    depth = Sampler(world)
+    try:
+        producer.start()
+        world.jobs["writer"] = Job(world, "writer", [str(JOBS / "paired_writer.py"), "--conf", str(world.conf_path)])
+        if mode == "paired":
+            world.jobs["syphon"] = Job(world, "syphon", [str(JOBS / "syphon.py"), "--conf", str(world.conf_path)])
+        else:
+            world.jobs["reader"] = Job(world, "reader", [__file__, "--reader", str(world.conf_path),
+                                                         "--table", str(world.work / "read")])
+        depth.start()
+        marks = None
+        if args.outage:
+            marks = outage(world, args.outage, work / "faults.jsonl", result)
+        else:
+            Nemesis(world, rng, seconds, work / "faults.jsonl", result).run()
+        world.stop.set()
+        producer.join()
+        result.produced = world.keys
+        say(f"  {mode}: produced {world.keys} keys x {len(QUEUES)} queues in {len(world.files)} files; healing, "
+            f"draining")
+        world.heal_all()
+        drained = drain(world, args.drain_minutes * 60)
+        result.drained = drained
+        if not drained:
+            result.notes.append(f"not drained after {args.drain_minutes:g} minutes")
+        for name, job in world.jobs.items():
+            result.restarts[name] = job.restarts
+            job.halt()
+        depth.stop()
+        count(world, result)
+        if marks is not None:
+            result.notes += outage_report(world, marks, depth)
+    except Exception as err:
+        result.drained = False
+        result.notes.append(f"crashed: {type(err).__name__}: {_first_line(err)}")
+        traceback.print_exc()
+    finally:
+        world.stop.set()
+        depth.stop()
+        world.close()
+    result.seconds = time.monotonic() - started
+    say(f"== {mode}: lost {sum(result.lost.values())}, duplicated {result.duplicated} [{result.seconds:.0f} s]")
+    return result
+
+
+class Sampler:
+    """The backlog's depth (paired) every 5 s, with its time, for the outage report."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.samples: list[tuple[float, int]] = []
+        self.halt = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="soak-depth")
+
+    def start(self) -> None:
+        if self.world.backlog_queues:
+            self.thread.start()
+
+    def _run(self) -> None:
+        from spark_sb.admin import admin_client
+
+        info = self.world.info("secondary")
+        while not self.halt.wait(5.0):
+            try:
+                admin = admin_client(info.connection_string, admin_endpoint=info.admin_url)
+                total = sum(admin.get_queue_runtime_properties(q).total_message_count
+                            for q in self.world.backlog_queues)
+                self.samples.append((time.time(), total))
+            except Exception:
+                pass  # the secondary down: no sample
+
+    def stop(self) -> None:
+        self.halt.set()
+
+
+def drain(world: World, seconds: float) -> bool:
+    """Wait until the writer committed every input file and the backlog (paired) or both namespaces (active)
+    are empty."""
+    deadline = time.monotonic() + seconds
+    wanted = set(world.files)
+    last = ""
+    while time.monotonic() < deadline:
+        written = len(wanted & world.written())
+        left = _left(world) if written == len(wanted) else None
+        state = f"writer {written}/{len(wanted)} files, left {left}"
+        if state != last:
+            say(f"  {world.mode}: drain: {state}")
+            last = state
+        if left == 0:
+            return True
+        time.sleep(5.0)
+    return False
+
+
+def _left(world: World) -> int:
+    """Messages not yet home: in the backlog queues (paired), or in either namespace's queues (active)."""
+    if world.mode == "paired":
+        wanted = [("secondary", q) for q in world.backlog_queues]
+    else:
+        wanted = [(side, q) for side in SIDES for q in QUEUES]
+    return sum(len(_peek_all(world.info(side).connection_string, q)) for side, q in wanted)
+
+
+def count(world: World, result: Result) -> None:
+    """Peek every queue (nothing locked or removed) and account for every key."""
+    keys = {f"k{n:07d}" for n in range(1, world.keys + 1)}
+    dlq = ServiceBusSubQueue.DEAD_LETTER
+    now = datetime.datetime.now(datetime.UTC)
+    for queue in QUEUES:
+        if world.mode == "paired":
+            found = _peek_all(world.info("primary").connection_string, queue)
+            ids = [str(m.message_id) for m in found]
+            foreign = collections.Counter(m.content_type or "no content type" for m in found
+                                          if str(m.message_id) not in keys)
+            if foreign:  # a ping whose cancellation a fault cut: scheduled, it expires unread (behaviour.md)
+                result.notes.append(f"{queue}: not produced, by content type: {dict(foreign)}")
+        else:
+            table = world.work / "read" / queue
+            ids = ([str(r["message_id"]) for r in _delta_rows(table, ["message_id"])]
+                   if (table / "_delta_log").exists() else [])
+        got = collections.Counter(i for i in ids if i in keys)
+        result.arrived[queue] = sum(got.values())
+        result.lost[queue] = len(keys - set(got))
+        result.duplicated[queue] = sum(got.values()) - len(got)
+        if world.mode == "active" and len(ids) != sum(got.values()):
+            result.notes.append(f"{queue}: {len(ids) - sum(got.values())} rows read with ids not produced")
+        if result.lost[queue]:
+            result.notes.append(f"{queue}: lost e.g. {', '.join(sorted(keys - set(got))[:5])}")
+    if world.mode == "paired":
+        result.left = _left(world)
+        places = [("primary", q) for q in QUEUES] + [("secondary", q) for q in world.backlog_queues]
+    else:
+        result.left = _left(world)
+        places = [(side, q) for side in SIDES for q in QUEUES]
+    for side, queue in places:
+        for m in _peek_all(world.info(side).connection_string, queue, dlq):
+            reason = m.dead_letter_reason or "?"
+            if side == "secondary" and world.mode == "paired":
+                reason += f" (backlog, for {messages.from_backlog(m, now).entity or '?'})"
+            result.dead[f"{side} {queue}: {reason}"] += 1
+
+
+def outage_report(world: World, marks: dict[str, float], depth: Sampler) -> list[str]:
+    """The sink's batch durations healthy / failed over (the writer's log lines ``batch N: ... [S s]``, with
+    their timestamps) and the syphon's time to bring the backlog home."""
+    line = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) INFO spark_sb\.sink: batch \d+: (\d+) rows: .*\[([\d.]+) s\]$")
+    healthy, failed_over = [], []
+    for log in sorted(world.work.glob("writer-*.log")):
+        for text in log.read_text(errors="replace").splitlines():
+            if m := line.match(text):
+                at = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                if int(m[2]) == 0:
+                    continue
+                if at < marks["down"] or at > marks["healed"] + 10:
+                    healthy.append(float(m[3]))
+                elif marks["down"] + 10 < at < marks["healed"]:
+                    failed_over.append(float(m[3]))
+    notes = []
+    if healthy and failed_over:
+        h, f = statistics.median(healthy), statistics.median(failed_over)
+        notes.append(f"sink batch duration, median: healthy {h:.2f} s ({len(healthy)} batches), failed over "
+                     f"{f:.2f} s ({len(failed_over)} batches), ratio {f / h:.2f}; max failed over "
+                     f"{max(failed_over):.2f} s")
+    peak = max((n for t, n in depth.samples if t <= marks["healed"] + 10), default=0)
+    empty = next((t for t, n in depth.samples if t > marks["healed"] and n == 0), None)
+    if empty is not None:
+        took = empty - marks["healed"]
+        notes.append(f"backlog at the heal: {peak} messages; home {took:.0f} s after the heal "
+                     f"({peak / took:.0f} msg/s, while the input went on)")
+    else:
+        notes.append(f"backlog at the heal: {peak} messages; not seen empty")
+    return notes
+
+
+# --- the reader of active mode (a process of its own) ---------------------------------------------------
+
+
+def reader_main(conf: str, table: str) -> int:
+    """``format("servicebus")`` over both namespaces through ``dedupe`` into ``table/<queue>``, one query per
+    queue, until killed."""
+    sys.path.insert(0, str(JOBS))
+    from paired_writer import build_session
+
+    from spark_sb import dedupe
+    from spark_sb.source import register
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    spark = build_session("spark-sb-soak-reader")
+    register(spark)
+    queries = []
+    for queue in QUEUES:
+        stream = (spark.readStream.format("servicebus").option("conf", conf).option("entity", queue)
+                  .option("namespaces", "primary,secondary").option("maxMessagesPerTrigger", "500").load())
+        queries.append(dedupe(stream, window=DEDUPE_WINDOW).select("message_id", "namespace")
+                       .writeStream.format("delta").option("checkpointLocation", f"{table}/_checkpoints/{queue}")
+                       .trigger(processingTime="2 seconds").start(f"{table}/{queue}"))
+    spark.streams.awaitAnyTermination()
+    for query in queries:
+        if query.exception() is not None:
+            raise query.exception()
+    return 0
+
+
+# --- the report -----------------------------------------------------------------------------------------
+
+
+def table(results: list[Result]) -> str:
+    lines = ["| mode | produced (keys) | arrived on / off | lost on / off | duplicated on / off | left | "
+             "dead-lettered | faults | restarts | minutes |", "|" + "---|" * 10]
+    for r in results:
+        def pair(d: dict[str, int]) -> str:
+            return f"{d.get(DEDUP, 0)} / {d.get(PLAIN, 0)}"
+        faults = sum(r.faults.values())
+        lines.append(f"| {r.mode} | {r.produced} | {pair(r.arrived)} | {pair(r.lost)} | {pair(r.duplicated)} | "
+                     f"{r.left} | {sum(r.dead.values())} | {faults} | "
+                     f"{', '.join(f'{k} {v}' for k, v in r.restarts.items())} | {r.seconds / 60:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=30.0, help="minutes of faults, split over the modes")
+    parser.add_argument("--seed", type=int, default=None, help="the nemesis's seed (default: a random one)")
+    parser.add_argument("--modes", nargs="+", choices=("paired", "active"), default=["paired", "active"])
+    parser.add_argument("--rate", type=int, default=10, help="new keys a second (each sent to both queues)")
+    parser.add_argument("--drain-minutes", type=float, default=15.0, help="the bound on the drain after the faults")
+    parser.add_argument("--outage", type=float, default=None, metavar="MINUTES",
+                        help="paired mode, the primary down this long instead of the nemesis")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, data)")
+    parser.add_argument("--reader", metavar="CONF", help=argparse.SUPPRESS)
+    parser.add_argument("--table", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.reader:
+        return reader_main(args.reader, args.table)
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
+    modes = ["paired"] if args.outage else args.modes
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    work = Path(tempfile.mkdtemp(prefix="spark-sb-soak-"))
+    say(f"seed {seed}; work folder {work}")
+    rng = random.Random(seed)
+    results = []
+    try:
+        for mode in modes:
+            results.append(run_mode(work, mode, args, args.minutes * 60 / len(modes), rng))
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print()
+    print(f"seed {seed}; on / off = {DEDUP} (duplicate detection) / {PLAIN}; active mode counts the deduplicated "
+          f"read")
+    print()
+    print(table(results))
+    print()
+    for r in results:
+        print(f"- {r.mode}: faults {dict(r.faults)}")
+        for reason, n in sorted(r.dead.items()):
+            print(f"- {r.mode}: dead-lettered {n}: {reason}")
+        for note in r.notes:
+            print(f"- {r.mode}: {note}")
+    lost = sum(sum(r.lost.values()) for r in results)
+    duplicated = sum(r.duplicated.get(DEDUP, 0) + (r.duplicated.get(PLAIN, 0) if r.mode == "active" else 0)
+                     for r in results)
+    print()
+    print(f"seed {seed}: lost {lost}; duplicated with duplicate detection {duplicated}; "
+          f"drained: {'yes' if all(r.drained for r in results) else 'NO'}")
+    return 1 if lost else 2 if duplicated or not all(r.drained for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
