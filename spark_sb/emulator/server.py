@@ -626,10 +626,13 @@ def heal(admin_url: str, entity: str | None = None) -> dict:
 class EmulatorProcess:
     """The emulator in a child process (``spark-sb emulator start``), for kill -9 tests and the demo."""
 
-    def __init__(self, proc: subprocess.Popen, info: dict[str, NamespaceInfo], args: list[str]) -> None:
+    def __init__(self, proc: subprocess.Popen, info: dict[str, NamespaceInfo], args: list[str],
+                 namespaces: Sequence[NamespaceOptions] = ()) -> None:
         self.proc = proc
         self.info = info
         self.args = args
+        #: the namespaces as asked for (a restart keeps their options: latency, Service Bus's habits)
+        self.namespaces = {n.name: n for n in namespaces}
 
     def __getitem__(self, name: str) -> NamespaceInfo:
         return self.info[name]
@@ -661,10 +664,11 @@ class EmulatorProcess:
             args += ["--namespace", n.spec()]
         if entities is not None:
             args += ["--entities", str(entities)]
-        return cls._launch(args, status, timeout, log_file)
+        return cls._launch(args, status, timeout, log_file, namespaces)
 
     @classmethod
-    def _launch(cls, args: list[str], status: Path, timeout: float, log_file: str | Path | None) -> EmulatorProcess:
+    def _launch(cls, args: list[str], status: Path, timeout: float, log_file: str | Path | None,
+                namespaces: Sequence[NamespaceOptions]) -> EmulatorProcess:
         log = open(log_file, "ab") if log_file else subprocess.DEVNULL  # noqa: SIM115
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=log, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
@@ -676,7 +680,7 @@ class EmulatorProcess:
                     data = None
                 if data:
                     info = {d["name"]: NamespaceInfo(**d) for d in data["namespaces"]}
-                    return cls(proc, info, args)
+                    return cls(proc, info, args, namespaces)
             if proc.poll() is not None:
                 raise RuntimeError(f"the emulator exited with code {proc.returncode} before it was ready")
             time.sleep(0.05)
@@ -702,10 +706,12 @@ class EmulatorProcess:
         authority = next((n.authority_port for n in self.info.values() if n.authority_port is not None), None)
         if authority is not None:
             out += ["--authority-port", str(authority)]
-        for n in self.info.values():
-            out += ["--namespace", NamespaceOptions(n.name, n.amqp_port, n.admin_port, tls_port=n.tls_port,
-                                                    ws_port=n.ws_port, wss_port=n.wss_port).spec()]
-        return self._launch(out, status, timeout, None)
+        namespaces = [dataclasses.replace(self.namespaces.get(n.name, NamespaceOptions(n.name)), amqp_port=n.amqp_port,
+                                          admin_port=n.admin_port, tls_port=n.tls_port, ws_port=n.ws_port,
+                                          wss_port=n.wss_port) for n in self.info.values()]
+        for n in namespaces:
+            out += ["--namespace", n.spec()]
+        return self._launch(out, status, timeout, None, namespaces)
 
     def kill(self) -> None:
         """kill -9: no clean shutdown."""

@@ -194,3 +194,28 @@ def test_the_subprocess_emulator_keeps_its_tls_port_across_a_restart(tmp_path) -
         emu.stop()
         if restarted is not None:
             restarted.stop()
+
+
+def test_a_restarted_emulator_keeps_its_namespaces_latency_and_habits(tmp_path) -> None:
+    """A far namespace killed and restarted is still far (the soak's kill -9s kept the ports and dropped the
+    rest); a peek then costs at least a round trip (a lower bound: never failed by a slow machine)."""
+    entities = tmp_path / "entities.yaml"
+    entities.write_text(ENTITIES)
+    emu = EmulatorProcess.start(data_dir=tmp_path / "data", entities=entities,
+                                namespaces=[NamespaceOptions("p", latency=0.3, idle_detach=600, detach_every=900)])
+    restarted = None
+    try:
+        emu.kill()
+        restarted = emu.restart()
+        info = restarted["p"]
+        with ServiceBusClient.from_connection_string(info.connection_string) as client, \
+                client.get_queue_receiver("orders") as receiver:
+            receiver.peek_messages(max_message_count=1)  # the link is open
+            started = time.monotonic()
+            receiver.peek_messages(max_message_count=1)
+            assert time.monotonic() - started >= 0.6
+        assert restarted.namespaces["p"].detach_every == 900 and restarted.namespaces["p"].idle_detach == 600
+    finally:
+        emu.stop()
+        if restarted is not None:
+            restarted.stop()
