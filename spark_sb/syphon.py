@@ -584,53 +584,92 @@ def republish_deferred(config: SparkSbConfig, wanted: Mapping[str, Sequence[int]
 
 
 def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_wait: float = 330.0,
-                    clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
-                    ) -> int:
+                    outage_wait: float = 120.0, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], None] = time.sleep) -> int:
     """Settle the deferred backlog messages of recorded outcomes: complete the delivered and re-parked ones,
     dead-letter the others with their reason and description. A message no longer there was settled by an
     earlier attempt. One still locked by an earlier attempt that died is waited for until its lock expires
     (at most ``lock_wait`` seconds, longer than the service's 5 minute maximum lock), then
-    :class:`SyphonSettleError`. Returns how many this call settled."""
+    :class:`SyphonSettleError`. A secondary that does not answer (a lost connection, a timeout, busy) is tried
+    again with backoff for up to ``outage_wait`` seconds in a row, then its error is raised: a blip does not
+    fail the batch (in local mode, the query). Returns how many this call settled."""
     by_queue: dict[str, dict[int, Outcome]] = {}
     for outcome in outcomes:
         if outcome.sequence_number is not None and outcome.outcome in (*_COMPLETE, _DEAD_LETTER):
             by_queue.setdefault(outcome.backlog_queue, {})[outcome.sequence_number] = outcome
     settled = 0
-    if not by_queue:
-        return settled
     for queue, pending in by_queue.items():
-        namespace = shared_namespace(config, "secondary", retries=False)
-        deadline: float | None = None
-        pause = 1.0
-        bulk_first = True  # the first round, as if every message were there (a first attempt): nothing peeked
-        while pending:
-            done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
-            for number in complete_deferred(namespace, queue, done, bulk_first=bulk_first):
-                pending.pop(number)
-                settled += 1
-            bulk_first = False
-            doomed = sorted(n for n, o in pending.items() if o.outcome == _DEAD_LETTER)
-            with namespace.receiver(queue) as receiver:
-                # dead-letter in peek-lock, one request each
-                for message in receive_deferred(receiver, doomed):
-                    outcome = pending.pop(int(message.sequence_number))
-                    receiver.dead_letter_message(message, reason=outcome.reason,
-                                                 error_description=outcome.description or outcome.reason)
-                    settled += 1
-                if pending:  # gone: settled by an earlier attempt; still there: locked by one
-                    there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
-                    pending = {n: o for n, o in pending.items() if n in there}
-            if not pending:
+        state = {"pending": pending, "settled": 0, "bulk_first": True}
+        blips = _Blips(f"settling {len(pending)} backlog messages of {queue!r}", outage_wait, clock, sleep)
+        while True:
+            try:
+                _settle_queue(config, queue, state, lock_wait, clock, sleep)
                 break
-            if deadline is None:  # locked by an earlier attempt: wait for the locks to expire
-                deadline = clock() + lock_wait
-                _LOGGER.warning("%d backlog messages of %r are still locked by an earlier attempt; waiting "
-                                "for their locks to expire", len(pending), queue)
-            elif clock() >= deadline:
-                raise SyphonSettleError(queue, sorted(pending))
-            sleep(pause)
-            pause = min(pause * 2, 10.0)
+            except Exception as exc:
+                blips.after(exc)  # raises when it is not a blip, or when blips lasted outage_wait
+                state["bulk_first"] = False  # part of the round may have been done: peek first
+        settled += state["settled"]
     return settled
+
+
+class _Blips:
+    """Failures of a namespace that does not answer, tried again with backoff for a bounded time in a row."""
+
+    def __init__(self, what: str, limit: float, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+        self.what, self.limit, self.clock, self.sleep = what, limit, clock, sleep
+        self.since: float | None = None
+        self.failures = 0
+
+    def after(self, exc: Exception) -> None:
+        if classify(exc) not in (ErrorClass.OUTAGE, ErrorClass.THROTTLED):
+            raise exc
+        now = self.clock()
+        self.since = now if self.since is None else self.since
+        self.failures += 1
+        if now - self.since >= self.limit:
+            raise exc
+        delay = min(0.5 * 2 ** (self.failures - 1), 5.0)
+        _LOGGER.warning("%s failed (%s: %s); trying again in %.1f s (%.0f s of %g s used)", self.what,
+                        type(exc).__name__, redact(str(exc))[:200], delay, now - self.since, self.limit)
+        self.sleep(delay)
+
+
+def _settle_queue(config: SparkSbConfig, queue: str, state: dict[str, Any], lock_wait: float,
+                  clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
+    """:func:`settle_outcomes` for one backlog queue; ``state`` keeps what is pending and settled across tries."""
+    pending: dict[int, Outcome] = state["pending"]
+    namespace = shared_namespace(config, "secondary", retries=False)
+    deadline: float | None = None
+    pause = 1.0
+    while pending:
+        bulk_first = state["bulk_first"]  # as if every message were there (a first attempt): nothing peeked
+        done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
+        for number in complete_deferred(namespace, queue, done, bulk_first=bulk_first):
+            pending.pop(number)
+            state["settled"] += 1
+        state["bulk_first"] = False
+        doomed = sorted(n for n, o in pending.items() if o.outcome == _DEAD_LETTER)
+        with namespace.receiver(queue) as receiver:
+            # dead-letter in peek-lock, one request each
+            for message in receive_deferred(receiver, doomed):
+                outcome = pending.pop(int(message.sequence_number))
+                receiver.dead_letter_message(message, reason=outcome.reason,
+                                             error_description=outcome.description or outcome.reason)
+                state["settled"] += 1
+            if pending:  # gone: settled by an earlier attempt; still there: locked by one
+                there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
+                for number in [n for n in pending if n not in there]:
+                    pending.pop(number)
+        if not pending:
+            break
+        if deadline is None:  # locked by an earlier attempt: wait for the locks to expire
+            deadline = clock() + lock_wait
+            _LOGGER.warning("%d backlog messages of %r are still locked by an earlier attempt; waiting "
+                            "for their locks to expire", len(pending), queue)
+        elif clock() >= deadline:
+            raise SyphonSettleError(queue, sorted(pending))
+        sleep(pause)
+        pause = min(pause * 2, 10.0)
 
 
 class SyphonSettleError(SparkSbError):

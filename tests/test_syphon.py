@@ -17,6 +17,7 @@ from azure.servicebus import (
     ServiceBusSubQueue,
 )
 from azure.servicebus.amqp import AmqpAnnotatedMessage
+from azure.servicebus.exceptions import ServiceBusConnectionError
 from pairing import pair_config
 
 from spark_sb import messages
@@ -295,6 +296,54 @@ def test_a_restored_message_the_destination_refuses_is_dead_lettered_with_its_re
     [home] = _receive(primary.connection_string, sessions, expected=1, session_id="s")
     assert home.message_id == "in-session"
     assert _peek(secondary.connection_string, queue) == []
+
+
+def test_settling_carries_on_through_a_secondary_that_stops_answering_for_a_few_seconds(
+    emulator, config, primary, secondary, make_queue
+) -> None:
+    """A blip of the secondary while the syphon settles its batch (soak: the secondary's emulator killed and
+    restarted) failed the batch, and in local mode stopped the syphon job; it is tried again with backoff."""
+    home = make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(f"m{i}", message_id=f"m{i}"), home)
+                                   for i in range(4)])
+    numbers = _defer_all(secondary, queue, 4)
+    cfg = load_config(_syphon_config(config))
+    outcomes = republish_deferred(cfg, {queue: numbers})
+    assert [o.outcome for o in outcomes] == ["delivered"] * 4
+    close_all()  # the settlement opens its connection while the secondary is down
+    emulator.fault("secondary", "down", duration=2.0)
+    assert settle_outcomes(cfg, outcomes) == 4
+    assert _peek(secondary.connection_string, queue) == []
+    assert sorted(m.message_id for m in _receive(primary.connection_string, home, expected=4)) == [
+        f"m{i}" for i in range(4)]
+
+
+def test_settling_gives_up_after_the_outage_wait_and_leaves_the_messages_deferred(
+    emulator, config, primary, secondary, make_queue
+) -> None:
+    home = make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage("m", message_id="m"), home)])
+    numbers = _defer_all(secondary, queue, 1)
+    cfg = load_config(_syphon_config(config))
+    outcomes = republish_deferred(cfg, {queue: numbers})
+    close_all()
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    emulator.fault("secondary", "down")
+    try:
+        with pytest.raises(ServiceBusConnectionError):
+            settle_outcomes(cfg, outcomes, outage_wait=10, clock=lambda: now[0], sleep=sleep)
+    finally:
+        emulator.heal("secondary")
+    assert 10 <= sum(slept) < 15 and slept[:3] == [0.5, 1.0, 2.0]  # backoff, bounded by outage_wait
+    assert [m.state for m in _peek(secondary.connection_string, queue)] == [ServiceBusMessageState.DEFERRED]
 
 
 def test_settling_waits_for_a_lock_left_by_an_attempt_that_died(emulator_with_clock, fake_clock, primary) -> None:
