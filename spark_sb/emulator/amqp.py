@@ -313,15 +313,31 @@ class NamespaceServer(Handler):
                                      f"was idle for more than {self.idle_detach:g} s. (emulator: idle-detach)")
 
     def detach_links(self, entity: str | None = None) -> int:
-        """Detach every entity link (of ``entity``, or all) with ``amqp:link:detach-forced``, as Service Bus does
-        in upgrades and load balancing; returns how many. Run on the reactor thread (:meth:`call`)."""
+        """Detach every entity link (of ``entity``, or all) and the entity's ``$management`` links with
+        ``amqp:link:detach-forced``, as Service Bus does when it moves entities in upgrades and load balancing;
+        returns how many. ``$cbs`` links are namespace links, not detached (the SDK never opens a detached
+        ``$cbs`` link again: its handlers wait for a token forever). Run on the reactor thread (:meth:`call`)."""
         links = list(self._links_by_path.get(entity, [])) if entity is not None else [
             link for links in self._links_by_path.values() for link in links]
+        links += self._management_links(entity)
         for link in links:
             self.detached["forced"] += 1
             self._close_link(link, _DETACH_FORCED, "The link was force detached by the broker (upgrade or load "
                              "balancing); reconnect. (emulator)")
         return len(links)
+
+    def _management_links(self, entity: str | None) -> list[Any]:
+        """The open ``$management`` links (of ``entity``'s node, or all) of every connection, forgotten by it."""
+        out = []
+        for conn in self._connections:
+            link = conn.link_head(0)
+            while link is not None:
+                if (_has_attr(link, "role_kind") and link.role_kind == "mgmt" and not link.state & link.LOCAL_CLOSED
+                        and (entity is None or _management_node(link) == entity)):
+                    out.append(link)
+                link = link.next(0)
+            conn.mgmt_senders = {node: s for node, s in conn.mgmt_senders.items() if s not in out}
+        return out
 
     def stats(self) -> dict[str, Any]:
         """Open connections and attached entity links, for monitoring and the benchmark."""
@@ -1068,6 +1084,12 @@ def _data_object(data: Any) -> Any:
 def _array(element_type: int, values: list[Any]) -> Array:
     """An AMQP array (not a list): the Java SDK reads long[] and Date[] and ignores a list."""
     return Array(UNDESCRIBED, element_type, *values)  # type: ignore[arg-type]  # proton's stub: no Constant
+
+
+def _management_node(link: Any) -> str:
+    """The entity of a ``$management`` link (``orders/$management`` -> ``orders``)."""
+    address = link.remote_target.address if link.is_receiver else link.remote_source.address
+    return entity_path(address)[: -len(MGMT_SUFFIX)]
 
 
 def _has_attr(obj: Any, name: str) -> bool:

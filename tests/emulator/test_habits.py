@@ -65,6 +65,33 @@ def test_a_detached_link_is_opened_again_by_the_sdk_and_nothing_is_lost(habits, 
     assert _detached(habits, namespace)[kind] - before >= 2
 
 
+def test_a_forced_detach_takes_the_entitys_management_links_too(habits) -> None:
+    """Service Bus moves an entity with its ``$management`` node: a forced detach detaches those links too
+    (not ``$cbs``, a namespace link the SDK never opens again). The SDK fails the management call in flight
+    (``ServiceBusError``: the handler shuts down) and opens the handler again on the next one."""
+    from azure.servicebus.exceptions import ServiceBusError
+
+    info, server = habits["plain"], habits.server("plain")
+    with ServiceBusClient.from_connection_string(info.connection_string) as client, \
+            client.get_queue_sender("q") as sender, client.get_queue_receiver("q", prefetch_count=0) as receiver:
+        sender.send_messages(ServiceBusMessage("peeked", message_id="peeked"))
+        assert [m.message_id for m in receiver.peek_messages(10)] == ["peeked"]  # the receiver's $management
+        before = server.call(lambda: dict(server.detached))["forced"]
+        detached = server.call(lambda: server.detach_links("q"))
+        assert detached == 4  # the sender's and receiver's links, the receiver's two $management links
+        failures = 0
+        while True:
+            try:
+                peeked = receiver.peek_messages(10, sequence_number=1)
+                break
+            except ServiceBusError:
+                failures += 1
+                assert failures < 3
+        assert [m.message_id for m in peeked] == ["peeked"] and failures <= 1
+        assert server.call(lambda: dict(server.detached))["forced"] - before == 4
+        _receive(receiver)
+
+
 def test_the_namespace_spec_carries_the_habits() -> None:
     options = NamespaceOptions.parse("p=0:0,idle-detach=10m,detach-every=30s,latency=5ms")
     assert (options.idle_detach, options.detach_every, options.latency) == (600.0, 30.0, 0.005)
