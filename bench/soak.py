@@ -8,7 +8,9 @@ Each mode gets a fresh world: two emulator processes (the primary and the second
 process, data dir and ports, so either can be killed with ``kill -9`` and restarted alone), two primary queues,
 ``soak-dedup`` (duplicate detection, a two-hour window) and ``soak-plain`` (none), a producer that writes one
 parquet file of ``--rate`` new keys every second (each key once per queue; the key is the message id), and
-jobs in processes of their own, each restarted by a supervisor whenever it exits, as a job scheduler would:
+Service Bus's habits on both namespaces (``--idle-detach``, ``--detach-every``: links detached with
+``amqp:link:detach-forced``), and jobs in processes of their own, each restarted by a supervisor whenever it
+exits, as a job scheduler would:
 
 * the writer (``jobs/paired_writer.py``: ``foreachBatch(PairedSink)``), in both modes;
 * paired mode: the syphon (``jobs/syphon.py``), moving the backlog home beside the writer;
@@ -63,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import SUBPROCESS_ENV, _delta_rows, _first_line, _kill_group, _peek_all, _proc_table  # noqa: E402
 
 from spark_sb import messages  # noqa: E402
+from spark_sb.durations import parse_seconds  # noqa: E402
 from spark_sb.emulator import EmulatorProcess, NamespaceOptions, fault, heal  # noqa: E402
 from spark_sb.paired import PairedSender  # noqa: E402
 
@@ -110,12 +113,13 @@ class Result:
 class World:
     """Two emulator processes, the input folder, the configuration and the supervised jobs of one mode."""
 
-    def __init__(self, work: Path, mode: str, rate: int) -> None:
+    def __init__(self, work: Path, mode: str, rate: int, habits: dict[str, float]) -> None:
         self.work, self.mode, self.rate = work, mode, rate
         work.mkdir(parents=True)
         (work / "entities.yaml").write_text(ENTITIES)
-        self.emu = {side: EmulatorProcess.start(data_dir=work / f"emulator-{side}", namespaces=[NamespaceOptions(side)],
-                                                entities=work / "entities.yaml", log_file=work / f"emulator-{side}.log")
+        self.emu = {side: EmulatorProcess.start(data_dir=work / f"emulator-{side}", entities=work / "entities.yaml",
+                                                namespaces=[NamespaceOptions(side, **habits)],
+                                                log_file=work / f"emulator-{side}.log")
                     for side in SIDES}
         self.emu_lock = {side: threading.Lock() for side in SIDES}
         self.source = work / "source"
@@ -178,13 +182,20 @@ class World:
     def written(self) -> set[str]:
         """The input files in batches the writer committed (its file source's log and its commits)."""
         checkpoint = Path(self.config["sink"]["checkpoint_location"])
-        commits = {int(p.name) for p in (checkpoint / "commits").glob("[0-9]*") if p.name.isdigit()}
+        # Spark keeps the last 100 commits and compacts the source's log every 10 batches: a batch is committed
+        # when a later one is
+        commits = [int(p.name) for p in (checkpoint / "commits").glob("[0-9]*") if p.name.isdigit()]
+        last = max(commits, default=-1)
         done: set[str] = set()
         for log in (checkpoint / "sources" / "0").glob("[0-9]*"):
-            for line in log.read_text(errors="replace").splitlines():
+            try:
+                text = log.read_text(errors="replace")
+            except FileNotFoundError:  # deleted by Spark's cleanup meanwhile
+                continue
+            for line in text.splitlines():
                 if line.startswith("{"):
                     entry = json.loads(line)
-                    if entry.get("batchId") in commits:
+                    if entry.get("batchId", last + 1) <= last:
                         done.add(Path(entry["path"]).name)
         return done
 
@@ -376,7 +387,7 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
     result = Result(mode)
     started = time.monotonic()
     say(f"== {mode}: {seconds / 60:.1f} minutes of {'an outage' if args.outage else 'nemesis'} at {args.rate} keys/s")
-    world = World(work / mode, mode, args.rate)
+    world = World(work / mode, mode, args.rate, {"idle_detach": args.idle_detach, "detach_every": args.detach_every})
     producer = threading.Thread(target=world.produce, daemon=True, name="soak-producer")
     depth = Sampler(world)
     try:
@@ -604,6 +615,10 @@ def main() -> int:
     parser.add_argument("--modes", nargs="+", choices=("paired", "active"), default=["paired", "active"])
     parser.add_argument("--rate", type=int, default=10, help="new keys a second (each sent to both queues)")
     parser.add_argument("--drain-minutes", type=float, default=15.0, help="the bound on the drain after the faults")
+    parser.add_argument("--idle-detach", type=parse_seconds, default="60s", metavar="DURATION",
+                        help="Service Bus's habit: detach links idle this long (Azure: 10m; 0: never)")
+    parser.add_argument("--detach-every", type=parse_seconds, default="2m", metavar="DURATION",
+                        help="Service Bus's habit: detach every entity link this often (0: never)")
     parser.add_argument("--outage", type=float, default=None, metavar="MINUTES",
                         help="paired mode, the primary down this long instead of the nemesis")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, data)")
@@ -617,7 +632,8 @@ def main() -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     work = Path(tempfile.mkdtemp(prefix="spark-sb-soak-"))
-    say(f"seed {seed}; work folder {work}")
+    say(f"seed {seed}; work folder {work}; Service Bus's habits: idle links detached after "
+        f"{args.idle_detach:g} s, every link every {args.detach_every:g} s (0: never)")
     rng = random.Random(seed)
     results = []
     try:
