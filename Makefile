@@ -51,7 +51,7 @@ demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
 test: $(VENV)/.installed $(SPARK_VENVS:%=%/.installed) $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 	$(MAKE) --no-print-directory test-spark-versions
 
 test-spark-versions: $(SPARK_VENVS:%=%/.installed)

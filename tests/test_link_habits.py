@@ -2,7 +2,8 @@
 and every entity link every 2.5 seconds, on both namespaces (``amqp:link:detach-forced``, as Service Bus does
 after 10 idle minutes and in upgrades). The paired sender, ``DedupeReceiver``, the ``servicebus`` source's
 reader and the syphon work in rounds with pauses longer than the idle limit: nothing is lost, nothing is
-duplicated, nothing fails over. The Spark jobs through the same habits are in tests/spark/test_habits_stream.py."""
+duplicated, nothing fails over. The Spark jobs (the writer, the syphon job, the ``servicebus`` source through
+``dedupe``) run through the same habits, among overlapping faults, in ``bench/soak.py`` (``make soak``)."""
 
 from __future__ import annotations
 
