@@ -105,6 +105,7 @@ class Result:
     dead: collections.Counter = field(default_factory=collections.Counter)  # reason -> count
     faults: collections.Counter = field(default_factory=collections.Counter)  # kind -> count
     restarts: collections.Counter = field(default_factory=collections.Counter)  # job -> count
+    failed: collections.Counter = field(default_factory=collections.Counter)  # job -> runs that failed, not killed
     drained: bool = True
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
@@ -240,6 +241,7 @@ class Job:
         self.world, self.name, self.argv = world, name, argv
         self.proc: subprocess.Popen | None = None
         self.runs = 0
+        self.failed: list[str] = []  # runs that ended by themselves (not killed): their last error line
         self.halted = threading.Event()
         self.thread = threading.Thread(target=self._supervise, daemon=True, name=f"soak-{name}")
         self.thread.start()
@@ -260,6 +262,8 @@ class Job:
             if self.halted.is_set():
                 break
             say(f"  {self.name} run {self.runs} exited with {self.proc.returncode}: {self.tail()}")
+            if self.proc.returncode != -signal.SIGKILL:
+                self.failed.append(self.tail())
             self.halted.wait(2.0)
 
     @property
@@ -416,6 +420,8 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
             result.notes.append(f"not drained after {args.drain_minutes:g} minutes")
         for name, job in world.jobs.items():
             result.restarts[name] = job.restarts
+            result.failed[name] = len(job.failed)
+            result.notes += [f"{name} failed by itself: {line}" for line in job.failed]
             job.halt()
         depth.stop()
         count(world, result)
@@ -597,14 +603,15 @@ def reader_main(conf: str, table: str) -> int:
 
 def table(results: list[Result]) -> str:
     lines = ["| mode | produced (keys) | arrived on / off | lost on / off | duplicated on / off | left | "
-             "dead-lettered | faults (quiet spells apart) | restarts | minutes |", "|" + "---|" * 10]
+             "dead-lettered | faults (quiet spells apart) | restarts (of which failed, not killed) | minutes |", "|" + "---|" * 10]
     for r in results:
         def pair(d: dict[str, int]) -> str:
             return f"{d.get(DEDUP, 0)} / {d.get(PLAIN, 0)}"
         faults = sum(n for kind, n in r.faults.items() if kind != "quiet")
         lines.append(f"| {r.mode} | {r.produced} | {pair(r.arrived)} | {pair(r.lost)} | {pair(r.duplicated)} | "
                      f"{r.left} | {sum(r.dead.values())} | {faults} | "
-                     f"{', '.join(f'{k} {v}' for k, v in r.restarts.items())} | {r.seconds / 60:.1f} |")
+                     f"{', '.join(f'{k} {v} ({r.failed[k]} failed)' for k, v in r.restarts.items())} | "
+                     f"{r.seconds / 60:.1f} |")
     return "\n".join(lines)
 
 
