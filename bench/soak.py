@@ -390,7 +390,8 @@ def outage(world: World, minutes: float, log: Path, result: Result) -> dict[str,
 def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rng: random.Random) -> Result:
     result = Result(mode)
     started = time.monotonic()
-    say(f"== {mode}: {seconds / 60:.1f} minutes of {'an outage' if args.outage else 'nemesis'} at {args.rate} keys/s")
+    say(f"== {mode}: " + (f"the primary down for {args.outage:g} minutes between two healthy ones"
+                          if args.outage else f"{seconds / 60:.1f} minutes of nemesis") + f" at {args.rate} keys/s")
     world = World(work / mode, mode, args.rate, {"idle_detach": args.idle_detach, "detach_every": args.detach_every})
     producer = threading.Thread(target=world.produce, daemon=True, name="soak-producer")
     depth = Sampler(world)
