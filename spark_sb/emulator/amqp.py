@@ -179,6 +179,8 @@ class NamespaceServer(Handler):
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._connections: set[Any] = set()
+        #: connections accepted since the start (for monitoring and the tests: a client that reconnects shows)
+        self.connections_opened = 0
         self._links_by_path: dict[str, list[Any]] = {}
         self._waiting_attach: list[Any] = []
         self._acceptor: Any = None
@@ -342,7 +344,8 @@ class NamespaceServer(Handler):
     def stats(self) -> dict[str, Any]:
         """Open connections and attached entity links, for monitoring and the benchmark."""
         links = sum(len(v) for v in self._links_by_path.values())
-        return {"namespace": self.name, "connections": len(self._connections), "entity_links": links}
+        return {"namespace": self.name, "connections": len(self._connections), "entity_links": links,
+                "connections_opened": self.connections_opened}
 
     # ------------------------------------------------------------------ faults
     def fault(self, kind: str, entity: str | None = None, duration: float | None = None) -> None:
@@ -420,6 +423,7 @@ class NamespaceServer(Handler):
             transport.close_head()
             return
         self._connections.add(conn)
+        self.connections_opened += 1
 
     @_guard
     def on_connection_remote_open(self, event: Any) -> None:

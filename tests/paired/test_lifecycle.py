@@ -88,7 +88,7 @@ def test_close_leaves_no_threads_or_sockets_and_is_idempotent(emulator, make_con
     assert sender.send(q, ServiceBusMessage("primary")).primary == 1
     emulator.fault("primary", "quota", entity=q)
     assert sender.send(q, ServiceBusMessage("backlog")).backlog == 1
-    emulator.fault("primary", "down")  # the ping meets a dropped connection: both sides are closed and rebuilt
+    emulator.fault("primary", "down")  # the ping meets a dropped connection: the primary's client is rebuilt
     fake_time.advance(1)
     assert sender.send(q, ServiceBusMessage("backlog again")).backlog == 1
     opened = _sockets() - sockets_before  # the sender's connections (and the in-process emulator's ends)
