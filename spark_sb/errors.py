@@ -91,6 +91,7 @@ __all__ = [
     "encoding_error",
     "redact",
     "already_exists",
+    "is_blip",
     "is_connection_lost",
     "is_lock_lost",
     "is_message_not_found",
@@ -523,6 +524,12 @@ def is_too_large(exc: BaseException) -> bool:
 
 
 # --- what the paired sender, the bus and provisioning read about a failure -----------------------------------
+
+def is_blip(exc: BaseException) -> bool:
+    """The namespace did not answer (a lost connection, a timeout) or was busy: the same call may pass in a
+    moment, so it is retried with backoff for a bounded time before anything fails."""
+    return classify(exc) in (ErrorClass.OUTAGE, ErrorClass.THROTTLED)
+
 
 def is_connection_lost(exc: BaseException) -> bool:
     """The SDK shut the AMQP connection down (``ServiceBusConnectionError``): the client and every handle it

@@ -119,9 +119,10 @@ from .errors import (  # noqa: E402
     SourceUnavailableError,
     as_spark_sb_error,
     classify,
+    is_blip,
     redact,
 )
-from .paired.retry import ExponentialBackoff  # noqa: E402
+from .paired.retry import ExponentialBackoff, RetryFor  # noqa: E402
 
 if admission_control():  # Spark 4.2 and later
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
@@ -828,30 +829,24 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
         """``attempt()``, again with backoff while it fails with a blip (a timeout, a lost connection, a busy
         namespace) for up to ``readRetryTimeout``; then :class:`SourceUnavailableError`. Anything else (a
         configuration error) is raised at once, converted as the sink converts it."""
-        started = self._clock()
-        failures = 0
-        while True:
-            try:
-                return attempt()
-            except Exception as exc:
-                if classify(exc) not in (ErrorClass.OUTAGE, ErrorClass.THROTTLED):
-                    converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
-                    if converted is None:
-                        raise
-                    raise converted from exc
-                failures += 1
-                elapsed = self._clock() - started
-                left = self.read_retry_timeout - elapsed
-                if left <= 0:
-                    raise SourceUnavailableError(
-                        f"{self.WHAT} {entity.path!r} on the {self._where(entity)}: {what} failed for {elapsed:.0f} s "
-                        f"({failures} attempts, readRetryTimeout {self.read_retry_timeout:g} s); the last error: "
-                        f"{type(exc).__name__}: {redact(str(exc))[:300]}") from exc
-                delay = min(self._read_backoff.compute(failures), left)
-                _LOGGER.warning("%s %r on the %s: %s failed (%s); retrying in %.1f s (%.0f s of %g s used)", self.WHAT,
-                                entity.path, entity.side, what, type(exc).__name__, delay, elapsed,
-                                self.read_retry_timeout)
-                self._sleep(delay)
+
+        def give_up(exc: Exception, failures: int, elapsed: float) -> SourceUnavailableError:
+            return SourceUnavailableError(
+                f"{self.WHAT} {entity.path!r} on the {self._where(entity)}: {what} failed for {elapsed:.0f} s "
+                f"({failures} attempts, readRetryTimeout {self.read_retry_timeout:g} s); the last error: "
+                f"{type(exc).__name__}: {redact(str(exc))[:300]}")
+
+        retry = RetryFor(self.read_retry_timeout, self._read_backoff, clock=self._clock, sleep=self._sleep)
+        try:
+            return retry.call(attempt, is_blip, what=f"{self.WHAT} {entity.path!r} on the {entity.side}: {what}",
+                              give_up=give_up)
+        except SourceUnavailableError:
+            raise
+        except Exception as exc:
+            converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
+            if converted is None:
+                raise
+            raise converted from exc
 
     def commit(self, end: dict) -> None:
         """Complete what the batch's sink left deferred (the syphon's sink leaves nothing). A namespace that does
@@ -859,7 +854,7 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
         try:
             self._complete(end)
         except Exception as exc:
-            if classify(exc) not in (ErrorClass.OUTAGE, ErrorClass.THROTTLED):
+            if not is_blip(exc):
                 raise
             _LOGGER.warning("completing %s batch %s failed (%s: %s); retrying with the next batch", self.WHAT,
                             end.get("batch"), type(exc).__name__, redact(str(exc))[:200])

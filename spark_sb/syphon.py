@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import threading
 import time
@@ -63,11 +64,13 @@ from .errors import (
     ErrorClass,
     SparkSbError,
     classify,
+    is_blip,
     is_link_gone,
     is_lock_lost,
     is_too_large,
     redact,
 )
+from .paired.retry import ExponentialBackoff, RetryFor
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -599,55 +602,39 @@ def settle_outcomes(config: SparkSbConfig, outcomes: Sequence[Outcome], *, lock_
             by_queue.setdefault(outcome.backlog_queue, {})[outcome.sequence_number] = outcome
     settled = 0
     for queue, pending in by_queue.items():
-        state = {"pending": pending, "settled": 0, "bulk_first": True}
-        blips = _Blips(f"settling {len(pending)} backlog messages of {queue!r}", outage_wait, clock, sleep)
-        while True:
-            try:
-                _settle_queue(config, queue, state, lock_wait, clock, sleep)
-                break
-            except Exception as exc:
-                blips.after(exc)  # raises when it is not a blip, or when blips lasted outage_wait
-                state["bulk_first"] = False  # part of the round may have been done: peek first
-        settled += state["settled"]
+        state = _Settling(pending, lock_wait)
+        blips = RetryFor(outage_wait, ExponentialBackoff(0.5, 5.0), clock=clock, sleep=sleep)
+        blips.call(functools.partial(_settle_queue, config, queue, state, clock, sleep), is_blip,
+                   what=f"settling {len(pending)} backlog messages of {queue!r}")
+        settled += state.settled
     return settled
 
 
-class _Blips:
-    """Failures of a namespace that does not answer, tried again with backoff for a bounded time in a row."""
+@dataclass
+class _Settling:
+    """What :func:`settle_outcomes` has left to do on one backlog queue, kept across the tries of a blip."""
 
-    def __init__(self, what: str, limit: float, clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
-        self.what, self.limit, self.clock, self.sleep = what, limit, clock, sleep
-        self.since: float | None = None
-        self.failures = 0
-
-    def after(self, exc: Exception) -> None:
-        if classify(exc) not in (ErrorClass.OUTAGE, ErrorClass.THROTTLED):
-            raise exc
-        now = self.clock()
-        self.since = now if self.since is None else self.since
-        self.failures += 1
-        if now - self.since >= self.limit:
-            raise exc
-        delay = min(0.5 * 2 ** (self.failures - 1), 5.0)
-        _LOGGER.warning("%s failed (%s: %s); trying again in %.1f s (%.0f s of %g s used)", self.what,
-                        type(exc).__name__, redact(str(exc))[:200], delay, now - self.since, self.limit)
-        self.sleep(delay)
-
-
-def _settle_queue(config: SparkSbConfig, queue: str, state: dict[str, Any], lock_wait: float,
-                  clock: Callable[[], float], sleep: Callable[[float], None]) -> None:
-    """:func:`settle_outcomes` for one backlog queue; ``state`` keeps what is pending and settled across tries."""
-    pending: dict[int, Outcome] = state["pending"]
-    namespace = shared_namespace(config, "secondary", retries=False)
+    pending: dict[int, Outcome]
+    lock_wait: float
+    settled: int = 0
+    #: a first try completes as if every message were there (nothing peeked); a later one peeks first
+    first: bool = True
+    #: when messages locked by an earlier attempt stop being waited for (set when first seen locked)
     deadline: float | None = None
-    pause = 1.0
+    pause: float = 1.0
+
+
+def _settle_queue(config: SparkSbConfig, queue: str, state: _Settling, clock: Callable[[], float],
+                  sleep: Callable[[float], None]) -> None:
+    """:func:`settle_outcomes` for one backlog queue, one try; ``state`` keeps what is pending across tries."""
+    pending = state.pending
+    namespace = shared_namespace(config, "secondary", retries=False)
     while pending:
-        bulk_first = state["bulk_first"]  # as if every message were there (a first attempt): nothing peeked
+        bulk_first, state.first = state.first, False  # a try that fails part way may have settled some
         done = sorted(n for n, o in pending.items() if o.outcome != _DEAD_LETTER)
         for number in complete_deferred(namespace, queue, done, bulk_first=bulk_first):
             pending.pop(number)
-            state["settled"] += 1
-        state["bulk_first"] = False
+            state.settled += 1
         doomed = sorted(n for n, o in pending.items() if o.outcome == _DEAD_LETTER)
         with namespace.receiver(queue) as receiver:
             # dead-letter in peek-lock, one request each
@@ -655,21 +642,21 @@ def _settle_queue(config: SparkSbConfig, queue: str, state: dict[str, Any], lock
                 outcome = pending.pop(int(message.sequence_number))
                 receiver.dead_letter_message(message, reason=outcome.reason,
                                              error_description=outcome.description or outcome.reason)
-                state["settled"] += 1
+                state.settled += 1
             if pending:  # gone: settled by an earlier attempt; still there: locked by one
                 there = {int(m.sequence_number) for m in peek_deferred(receiver, list(pending))}
                 for number in [n for n in pending if n not in there]:
                     pending.pop(number)
         if not pending:
             break
-        if deadline is None:  # locked by an earlier attempt: wait for the locks to expire
-            deadline = clock() + lock_wait
+        if state.deadline is None:  # locked by an earlier attempt: wait for the locks to expire
+            state.deadline = clock() + state.lock_wait
             _LOGGER.warning("%d backlog messages of %r are still locked by an earlier attempt; waiting "
                             "for their locks to expire", len(pending), queue)
-        elif clock() >= deadline:
+        elif clock() >= state.deadline:
             raise SyphonSettleError(queue, sorted(pending))
-        sleep(pause)
-        pause = min(pause * 2, 10.0)
+        sleep(state.pause)
+        state.pause = min(state.pause * 2, 10.0)
 
 
 class SyphonSettleError(SparkSbError):

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
+from ..errors import redact
+
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "ExponentialBackoff",
     "NoBackoff",
     "Retry",
+    "RetryFor",
     "Sleep",
     "default_clock",
     "default_sleep",
@@ -112,3 +115,46 @@ class Retry:
 
     def __repr__(self) -> str:
         return f"Retry({self.backoff!r}, retries={self.retries})"
+
+
+class RetryFor:
+    """Call a function again with backoff while it fails with what ``retryable`` accepts, for up to ``seconds``
+    from its first failure (a bound in time, not in attempts: how long a blip of a namespace is ridden out).
+    Each retry is logged as a warning naming ``what``. A failure ``retryable`` rejects is raised at once; the
+    last failure, once the time is up, is raised too, or what ``give_up(exc, failures, elapsed)`` makes of it."""
+
+    def __init__(self, seconds: float, backoff: Backoff, *, clock: Clock = default_clock,
+                 sleep: Sleep = default_sleep) -> None:
+        if seconds < 0:
+            raise ValueError(f"the retry bound must be at least 0 s, got {seconds}")
+        self.seconds = float(seconds)
+        self.backoff = backoff
+        self._clock = clock
+        self._sleep = sleep
+
+    def call(self, func: Callable[[], T], retryable: Callable[[BaseException], bool], *, what: str,
+             give_up: Callable[[Exception, int, float], BaseException] | None = None) -> T:
+        first_failure: float | None = None
+        failures = 0
+        while True:
+            try:
+                return func()
+            except Exception as exc:
+                if not retryable(exc):
+                    raise
+                failures += 1
+                now = self._clock()
+                first_failure = now if first_failure is None else first_failure
+                elapsed = now - first_failure
+                left = self.seconds - elapsed
+                if left <= 0:
+                    if give_up is None:
+                        raise
+                    raise give_up(exc, failures, elapsed) from exc
+                delay = min(self.backoff.compute(failures), left)
+                _LOGGER.warning("%s failed (%s: %s); trying again in %.1f s (%.0f s of %g s used)", what,
+                                type(exc).__name__, redact(str(exc))[:200], delay, elapsed, self.seconds)
+                self._sleep(delay)
+
+    def __repr__(self) -> str:
+        return f"RetryFor({self.seconds:g} s, {self.backoff!r})"

@@ -65,6 +65,7 @@ from ..errors import (
     already_exists,
     as_spark_sb_error,
     classify,
+    is_blip,
     is_connection_lost,
     redact,
     unreachable_reason,
@@ -283,9 +284,6 @@ class PairedSender:
         retry = Retry(ConstantBackoff(sa.provision_retry_spacing.total_seconds()), sa.provision_retries,
                       sleep=self._sleep)
 
-        def retryable(exc: BaseException) -> bool:
-            return classify(exc) in (ErrorClass.OUTAGE, ErrorClass.THROTTLED)
-
         def credential_error(exc: BaseException, doing: str) -> PairingError:
             hint = ("the secondary's credential could not get a token" if _token_refused(exc)
                     else "the secondary's credential needs Manage rights")
@@ -300,7 +298,7 @@ class PairedSender:
             existing: dict[str, Any] = {}
             prefix = f"{sa.backlog_prefix}/"
             try:
-                for props in retry.call(lambda: list(client.list_queues()), retryable):
+                for props in retry.call(lambda: list(client.list_queues()), is_blip):
                     if props.name in wanted or props.name.startswith(prefix):
                         existing[props.name] = props
             except Exception as exc:
@@ -329,7 +327,7 @@ class PairedSender:
                     return True
 
                 try:
-                    retry.call(create, retryable)
+                    retry.call(create, is_blip)
                 except Exception as exc:
                     if classify(exc) is ErrorClass.CONFIGURATION_CREDENTIAL:
                         raise credential_error(exc, f"creating backlog queue {name!r}") from exc

@@ -5,8 +5,10 @@ from __future__ import annotations
 import random
 import threading
 
+import pytest
+
 from spark_sb.bus import EntityState, HealthBoard
-from spark_sb.paired.retry import ConstantBackoff, ExponentialBackoff, Retry
+from spark_sb.paired.retry import ConstantBackoff, ExponentialBackoff, Retry, RetryFor
 
 
 class Clock:
@@ -127,6 +129,39 @@ def test_backoffs_and_retry() -> None:
 
     assert Retry(ConstantBackoff(2), 3, sleep=slept.append).call(flaky, lambda e: True) == "ok"
     assert slept == [2, 2]
+
+
+def test_retry_for_rides_out_blips_for_a_time_counted_from_the_first_failure() -> None:
+    """The bound the syphon's settlement and the sources' reads share: time since the first failure (work done
+    before it, such as waiting for locks, does not use it up), the last wait cut to what is left, then the
+    failure itself or what ``give_up`` makes of it; a failure that is not a blip is raised at once."""
+    now = [100.0]
+    slept: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    def busy_after_a_long_wait() -> None:
+        if not slept:
+            now[0] += 500.0  # e.g. waiting for locks to expire, before the namespace stops answering
+        raise TimeoutError("no answer")
+
+    retry = RetryFor(10, ExponentialBackoff(0.5, 5.0), clock=lambda: now[0], sleep=sleep)
+    with pytest.raises(TimeoutError):
+        retry.call(busy_after_a_long_wait, lambda e: isinstance(e, TimeoutError), what="settling")
+    assert slept == [0.5, 1.0, 2.0, 4.0, 2.5]
+
+    def gave_up(exc: Exception, failures: int, elapsed: float) -> RuntimeError:
+        return RuntimeError(f"{failures} attempts in {elapsed:g} s")
+
+    slept.clear()
+    with pytest.raises(RuntimeError, match="6 attempts in 10 s"):
+        retry.call(busy_after_a_long_wait, lambda e: True, what="reading", give_up=gave_up)
+    slept.clear()
+    with pytest.raises(TimeoutError):
+        retry.call(busy_after_a_long_wait, lambda e: False, what="reading")
+    assert slept == []
 
 
 def test_assume_failed_over_starts_in_backlog_mode_with_a_ping_due_at_once() -> None:
