@@ -104,9 +104,10 @@ if TYPE_CHECKING:
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
-    "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "ProxyConfig", "REPLICATION_MODES", "ReplicationConfig", "Secret", "SendAvailabilityConfig",
+    "DEAD_LETTER_SUFFIX", "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "ProxyConfig", "REPLICATION_MODES", "ReplicationConfig", "Secret", "SendAvailabilityConfig",
     "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "entity_path", "format_duration",
     "from_options", "is_literal_secret", "is_secret_name", "load_config", "load_reference", "parse_duration", "positive_duration", "redact_connection_string",
+    "split_dead_letter",
 ]
 
 BACKLOG_QUEUE_SEGMENT = "x-servicebus-transfer"
@@ -149,6 +150,17 @@ def entity_path(value: object, option: str = "entity") -> str:
     if marker and (not topic.strip("/") or not subscription.strip("/") or "/" in subscription):
         raise ConfigError(option, problem, repr(value))
     return path
+
+
+#: the suffix of an entity's dead-letter queue (``orders/$DeadLetterQueue``, ``events/subscriptions/all/$DeadLetterQueue``)
+DEAD_LETTER_SUFFIX = "/$DeadLetterQueue"
+
+
+def split_dead_letter(path: str) -> tuple[str, bool]:
+    """``(the queue or subscription, whether the path names its dead-letter queue)``; the suffix in any case."""
+    if path.lower().endswith(DEAD_LETTER_SUFFIX.lower()):
+        return path[:-len(DEAD_LETTER_SUFFIX)], True
+    return path, False
 
 
 class _Invalid(ValueError):

@@ -87,7 +87,7 @@ from .capabilities import admission_control, require_python_data_sources, trigge
 
 require_python_data_sources("spark_sb.source (the servicebus and servicebus-backlog sources, the syphon job)")
 
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition  # noqa: E402
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition  # noqa: E402
 from pyspark.sql.types import (  # noqa: E402
     BinaryType,
     IntegerType,
@@ -103,6 +103,7 @@ from . import messages as msgs  # noqa: E402
 from .bus import admin_client, shared_namespace  # noqa: E402
 from .bus.deferred import PAGE, complete_deferred, deferred_numbers, peek_deferred  # noqa: E402
 from .config import (  # noqa: E402
+    DEAD_LETTER_SUFFIX,
     MAX_RECEIVE_BATCH,
     SparkSbConfig,
     entity_path,
@@ -111,6 +112,7 @@ from .config import (  # noqa: E402
     load_config,
     load_reference,
     positive_duration,
+    split_dead_letter,
 )
 from .errors import (  # noqa: E402
     ConfigError,
@@ -136,9 +138,10 @@ else:
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["SCHEMA", "SERVICEBUS_SCHEMA", "BacklogDataSource", "BacklogStreamReader", "DeferredPartition",
-           "DeferringStreamReader", "Entity", "ServiceBusDataSource", "ServiceBusStreamReader", "backlog_row",
-           "config_options", "dedupe", "register", "servicebus_row"]
+__all__ = ["DEAD_LETTER_SCHEMA", "SCHEMA", "SERVICEBUS_SCHEMA", "BacklogDataSource", "BacklogStreamReader",
+           "DeferredPartition", "DeferringStreamReader", "Entity", "PeekPartition", "ServiceBusBatchReader",
+           "ServiceBusDataSource", "ServiceBusStreamReader", "backlog_row", "config_options", "dead_letter_row",
+           "dedupe", "register", "servicebus_row"]
 
 FORMAT = "servicebus-backlog"
 SCHEMA = StructType([
@@ -182,6 +185,14 @@ SERVICEBUS_SCHEMA = StructType([
     StructField("to", StringType()),
     StructField("time_to_live_ms", LongType()),
     StructField("application_properties", MapType(StringType(), StringType())),
+])
+#: a batch read of a dead-letter queue: the ``servicebus`` columns (``entity`` names the queue or subscription the
+#: dead-letter queue belongs to) and why the message was dead-lettered
+DEAD_LETTER_SCHEMA = StructType([
+    *SERVICEBUS_SCHEMA.fields,
+    StructField("dead_letter_reason", StringType()),
+    StructField("dead_letter_error_description", StringType()),
+    StructField("dead_letter_source", StringType()),
 ])
 #: guards the ``found`` dicts the receivers fill (module-level: Spark pickles the reader)
 _FOUND_LOCK = threading.Lock()
@@ -317,15 +328,19 @@ class BacklogDataSource(DataSource):
 
 
 class ServiceBusDataSource(DataSource):
-    """``spark.readStream.format("servicebus")``: a queue or topic subscription of one or both namespaces; see
-    the module docstring."""
+    """``spark.readStream.format("servicebus")``: a queue or topic subscription of one or both namespaces;
+    ``spark.read.format("servicebus")``: a peek of one, or of its dead-letter queue. See the module docstring."""
 
     @classmethod
     def name(cls) -> str:
         return SERVICEBUS_FORMAT
 
     def schema(self) -> StructType:
-        return SERVICEBUS_SCHEMA
+        path = _option(self.options, "entity")
+        return DEAD_LETTER_SCHEMA if path is not None and split_dead_letter(path.strip())[1] else SERVICEBUS_SCHEMA
+
+    def reader(self, schema: StructType) -> ServiceBusBatchReader:
+        return ServiceBusBatchReader(self.options)
 
     def streamReader(self, schema: StructType) -> ServiceBusStreamReader:
         return ServiceBusStreamReader(self.options)
@@ -459,7 +474,91 @@ def servicebus_row(received: Any, entity: Entity, now: datetime.datetime) -> tup
             None if ttl is None else int(ttl.total_seconds() * 1000), properties or None)
 
 
-class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
+class _EntityAccess:
+    """What every reader of entities shares: the namespaces through the process's registry (no client is kept in
+    the reader), where an entity lives for messages, blips retried within ``readRetryTimeout``, and the check
+    made before anything starts."""
+
+    config: SparkSbConfig
+    read_retry_timeout: float
+    #: what the log lines and errors call the reader
+    WHAT = "servicebus"
+    #: time for the retries of a read (injectable: tests run the bound in milliseconds)
+    _clock: Any = staticmethod(time.monotonic)
+    _sleep: Any = staticmethod(time.sleep)
+    _read_backoff = ExponentialBackoff(0.5, 8.0, jitter=True)
+
+    def _namespace(self, entity: Entity, *, retries: bool = True, lane: int = 0) -> Any:
+        return shared_namespace(self.config, entity.side, retries=retries, lane=lane)
+
+    def _where(self, entity: Entity) -> str:
+        return f"{entity.side} {getattr(self.config, entity.side).fully_qualified_namespace}"
+
+    def _unavailable(self, entity: Entity, what: str, exc: Exception) -> None:
+        """An entity failed ``what``: a configuration error is raised; anything else (an outage) is logged and
+        the entity is left for the next batch."""
+        converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
+        if converted is not None and classify(converted) is not ErrorClass.BAD_MESSAGE:
+            raise converted from exc
+        _LOGGER.warning("%s %r on the %s: %s failed (%s: %s); trying again next batch", self.WHAT, entity.path,
+                        entity.side, what, type(exc).__name__, redact(str(exc))[:200])
+
+    def _retrying(self, entity: Entity, what: str, attempt: Any) -> Any:
+        """``attempt()``, again with backoff while it fails with a blip (a timeout, a lost connection, a busy
+        namespace) for up to ``readRetryTimeout``; then :class:`SourceUnavailableError`. Anything else (a
+        configuration error) is raised at once, converted as the sink converts it."""
+
+        def give_up(exc: Exception, failures: int, elapsed: float) -> SourceUnavailableError:
+            return SourceUnavailableError(
+                f"{self.WHAT} {entity.path!r} on the {self._where(entity)}: {what} failed for {elapsed:.0f} s "
+                f"({failures} attempts, readRetryTimeout {self.read_retry_timeout:g} s); the last error: "
+                f"{type(exc).__name__}: {redact(str(exc))[:300]}")
+
+        retry = RetryFor(self.read_retry_timeout, self._read_backoff, clock=self._clock, sleep=self._sleep)
+        try:
+            return retry.call(attempt, is_blip, what=f"{self.WHAT} {entity.path!r} on the {entity.side}: {what}",
+                              give_up=give_up)
+        except SourceUnavailableError:
+            raise
+        except Exception as exc:
+            converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
+            if converted is None:
+                raise
+            raise converted from exc
+
+    def _check(self, entity: Entity) -> None:
+        """Before anything starts: the entity exists and needs no session (the administration API says; when
+        it cannot answer, a peek shows at least that the entity exists). An outage is logged, not raised. A
+        dead-letter queue is checked by its queue or subscription; it never needs a session."""
+        namespace = getattr(self.config, entity.side)
+        where = self._where(entity)
+        base, dead_letter = split_dead_letter(entity.path)
+        topic, marker, subscription = base.partition("/subscriptions/")
+        try:
+            with admin_client(namespace, retry_total=0) as admin:
+                found = (admin.get_subscription(topic, subscription) if marker else admin.get_queue(base))
+            sessions = bool(found.requires_session) and not dead_letter
+        except Exception as exc:
+            if classify(exc) is ErrorClass.CONFIGURATION_NOT_FOUND:
+                raise EntityNotFoundError(where, base, "the servicebus source reads a queue or a topic "
+                                          "subscription (topic/subscriptions/name), or its dead-letter queue "
+                                          "(.../$DeadLetterQueue)") from exc
+            _LOGGER.info("the administration API of the %s did not answer (%s); checking %r by a peek", entity.side,
+                         type(exc).__name__, entity.path)
+            try:
+                with self._namespace(entity).receiver(entity.path) as receiver:
+                    receiver.peek_messages(max_message_count=1)
+            except Exception as peek_error:
+                self._unavailable(entity, "checking the entity", peek_error)
+            return
+        if sessions:
+            raise ConfigError("entity", f"requires sessions on the {entity.side}: the servicebus source reads "
+                              "session-less queues and subscriptions only (it defers each batch's messages and "
+                              "reads them back by sequence number, which a session entity allows only to the "
+                              "holder of each session's lock)", entity.path)
+
+
+class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_NOW):
     """The machinery both sources share (see the module docstring): deferring in ``latestOffset``, peeking by
     sequence number in ``read``, completing in ``commit``, taking back what a dead run left deferred, receiving
     ahead. A subclass names its entities and turns a peeked message into a row (:meth:`row`).
@@ -511,21 +610,6 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
 
     def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
         raise NotImplementedError
-
-    def _namespace(self, entity: Entity, *, retries: bool = True, lane: int = 0) -> Any:
-        return shared_namespace(self.config, entity.side, retries=retries, lane=lane)
-
-    def _where(self, entity: Entity) -> str:
-        return f"{entity.side} {getattr(self.config, entity.side).fully_qualified_namespace}"
-
-    def _unavailable(self, entity: Entity, what: str, exc: Exception) -> None:
-        """An entity failed ``what``: a configuration error is raised; anything else (an outage) is logged and
-        the entity is left for the next batch."""
-        converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
-        if converted is not None and classify(converted) is not ErrorClass.BAD_MESSAGE:
-            raise converted from exc
-        _LOGGER.warning("%s %r on the %s: %s failed (%s: %s); trying again next batch", self.WHAT, entity.path,
-                        entity.side, what, type(exc).__name__, redact(str(exc))[:200])
 
     # --- offsets -------------------------------------------------------------------------------------------
 
@@ -808,11 +892,6 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
                 for key, numbers in sorted(end.get(self.OFFSET_FIELD, {}).items())
                 for i in range(0, len(numbers), _PARTITION)]
 
-    #: time for the retries of a read (injectable: tests run the bound in milliseconds)
-    _clock: Any = staticmethod(time.monotonic)
-    _sleep: Any = staticmethod(time.sleep)
-    _read_backoff = ExponentialBackoff(0.5, 8.0, jitter=True)
-
     def read(self, partition: InputPartition) -> Iterator[tuple]:
         assert isinstance(partition, DeferredPartition)
         entity = self._by_key[partition.key]
@@ -824,29 +903,6 @@ class DeferringStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):
 
         found = self._retrying(entity, "reading a planned batch", peek)
         yield from (self.row(m, entity, now) for m in found)
-
-    def _retrying(self, entity: Entity, what: str, attempt: Any) -> Any:
-        """``attempt()``, again with backoff while it fails with a blip (a timeout, a lost connection, a busy
-        namespace) for up to ``readRetryTimeout``; then :class:`SourceUnavailableError`. Anything else (a
-        configuration error) is raised at once, converted as the sink converts it."""
-
-        def give_up(exc: Exception, failures: int, elapsed: float) -> SourceUnavailableError:
-            return SourceUnavailableError(
-                f"{self.WHAT} {entity.path!r} on the {self._where(entity)}: {what} failed for {elapsed:.0f} s "
-                f"({failures} attempts, readRetryTimeout {self.read_retry_timeout:g} s); the last error: "
-                f"{type(exc).__name__}: {redact(str(exc))[:300]}")
-
-        retry = RetryFor(self.read_retry_timeout, self._read_backoff, clock=self._clock, sleep=self._sleep)
-        try:
-            return retry.call(attempt, is_blip, what=f"{self.WHAT} {entity.path!r} on the {entity.side}: {what}",
-                              give_up=give_up)
-        except SourceUnavailableError:
-            raise
-        except Exception as exc:
-            converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
-            if converted is None:
-                raise
-            raise converted from exc
 
     def commit(self, end: dict) -> None:
         """Complete what the batch's sink left deferred (the syphon's sink leaves nothing). A namespace that does
@@ -945,6 +1001,9 @@ class ServiceBusStreamReader(DeferringStreamReader):
 
     def __init__(self, options: Mapping[str, str]) -> None:
         path = _entity_option(options)
+        if split_dead_letter(path)[1]:
+            raise ConfigError("entity", "is a dead-letter queue, which the servicebus source reads in batch only: "
+                              "spark.read.format(\"servicebus\") peeks it without taking anything away", path)
         sides = _namespaces_option(options)
         config = _options_config(options)
         super().__init__(options, config, [Entity(f"{side}:{path}", side, path) for side in sides],
@@ -955,40 +1014,25 @@ class ServiceBusStreamReader(DeferringStreamReader):
     def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
         return servicebus_row(received, entity, now)
 
-    def _check(self, entity: Entity) -> None:
-        """Before anything starts: the entity exists and needs no session (the administration API says; when
-        it cannot answer, a peek shows at least that the entity exists). An outage is logged, not raised."""
-        namespace = getattr(self.config, entity.side)
-        where = self._where(entity)
-        topic, marker, subscription = entity.path.partition("/subscriptions/")
-        try:
-            with admin_client(namespace, retry_total=0) as admin:
-                found = (admin.get_subscription(topic, subscription) if marker else admin.get_queue(entity.path))
-            sessions = bool(found.requires_session)
-        except Exception as exc:
-            if classify(exc) is ErrorClass.CONFIGURATION_NOT_FOUND:
-                raise EntityNotFoundError(where, entity.path, "the servicebus source reads a queue or a topic "
-                                          "subscription (topic/subscriptions/name)") from exc
-            _LOGGER.info("the administration API of the %s did not answer (%s); checking %r by a peek", entity.side,
-                         type(exc).__name__, entity.path)
-            try:
-                with self._namespace(entity).receiver(entity.path) as receiver:
-                    receiver.peek_messages(max_message_count=1)
-            except Exception as peek_error:
-                self._unavailable(entity, "checking the entity", peek_error)
-            return
-        if sessions:
-            raise ConfigError("entity", f"requires sessions on the {entity.side}: the servicebus source reads "
-                              "session-less queues and subscriptions only (it defers each batch's messages and "
-                              "reads them back by sequence number, which a session entity allows only to the "
-                              "holder of each session's lock)", entity.path)
-
-
 def _entity_option(options: Mapping[str, str]) -> str:
     path = _option(options, "entity")
     if path is None:
         raise ConfigError("entity", "required: the queue, or topic/subscriptions/name, to read")
-    return entity_path(path)
+    base, dead_letter = split_dead_letter(path.strip())
+    return entity_path(base) + (DEAD_LETTER_SUFFIX if dead_letter else "")
+
+
+def _sequence_option(options: Mapping[str, str], name: str) -> int | None:
+    text = _option(options, name)
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(name, "must be a sequence number (an integer, 0 or more)", text) from None
+    if value < 0:
+        raise ConfigError(name, "must be a sequence number (an integer, 0 or more)", text)
+    return value
 
 
 def _namespaces_option(options: Mapping[str, str]) -> tuple[Literal["primary", "secondary"], ...]:
@@ -1005,6 +1049,82 @@ def _namespaces_option(options: Mapping[str, str]) -> tuple[Literal["primary", "
     if not sides:
         raise ConfigError("namespaces", "names no namespace: write primary, secondary or primary,secondary", text)
     return tuple(sides)
+
+
+# --- the batch read: a peek --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeekPartition(InputPartition):
+    """One entity of a batch read, on one namespace."""
+
+    key: str
+
+
+def dead_letter_row(received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+    """The row of one message of a dead-letter queue (see :data:`DEAD_LETTER_SCHEMA`): ``entity`` is the queue or
+    subscription the dead-letter queue belongs to."""
+    owner = Entity(entity.key, entity.side, split_dead_letter(entity.path)[0])
+    text = msgs.text
+    return (*servicebus_row(received, owner, now), text(received.dead_letter_reason),
+            text(received.dead_letter_error_description), text(received.dead_letter_source))
+
+
+class ServiceBusBatchReader(_EntityAccess, DataSourceReader):
+    """``spark.read.format("servicebus")``: the messages of a queue, a topic subscription or a dead-letter queue
+    (``entity: orders/$DeadLetterQueue``), **peeked**: nothing is locked, received or removed, and no delivery is
+    counted, so a read can be repeated and a notebook can look at a live entity. One partition per namespace
+    (``namespaces``), read in pages of 250 in sequence-number order from ``fromSequenceNumber`` up to
+    ``toSequenceNumber`` (both inclusive; default: from the first to the last), at most ``maxMessages`` per
+    namespace. What the entity holds is read as it is when the partition runs: active, deferred and scheduled
+    messages alike (the paired sender's pings are left out). A page that fails with a blip is retried within
+    ``readRetryTimeout``, then :class:`SourceUnavailableError` names the namespace and the entity."""
+
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.options = dict(options)
+        path = _entity_option(self.options)
+        self.dead_letter = split_dead_letter(path)[1]
+        self.config = _options_config(self.options)
+        self.entities = tuple(Entity(f"{side}:{path}", side, path) for side in _namespaces_option(self.options))
+        self.read_retry_timeout = float(_positive(self.options, "readRetryTimeout", 120.0, float, most=3600))
+        self.first = _sequence_option(self.options, "fromSequenceNumber") or 0
+        self.last = _sequence_option(self.options, "toSequenceNumber")
+        if self.last is not None and self.last < self.first:
+            raise ConfigError("toSequenceNumber", f"must not be below fromSequenceNumber ({self.first})", self.last)
+        most = _option(self.options, "maxMessages")
+        self.max_messages = None if most is None else int(_positive(self.options, "maxMessages", 1))
+        for entity in self.entities:
+            self._check(entity)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return [PeekPartition(entity.key) for entity in self.entities]
+
+    def read(self, partition: InputPartition) -> Iterator[tuple]:
+        assert isinstance(partition, PeekPartition)
+        entity = next(e for e in self.entities if e.key == partition.key)
+        row = dead_letter_row if self.dead_letter else servicebus_row
+        now = datetime.datetime.now(datetime.UTC)
+        # sequence numbers start at 1; the SDK reads 0 as "after this receiver's last peek" (a shared receiver)
+        start, left = max(self.first, 1), self.max_messages
+        while left is None or left > 0:
+            count = PAGE if left is None else min(PAGE, left)
+
+            def peek(start: int = start, count: int = count) -> list[Any]:
+                with self._namespace(entity).receiver(entity.path) as receiver:
+                    return list(receiver.peek_messages(max_message_count=count, sequence_number=start))
+
+            page = self._retrying(entity, f"peeking from sequence number {start}", peek)
+            if not page:
+                return
+            start = int(page[-1].sequence_number) + 1
+            for message in page:
+                if self.last is not None and int(message.sequence_number) > self.last:
+                    return
+                if msgs.is_ping(message):
+                    continue
+                if left is not None:
+                    left -= 1
+                yield row(message, entity, now)
 
 
 class _Ahead:
