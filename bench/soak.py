@@ -26,6 +26,10 @@ schedule. Then the producer stops, everything is healed, the jobs drain (``--dra
 are counted: produced, in the primary (paired) or read (active), lost, duplicated, left in the backlog or the
 namespaces, dead-lettered with reasons, faults by kind, restarts.
 
+``--token-lifetime D``: both namespaces reached with Entra ID instead of SAS: a managed identity whose tokens
+live ``D`` (say 60s) from a third emulator process that plays the token endpoint and is never faulted, so that
+every job's clients renew their tokens all along (the SDK's own SAS tokens last an hour, longer than a mode).
+
 ``--outage M``: paired mode, no nemesis: two healthy minutes, the primary down for M minutes under the same
 steady input, two healthy minutes, then the drain. It reports the sink's batch durations healthy and failed
 over (from the writer's log) and how long the syphon took to bring the backlog home, at what rate.
@@ -67,6 +71,7 @@ from chaos import SUBPROCESS_ENV, _delta_rows, _first_line, _kill_group, _peek_a
 from spark_sb import messages  # noqa: E402
 from spark_sb.durations import parse_seconds  # noqa: E402
 from spark_sb.emulator import EmulatorProcess, NamespaceOptions, fault, heal  # noqa: E402
+from spark_sb.emulator.aad import DEFAULT_IDENTITY_HEADER  # noqa: E402
 from spark_sb.paired import PairedSender  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,13 +119,15 @@ class Result:
 class World:
     """Two emulator processes, the input folder, the configuration and the supervised jobs of one mode."""
 
-    def __init__(self, work: Path, mode: str, rate: int, habits: dict[str, float]) -> None:
+    def __init__(self, work: Path, mode: str, rate: int, habits: dict[str, float],
+                 token_lifetime: float | None = None) -> None:
         self.work, self.mode, self.rate = work, mode, rate
+        self.entra = token_lifetime is not None
         work.mkdir(parents=True)
         (work / "entities.yaml").write_text(ENTITIES)
         self.emu = {side: EmulatorProcess.start(data_dir=work / f"emulator-{side}", entities=work / "entities.yaml",
                                                 namespaces=[NamespaceOptions(side, **habits)],
-                                                log_file=work / f"emulator-{side}.log")
+                                                log_file=work / f"emulator-{side}.log", token_lifetime=token_lifetime)
                     for side in SIDES}
         self.emu_lock = {side: threading.Lock() for side in SIDES}
         self.source = work / "source"
@@ -142,10 +149,9 @@ class World:
         return self.emu[side][side]
 
     def _config(self) -> dict:
-        p, s = self.info("primary"), self.info("secondary")
+        namespaces = {side: self._namespace(self.info(side)) for side in SIDES}
         config = {
-            "primary": {"connection_string": p.connection_string, "admin_endpoint": p.admin_url},
-            "secondary": {"connection_string": s.connection_string, "admin_endpoint": s.admin_url},
+            **namespaces,
             "send_availability": {"backlog_queue_count": 4, "failover_interval": "2s", "ping_primary_interval": "2s",
                                   "backlog_prefix": "soak", "primary_try_timeout": "5s"},
             "sink": {"entity": DEDUP, "key_column": "key", "chunk_size": 100, "trigger": "1s",
@@ -159,6 +165,14 @@ class World:
         if self.mode == "active":
             config["replication"] = {"mode": "active", "retry_interval": "2s"}
         return config
+
+    def _namespace(self, info: Any) -> dict:
+        """A namespace of the configuration: its connection string (SAS), or with ``--token-lifetime`` a
+        managed identity whose tokens the identity emulator issues (``IDENTITY_ENDPOINT``)."""
+        if self.entra:
+            return {"fully_qualified_namespace": f"localhost:{info.amqp_port}", "emulator": True,
+                    "admin_endpoint": info.admin_url, "credential": {"type": "managed_identity"}}
+        return {"connection_string": info.connection_string, "admin_endpoint": info.admin_url}
 
     # the producer
 
@@ -392,7 +406,8 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
     started = time.monotonic()
     say(f"== {mode}: " + (f"the primary down for {args.outage:g} minutes between two healthy ones"
                           if args.outage else f"{seconds / 60:.1f} minutes of nemesis") + f" at {args.rate} keys/s")
-    world = World(work / mode, mode, args.rate, {"idle_detach": args.idle_detach, "detach_every": args.detach_every})
+    world = World(work / mode, mode, args.rate, {"idle_detach": args.idle_detach, "detach_every": args.detach_every},
+                  args.token_lifetime)
     producer = threading.Thread(target=world.produce, daemon=True, name="soak-producer")
     depth = Sampler(world)
     try:
@@ -629,6 +644,10 @@ def main() -> int:
                         help="Service Bus's habit: detach every entity link this often (0: never)")
     parser.add_argument("--outage", type=float, default=None, metavar="MINUTES",
                         help="paired mode, the primary down this long instead of the nemesis")
+    parser.add_argument("--token-lifetime", type=parse_seconds, default=None, metavar="DURATION",
+                        help="reach both namespaces with Entra ID (a managed identity) whose tokens live this long, "
+                             "e.g. 60s, so that every job renews its tokens all along (default: SAS connection "
+                             "strings, whose tokens the SDK makes for an hour)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, data)")
     parser.add_argument("--reader", metavar="CONF", help=argparse.SUPPRESS)
     parser.add_argument("--table", help=argparse.SUPPRESS)
@@ -644,10 +663,21 @@ def main() -> int:
         f"{args.idle_detach:g} s, every link every {args.detach_every:g} s (0: never)")
     rng = random.Random(seed)
     results = []
+    identity = None
+    if args.token_lifetime is not None:
+        # Entra ID's token endpoint, apart from both namespaces (the nemesis kills their emulators, never it)
+        identity = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("identity")],
+                                         token_lifetime=args.token_lifetime, log_file=work / "identity.log")
+        os.environ["IDENTITY_ENDPOINT"] = identity["identity"].identity_endpoint
+        os.environ["IDENTITY_HEADER"] = DEFAULT_IDENTITY_HEADER
+        say(f"Entra ID: a managed identity with {args.token_lifetime:g}-second tokens from "
+            f"{os.environ['IDENTITY_ENDPOINT']}")
     try:
         for mode in modes:
             results.append(run_mode(work, mode, args, args.minutes * 60 / len(modes), rng))
     finally:
+        if identity is not None:
+            identity.stop()
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
     print()

@@ -11,6 +11,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def _duration_seconds(text: str) -> float:
+    """A positive duration (``60s``, ``2m``, ``PT1M``, seconds) as seconds, for argparse."""
+    from .durations import DurationError, parse_seconds
+
+    try:
+        seconds = parse_seconds(text)
+    except DurationError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive duration, got {text!r}")
+    return seconds
+
+
 def _emulator_parser(sub: argparse._SubParsersAction) -> None:
     emu = sub.add_parser("emulator", help="run and control the local Service Bus emulator")
     esub = emu.add_subparsers(dest="action", required=True)
@@ -51,6 +64,10 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                             "spark-sb-emulator-client-secret, Data Owner) of tenant "
                             "5b3e2c1a-0000-4000-8000-00000000e11d. Default: with --tls, 5310 (default namespaces) or "
                             "a free port; else none")
+    start.add_argument("--token-lifetime", metavar="DURATION", type=_duration_seconds,
+                       help="how long the Entra ID tokens the emulator issues live (managed identity and the "
+                            "authority's apps), e.g. 60s: short tokens make every client renew them within minutes "
+                            "(default: 1h, as Entra ID)")
     start.add_argument("--entities", metavar="FILE", help="YAML/JSON file of queues, topics and subscriptions "
                                                           "to create in every namespace")
     start.add_argument("--key-name", default="RootManageSharedAccessKey",
@@ -216,7 +233,8 @@ def _emulator(args: argparse.Namespace) -> int:
             if authority_port is None and args.tls and not args.namespace:
                 authority_port = server.DEFAULT_AUTHORITY_PORT
             return server.run_foreground(namespaces, data_dir, args.entities, args.status_file, tls=args.tls,
-                                         websockets=args.websockets, authority_port=authority_port)
+                                         websockets=args.websockets, authority_port=authority_port,
+                                         token_lifetime=args.token_lifetime)
         except (ValueError, EntityConfigError, OSError) as err:
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2

@@ -649,8 +649,10 @@ class EmulatorProcess:
         tls: bool = False,
         websockets: bool = False,
         authority_port: int | None = None,
+        token_lifetime: float | None = None,
     ) -> EmulatorProcess:
-        """``data_dir=None`` keeps messages in memory only; ``tls`` and ``websockets`` as for :class:`Emulator`."""
+        """``data_dir=None`` keeps messages in memory only; ``tls`` and ``websockets`` as for :class:`Emulator`;
+        ``token_lifetime``: seconds the Entra ID tokens it issues live (``--token-lifetime``)."""
         status = Path(tempfile.mkdtemp(prefix="sb-emu-")) / "status.json"
         store = ["--in-memory"] if data_dir is None else ["--data-dir", str(data_dir)]
         args = [sys.executable, "-m", "spark_sb.cli", "emulator", "start", *store, "--status-file", str(status)]
@@ -660,6 +662,8 @@ class EmulatorProcess:
             args.append("--websockets")
         if authority_port is not None:
             args += ["--authority-port", str(authority_port)]
+        if token_lifetime is not None:
+            args += ["--token-lifetime", f"{token_lifetime:g}s"]
         for n in namespaces:
             args += ["--namespace", n.spec()]
         if entities is not None:
@@ -743,6 +747,7 @@ def run_foreground(
     tls: bool = False,
     websockets: bool = False,
     authority_port: int | None = None,
+    token_lifetime: float | None = None,
 ) -> int:
     """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
     then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace, with WebSockets ``WS NAME <url>`` and
@@ -750,8 +755,9 @@ def run_foreground(
     (https); wait for a signal."""
     import threading
 
+    aad = None if token_lifetime is None else _aad.AadOptions(token_lifetime=token_lifetime)
     emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets,
-                   authority_port=authority_port)
+                   authority_port=authority_port, aad=aad)
     emu.start()
     stop = threading.Event()
 

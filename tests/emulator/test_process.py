@@ -219,3 +219,33 @@ def test_a_restarted_emulator_keeps_its_namespaces_latency_and_habits(tmp_path) 
         emu.stop()
         if restarted is not None:
             restarted.stop()
+
+
+def test_token_lifetime_sets_how_long_its_entra_id_tokens_live(tmp_path, monkeypatch) -> None:
+    """``--token-lifetime`` (the soak runs the Spark jobs on short tokens, so that every client renews them):
+    azure-identity's managed identity credential gets a token from the emulator in a child process that
+    expires that long after it was issued, and the restart keeps the option."""
+    from azure.identity import ManagedIdentityCredential
+
+    from spark_sb.emulator.aad import DEFAULT_IDENTITY_HEADER
+
+    emu = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("p")], token_lifetime=45)
+    restarted = None
+    try:
+        monkeypatch.setenv("IDENTITY_ENDPOINT", emu["p"].identity_endpoint)
+        monkeypatch.setenv("IDENTITY_HEADER", DEFAULT_IDENTITY_HEADER)
+        asked = time.time()
+        with ManagedIdentityCredential() as credential:
+            token = credential.get_token("https://servicebus.azure.net/.default")
+        assert asked + 40 <= token.expires_on <= time.time() + 46
+        emu.kill()
+        restarted = emu.restart()
+        monkeypatch.setenv("IDENTITY_ENDPOINT", restarted["p"].identity_endpoint)
+        with ManagedIdentityCredential() as credential:
+            assert credential.get_token("https://servicebus.azure.net/.default").expires_on <= time.time() + 46
+    finally:
+        emu.stop()
+        if restarted is not None:
+            restarted.stop()
+    bad = _cli("emulator", "start", "--in-memory", "--token-lifetime", "0s")
+    assert bad.returncode == 2 and "--token-lifetime: must be a positive duration, got '0s'" in bad.stderr
