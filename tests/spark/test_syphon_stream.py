@@ -302,12 +302,14 @@ def test_the_reader_defers_peeks_restored_rows_and_completes_what_the_sink_left_
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+@pytest.mark.skipif(not trigger_available_now(), reason="the development Spark only (make test's time): on every "
+                    "version, test_killing_the_query_at_any_point restarts the syphon from its checkpoint")
 def test_the_syphon_job_killed_with_sigkill_mid_stream_loses_and_duplicates_nothing(spark, setup, primary, secondary,
                                                                                    tmp_path) -> None:
     """The real thing: ``jobs/syphon.py`` in its own process (its own Spark JVM and Python workers), killed with
     SIGKILL while it streams, then started again on the same checkpoint and ledger until the backlog is empty."""
     queues, entity = setup["queues"], setup["entity"]
-    ids = [f"s{q}-{i:03d}" for q in range(2) for i in range(100)]
+    ids = [f"s{q}-{i:03d}" for q in range(2) for i in range(50)]
     for q in range(2):
         _park(secondary, queues[q], entity, [i for i in ids if i.startswith(f"s{q}-")])
     conf = tmp_path / "syphon.yaml"
