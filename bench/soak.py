@@ -72,6 +72,7 @@ from spark_sb import messages  # noqa: E402
 from spark_sb.durations import parse_seconds  # noqa: E402
 from spark_sb.emulator import EmulatorProcess, NamespaceOptions, fault, heal  # noqa: E402
 from spark_sb.emulator.aad import DEFAULT_IDENTITY_HEADER  # noqa: E402
+from spark_sb.emulator.server import send_control  # noqa: E402
 from spark_sb.paired import PairedSender  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -440,6 +441,8 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
             result.notes += [f"{name} failed by itself: {line}" for line in job.failed]
             job.halt()
         depth.stop()
+        if world.entra:
+            result.notes += token_notes(world)
         count(world, result)
         if marks is not None:
             result.notes += outage_report(world, marks, depth)
@@ -454,6 +457,17 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
     result.seconds = time.monotonic() - started
     say(f"== {mode}: lost {sum(result.lost.values())}, duplicated {result.duplicated} [{result.seconds:.0f} s]")
     return result
+
+
+def token_notes(world: World) -> list[str]:
+    """How many Entra ID tokens each namespace accepted, and how many of those replaced an expiring one on an open
+    connection (renewals), since its emulator's last start."""
+    notes = []
+    for side in SIDES:
+        stats = send_control(world.info(side).admin_url, "stats")
+        notes.append(f"{side}: {stats.get('tokens_accepted')} tokens put, {stats.get('tokens_renewed')} of them "
+                     "renewals on an open connection (since the emulator's last start)")
+    return notes
 
 
 class Sampler:

@@ -181,6 +181,10 @@ class NamespaceServer(Handler):
         self._connections: set[Any] = set()
         #: connections accepted since the start (for monitoring and the tests: a client that reconnects shows)
         self.connections_opened = 0
+        #: put-tokens accepted, and of those the ones that replaced an earlier token of the connection for the
+        #: same audience (a client renewing its token)
+        self.tokens_accepted = 0
+        self.tokens_renewed = 0
         self._links_by_path: dict[str, list[Any]] = {}
         self._waiting_attach: list[Any] = []
         self._acceptor: Any = None
@@ -345,7 +349,8 @@ class NamespaceServer(Handler):
         """Open connections and attached entity links, for monitoring and the benchmark."""
         links = sum(len(v) for v in self._links_by_path.values())
         return {"namespace": self.name, "connections": len(self._connections), "entity_links": links,
-                "connections_opened": self.connections_opened}
+                "connections_opened": self.connections_opened, "tokens_accepted": self.tokens_accepted,
+                "tokens_renewed": self.tokens_renewed}
 
     # ------------------------------------------------------------------ faults
     def fault(self, kind: str, entity: str | None = None, duration: float | None = None) -> None:
@@ -837,6 +842,7 @@ class NamespaceServer(Handler):
         token_type = str(props.get("type", ""))
         token = msg.body.decode() if isinstance(msg.body, bytes) else str(msg.body)
         status, text = 202, "Accepted"
+        renewing = entity_path(audience) in link.connection.authorized
         claimed_port = sas.port_of(audience)
         if self.fault_for(None) == "unauthorized" or self.fault_for(entity_path(audience) or None) == "unauthorized":
             status, text = 401, "Unauthorized: the token was rejected. (injected fault)"
@@ -865,6 +871,9 @@ class NamespaceServer(Handler):
         if status != 202:
             _LOGGER.info("namespace %s: put-token (%s) for %s refused: %s", self.name, token_type or "no type",
                          audience, text)
+        else:
+            self.tokens_accepted += 1
+            self.tokens_renewed += renewing
         reply = Message(
             correlation_id=msg.id,
             # an AMQP int, as the service sends: the Java SDK casts it to int (a long fails every operation)

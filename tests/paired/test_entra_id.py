@@ -187,6 +187,8 @@ def test_a_token_that_expires_mid_run_is_renewed_and_nothing_is_lost(aad_emulato
     entity = _queue(emu)
     config = _config(emu, primary={"type": "managed_identity", "client_id": "short"})
     issued_before = emu.authority.issued_for("short")
+    server = emu.server("primary")
+    renewed_before = server.call(lambda: server.stats()["tokens_renewed"])
     sent: list[str] = []
     caplog.set_level(logging.INFO)
     with PairedSender.from_config(config) as producer:
@@ -198,6 +200,8 @@ def test_a_token_that_expires_mid_run_is_renewed_and_nothing_is_lost(aad_emulato
             time.sleep(0.05)
         backlog = producer.backlog_queues
     assert emu.authority.issued_for("short") - issued_before >= 2  # renewed at least once
+    # and put on the open connection in place of the old one (the namespace's stats count it)
+    assert server.call(lambda: server.stats()["tokens_renewed"]) > renewed_before
     assert not [r for r in caplog.records if r.name.startswith("spark_sb.paired") and r.levelno >= logging.WARNING]
     received = _drain(emu, "primary", entity, len(sent))
     assert sorted(received) == sorted(sent) and len(set(received)) == len(sent)
