@@ -3,9 +3,12 @@
 - rows per second through ``PairedSink`` (local[P], P partitions, one batch of N rows) over the raw SDK sending
   the same messages (same bodies, same message ids, batches of ``chunk_size``) from P plain Python processes
   (goal >= 0.8)
+- the servicebus format's writer (``df.write.format("servicebus")``, the same sender and partition run) over the
+  ``foreachBatch`` sink, same rows, same run (goal >= 0.9); each is run ``--rounds`` times, alternating, the best
+  of each counted
 - the Python workers' peak memory (ru_maxrss) over those N rows (default 500,000)
 
-    .venv/bin/python bench/sink.py [--rows 500000] [--partitions 2] [--derived-ids]
+    .venv/bin/python bench/sink.py [--rows 500000] [--partitions 2] [--derived-ids] [--rounds 2]
 """
 
 from __future__ import annotations
@@ -84,16 +87,19 @@ def main() -> int:
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--derived-ids", action="store_true", help="no key column: message ids derived by the sink")
     parser.add_argument("--in-flight", type=int, default=None, help="sink.sends_in_flight (default: the sink's)")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of the sink and of the writer, alternating")
     args = parser.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "jobs"))
     from paired_writer import build_session
     from pyspark.sql import functions as F
 
+    from spark_sb.bus import admin_client
     from spark_sb.sink import PairedSink
+    from spark_sb.source import config_options, register
 
     entities = Path(tempfile.mkdtemp(prefix="bench-sink-")) / "entities.yaml"
-    entities.write_text("queues:\n  - name: raw\n  - name: sink\n  - name: warm\n")
+    entities.write_text("queues:\n  - name: raw\n  - name: sink\n  - name: writer\n  - name: warm\n")
     namespaces = [NamespaceOptions("primary"), NamespaceOptions("secondary")]
     with EmulatorProcess.start(data_dir=None, namespaces=namespaces, entities=entities) as emu:
         conn = emu["primary"].connection_string
@@ -120,20 +126,37 @@ def main() -> int:
 
         warm = PairedSink.from_config({**config, "sink": {**config["sink"], "entity": "warm"}})
         warm(frame(args.partitions * 10), 0)  # starts the Python workers and pairs their senders
+        register(spark)
+        options = {**config_options(config), "entity": "writer"}
+        frame(args.partitions * 10).write.format("servicebus").options(**options).mode("append").save()  # warm-up
         before = worker_peaks(spark, args.partitions)
-        print(f"sink: {args.rows} rows, {args.partitions} partitions ...", flush=True)
-        started = time.perf_counter()
-        summary = sink(frame(args.rows), 1)
-        sink_rate = args.rows / (time.perf_counter() - started)
+        sink_rates, writer_rates = [], []
+        for round_ in range(args.rounds):
+            print(f"round {round_ + 1}: sink (foreachBatch), {args.rows} rows, {args.partitions} partitions ...",
+                  flush=True)
+            started = time.perf_counter()
+            summary = sink(frame(args.rows), round_ + 1)
+            sink_rates.append(args.rows / (time.perf_counter() - started))
+            assert summary.primary == args.rows, summary
+            print(f"  {sink_rates[-1]:,.0f} rows/s ({summary.describe()})", flush=True)
+            print(f"round {round_ + 1}: df.write.format(\"servicebus\") ...", flush=True)
+            started = time.perf_counter()
+            frame(args.rows).write.format("servicebus").options(**options).mode("append").save()
+            writer_rates.append(args.rows / (time.perf_counter() - started))
+            print(f"  {writer_rates[-1]:,.0f} rows/s", flush=True)
         after = worker_peaks(spark, args.partitions)
-        assert summary.primary == args.rows, summary
-        print(f"  {sink_rate:,.0f} rows/s ({summary.describe()})", flush=True)
+        with admin_client(sink.config.primary) as admin:  # every row the writer reported sent is there
+            arrived = admin.get_queue_runtime_properties("writer").active_message_count
+        assert arrived == args.rows * args.rounds + args.partitions * 10, arrived
+        sink_rate, writer_rate = max(sink_rates), max(writer_rates)
         spark.stop()
 
     print()
     print(f"sink / raw SDK rows per second: {sink_rate / raw_rate:.2f}  (goal >= 0.8; "
           f"{sink_rate:,.0f} vs {raw_rate:,.0f}, {args.partitions} processes each, "
           f"{'derived' if args.derived_ids else 'key column'} message ids)")
+    print(f"writer / sink rows per second: {writer_rate / sink_rate:.2f}  (goal >= 0.9; {writer_rate:,.0f} vs "
+          f"{sink_rate:,.0f}, best of {args.rounds} rounds each); writer / raw SDK: {writer_rate / raw_rate:.2f}")
     peak_mib = max(after.values()) / 1024
     base_mib = max(before.values()) / 1024 if before else 0.0
     print(f"Python worker peak memory over {args.rows:,} rows: {peak_mib:.0f} MiB "

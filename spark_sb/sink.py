@@ -85,7 +85,7 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from . import bus, tables
-from .config import SparkSbConfig, load_config
+from .config import SinkConfig, SparkSbConfig, load_config
 from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
 from .paired import PRIMARY, PairedSender, SendResult
 from .paired.sender import pairing_key
@@ -274,6 +274,73 @@ def _type_ok(name: str, data_type: T.DataType) -> tuple[bool, str]:
     return ok, "map<string, string|integer|floating point|boolean|binary|timestamp>"
 
 
+def check_columns(sink: SinkConfig, schema: T.StructType,
+                  refuse: Callable[[str | None, str | None, str], Exception]) -> dict[str, str]:
+    """``{message field: column}`` for the fields ``schema`` carries under ``sink``'s column mapping, after
+    checking their types. A problem raises ``refuse(option, column, problem)``: the option that names the
+    missing column (the problem says ``(option)`` where it belongs), the column, and what is wrong; nothing
+    has been sent then."""
+    by_name = {f.name: f for f in schema.fields}
+    by_lower = {name.lower(): f for name, f in by_name.items()}
+    explicit = set(sink.columns) | ({"message_id"} if sink.key_column else set())
+    present: dict[str, str] = {}
+    for name, column in sink.column_map.items():
+        found = by_name.get(column) or by_lower.get(column.lower())
+        if found is None:
+            if name in explicit or name == "body":
+                option = "sink.key_column" if name == "message_id" and sink.key_column else f"sink.columns.{name}"
+                raise refuse(option, column, f"column not found for message field {name} (option); "
+                             f"the batch has {', '.join(by_name) or 'no columns'}")
+            continue
+        ok, expected = _type_ok(name, found.dataType)
+        if not ok:
+            raise refuse(None, found.name, f"has type {found.dataType.simpleString()}, message field {name} "
+                         f"needs {expected}; nothing was sent")
+        present[name] = found.name
+    if "entity" not in present and sink.entity is None:
+        raise refuse("sink.entity", None, f"no entity: the batch has no entity column ({sink.column_map['entity']!r}) "
+                     "and sink.entity is not set")
+    return present
+
+
+def merge_summaries(batch_id: int, rows: Iterable[Any], seconds: float, health: Mapping[str, str] | None = None
+                    ) -> tuple[BatchSummary, dict[str, str]]:
+    """The batch's :class:`BatchSummary` from its partitions' summary rows (rows or dicts; other kinds are
+    skipped), and the entity health after it: ``health`` (the last batch's) updated with what the partitions
+    saw. An entity is failed over when some partition left it failed over and none saw it healthy."""
+    summary = BatchSummary(batch_id=int(batch_id), seconds=seconds, batches=1)
+    states: dict[str, set[str]] = {}
+    for row in rows:
+        if row["kind"] != "summary":
+            continue
+        summary.partitions += 1
+        for name in _COUNTERS:
+            setattr(summary, name, getattr(summary, name) + int(row[name] or 0))
+        for queue, n in (row["backlog"] or {}).items():
+            summary.backlog[queue] = summary.backlog.get(queue, 0) + int(n)
+        for entity, state in (row["health"] or {}).items():
+            states.setdefault(entity, set()).add(state)
+    merged = dict(health or {})
+    for entity, seen in states.items():
+        if "failed_over" in seen and "healthy" not in seen:
+            merged[entity] = "failed_over"
+        elif "healthy" in seen:
+            merged[entity] = "healthy"
+        else:
+            merged[entity] = sorted(seen)[0]
+    summary.failed_over = tuple(sorted(e for e, state in merged.items() if state == "failed_over"))
+    return summary, merged
+
+
+def check_unaccounted(summary: BatchSummary) -> None:
+    """Fail the batch when some of its rows were neither sent nor rejected (the checkpoint must not move past
+    them)."""
+    unaccounted = summary.rows - summary.sent - summary.rejected
+    if unaccounted:
+        raise RuntimeError(f"batch {summary.batch_id}: {unaccounted} rows neither sent nor rejected; the batch "
+                           "fails and is replayed from the checkpoint")
+
+
 class PairedSink:
     """The ``foreachBatch`` callable: ``query = df.writeStream.foreachBatch(PairedSink.from_config(conf))``.
 
@@ -307,28 +374,13 @@ class PairedSink:
     def columns(self, batch_df: DataFrame, batch_id: int) -> dict[str, str]:
         """``{message field: column}`` for the fields this batch carries, after checking their types; raises
         :class:`BadInputError` naming the batch, the column and its type."""
-        sink = self.config.sink
-        by_name = {f.name: f for f in batch_df.schema.fields}
-        by_lower = {name.lower(): f for name, f in by_name.items()}
-        explicit = set(sink.columns) | ({"message_id"} if sink.key_column else set())
-        present: dict[str, str] = {}
-        for name, column in sink.column_map.items():
-            found = by_name.get(column) or by_lower.get(column.lower())
-            if found is None:
-                if name in explicit or name == "body":
-                    option = "sink.key_column" if name == "message_id" and sink.key_column else f"sink.columns.{name}"
-                    raise BadInputError(batch_id, f"column not found for message field {name} ({option}); "
-                                        f"the batch has {', '.join(by_name) or 'no columns'}", column=column)
-                continue
-            ok, expected = _type_ok(name, found.dataType)
-            if not ok:
-                raise BadInputError(batch_id, f"has type {found.dataType.simpleString()}, message field {name} "
-                                    f"needs {expected}; nothing was sent", column=found.name)
-            present[name] = found.name
-        if "entity" not in present and sink.entity is None:
-            raise BadInputError(batch_id, "no entity: the batch has no entity column "
-                                f"({sink.column_map['entity']!r}) and sink.entity is not set")
-        return present
+
+        def refuse(option: str | None, column: str | None, problem: str) -> Exception:
+            if option is not None:
+                problem = problem.replace("(option)", f"({option})")
+            return BadInputError(batch_id, problem, column=column)
+
+        return check_columns(self.config.sink, batch_df.schema, refuse)
 
     def __call__(self, batch_df: DataFrame, batch_id: int) -> BatchSummary:
         started = time.monotonic()
@@ -359,10 +411,7 @@ class PairedSink:
         if summary.rejected != rejected_rows and sink.reject_table is not None:
             raise RuntimeError(f"batch {batch_id}: {summary.rejected} rows rejected but {rejected_rows} written "
                                f"to {sink.reject_table}")
-        unaccounted = summary.rows - summary.sent - summary.rejected
-        if unaccounted:
-            raise RuntimeError(f"batch {batch_id}: {unaccounted} rows neither sent nor rejected; the batch fails "
-                               "and is replayed from the checkpoint")
+        check_unaccounted(summary)
         self.latest = summary
         self.totals.add(summary)
         _LOGGER.info("batch %s: %s", batch_id, summary.describe())
@@ -371,29 +420,7 @@ class PairedSink:
         return summary
 
     def _merge(self, batch_id: int, rows: Iterable[Any], seconds: float) -> BatchSummary:
-        summary = BatchSummary(batch_id=int(batch_id), seconds=seconds, batches=1)
-        states: dict[str, set[str]] = {}
-        for row in rows:
-            if row["kind"] != "summary":
-                continue
-            summary.partitions += 1
-            for name in _COUNTERS:
-                setattr(summary, name, getattr(summary, name) + int(row[name] or 0))
-            for queue, n in (row["backlog"] or {}).items():
-                summary.backlog[queue] = summary.backlog.get(queue, 0) + int(n)
-            for entity, state in (row["health"] or {}).items():
-                states.setdefault(entity, set()).add(state)
-        health = dict(self.health)
-        for entity, seen in states.items():
-            # failed over when some partition left it failed over and none saw it healthy
-            if "failed_over" in seen and "healthy" not in seen:
-                health[entity] = "failed_over"
-            elif "healthy" in seen:
-                health[entity] = "healthy"
-            else:
-                health[entity] = sorted(seen)[0]
-        self.health = health
-        summary.failed_over = self.failed_over
+        summary, self.health = merge_summaries(batch_id, rows, seconds, self.health)
         return summary
 
     def _write_rejects(self, done: DataFrame, batch_id: int) -> int:
@@ -465,9 +492,9 @@ def _partition_sender(config: SparkSbConfig, fingerprint: str, batch_id: int, fa
 class _PartitionRun:
     """Sends one partition's rows; yields the reject rows (when rejecting) and then one summary row."""
 
-    def __init__(self, config: SparkSbConfig, fingerprint: str, batch_id: int, partition: int,
-                 failed_over: tuple[str, ...], reject: bool) -> None:
-        self.sink = config.sink
+    def __init__(self, config: SparkSbConfig, fingerprint: str, batch_id: int | str, partition: int,
+                 failed_over: tuple[str, ...], reject: bool, sink: SinkConfig | None = None) -> None:
+        self.sink = sink or config.sink
         self.batch_id = batch_id
         self.partition = partition
         self.reject = reject
@@ -493,23 +520,42 @@ class _PartitionRun:
         self.rejected = 0
         self.occurrences: dict[bytes, int] = {}
 
-    def run(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    def run(self, batches: Iterator[pa.RecordBatch], fields: Mapping[str, str] | None = None
+            ) -> Iterator[pa.RecordBatch]:
+        """Send the rows of ``batches``, whose columns are named by their message fields, or mapped to them by
+        ``fields`` (``{column: field}``; other columns are left out); yield the reject rows (when rejecting)
+        and then the summary row."""
         for batch in batches:
-            columns = {name: batch.column(name).to_pylist() for name in batch.schema.names}
-            keys = list(columns)
-            for values in zip(*columns.values(), strict=True):
-                self.rows += 1
-                self._row(dict(zip(keys, values, strict=True)))
-                if len(self.rejects) >= _REJECT_FLUSH:
-                    yield self._reject_batch()
+            names = batch.schema.names
+            columns = ({name: batch.column(name).to_pylist() for name in names} if fields is None else
+                       {fields[name]: batch.column(name).to_pylist() for name in names if name in fields})
+            yield from self._rows(dict(zip(columns, values, strict=True))
+                                  for values in zip(*columns.values(), strict=True))
+        yield from self._finish()
+        yield self._summary()
+
+    def send_rows(self, rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        """Send ``rows`` (dicts of message fields), every acknowledgement awaited; returns the summary as a dict
+        (:meth:`counts`). Bad rows raise :class:`BadInputError` (this path does not reject)."""
+        for _ in self._rows(rows):
+            pass
+        for _ in self._finish():
+            pass
+        return self.counts()
+
+    def _rows(self, rows: Iterable[dict[str, Any]]) -> Iterator[pa.RecordBatch]:
+        for row in rows:
+            self.rows += 1
+            self._row(row)
             if len(self.rejects) >= _REJECT_FLUSH:
                 yield self._reject_batch()
+
+    def _finish(self) -> Iterator[pa.RecordBatch]:
         for entity in list(self.pending):
             self._flush(entity)
         self._settle_all()  # every acknowledgement, before the partition reports
         if self.rejects:
             yield self._reject_batch()
-        yield self._summary()
 
     # rows -> messages
 
@@ -642,20 +688,25 @@ class _PartitionRun:
                     body=[r[3] for r in rows])
         return pa.RecordBatch.from_pydict(data, schema=_ARROW_OUTPUT)
 
-    def _summary(self) -> pa.RecordBatch:
+    def counts(self) -> dict[str, Any]:
+        """The partition's summary: ``kind``, ``partition``, the counters, ``backlog`` and ``health`` (dicts) and
+        ``seconds`` (the keys of a summary row of :data:`PARTITION_OUTPUT`)."""
         after = self.sender.stats()
         _REPORTED[self.sender] = after
         delta = {name: after.get(name, 0) - self.before.get(name, 0) for name in after}
         counts = {"rows": self.rows, "sent": self.sent, "primary": self.primary, "secondary": self.secondary,
                   "rejected": self.rejected, **{name: delta.get(name, 0) for name in (
                       "failovers", "failbacks", "busy_waits", "assumed_failovers", "swaps")}}
-        data: dict[str, Any] = {"kind": ["summary"], "partition": [self.partition]}
-        for name in _COUNTERS:
-            data[name] = [counts[name]]
-        health = {entity: self.sender.state(entity) for entity in sorted(self.entities)}
-        data.update(backlog=[list(self.backlog.items())], health=[list(health.items())],
-                    seconds=[time.monotonic() - self.started], message_id=[None], entity=[None], reason=[None],
-                    body=[None])
+        return {"kind": "summary", "partition": self.partition, **{name: counts[name] for name in _COUNTERS},
+                "backlog": dict(self.backlog),
+                "health": {entity: self.sender.state(entity) for entity in sorted(self.entities)},
+                "seconds": time.monotonic() - self.started}
+
+    def _summary(self) -> pa.RecordBatch:
+        counts = self.counts()
+        data: dict[str, Any] = {name: [value] for name, value in counts.items()}
+        data.update(backlog=[list(counts["backlog"].items())], health=[list(counts["health"].items())],
+                    message_id=[None], entity=[None], reason=[None], body=[None])
         return pa.RecordBatch.from_pydict(data, schema=_ARROW_OUTPUT)
 
 

@@ -74,13 +74,11 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, cast
 
 from .capabilities import admission_control, require_python_data_sources, trigger_available_now
@@ -107,10 +105,6 @@ from .config import (  # noqa: E402
     MAX_RECEIVE_BATCH,
     SparkSbConfig,
     entity_path,
-    from_options,
-    is_literal_secret,
-    load_config,
-    load_reference,
     positive_duration,
     split_dead_letter,
 )
@@ -124,6 +118,10 @@ from .errors import (  # noqa: E402
     is_blip,
     redact,
 )
+from .options import config_options  # noqa: E402
+from .options import option as _option  # noqa: E402
+from .options import options_config as _options_config  # noqa: E402
+from .options import positive as _positive  # noqa: E402
 from .paired.retry import ExponentialBackoff, RetryFor  # noqa: E402
 
 if admission_control():  # Spark 4.2 and later
@@ -229,90 +227,6 @@ def dedupe(df: Any, window: str | float | datetime.timedelta = "10 minutes", *, 
     return df.withWatermark(time_column, f"{milliseconds} milliseconds").dropDuplicatesWithinWatermark([id_column])
 
 
-def _options_config(options: Mapping[str, str]) -> SparkSbConfig:
-    """The configuration the options hand over by reference (see :func:`config_options`)."""
-    path = _option(options, "conf")
-    if path is not None:
-        return load_config(path)
-    reference = _option(options, "config")
-    if reference is not None:
-        return load_reference(reference)
-    config = from_options(options)
-    if config.reference() is None:
-        secret = next((str(k) for k, v in options.items() if is_literal_secret(str(k).rsplit(".", 1)[-1], v)), "options")
-        raise ConfigError(secret, "holds a literal secret, which Spark would write into its plan and event log: pass "
-                          "the configuration by reference (option conf: a YAML path; or option config: JSON whose "
-                          "secrets are ${ENV_VAR} references; spark_sb.source.config_options builds them)")
-    return config
-
-
-def config_options(conf: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConfig) -> dict[str, str]:
-    """The source options that hand ``conf`` to the readers by reference, so that no secret is written into
-    Spark's plan, its progress reports or its event log:
-
-    * ``conf``: a YAML path: the path given, or the file the configuration was loaded from;
-    * else ``config``: the configuration as JSON, when every secret in it is a ``${ENV_VAR}`` reference
-      (resolved where the reader runs: set the variable on the driver and the executors);
-    * else (literal secrets, e.g. a dict built in code) ``conf``: a YAML file this process writes, readable by
-      its user only and removed at exit. Executors must read it: this works on one machine (local mode); on a
-      cluster give a path every node reads, or references.
-    """
-    if isinstance(conf, str | os.PathLike):
-        return {"conf": str(Path(conf).resolve())}
-    config = load_config(conf)
-    if config.origin_path is not None:
-        return {"conf": config.origin_path}
-    reference = config.reference()
-    if reference is not None:
-        return {"config": json.dumps(reference)}
-    return {"conf": _private_file(config)}
-
-
-_PRIVATE_FILES: dict[str, str] = {}
-
-
-def _private_file(config: SparkSbConfig) -> str:
-    """A YAML file holding ``config`` with its secrets, readable by this user only, removed at exit."""
-    import atexit
-    import tempfile
-
-    import yaml
-
-    fingerprint = config.fingerprint()
-    path = _PRIVATE_FILES.get(fingerprint)
-    if path is None or not os.path.exists(path):
-        handle, path = tempfile.mkstemp(prefix="spark-sb-", suffix=".yaml")  # mode 0600
-        with os.fdopen(handle, "w") as out:
-            yaml.safe_dump(config.to_dict(secrets=True), out)
-        atexit.register(Path(path).unlink, missing_ok=True)
-        _PRIVATE_FILES[fingerprint] = path
-        _LOGGER.info("the configuration holds literal secrets: the source reads it from %s (this user only)", path)
-    return path
-
-
-def _option(options: Mapping[str, str], name: str) -> str | None:
-    for key, value in options.items():
-        if str(key).lower() == name.lower() and value not in (None, ""):
-            return str(value)
-    return None
-
-
-def _positive(options: Mapping[str, str], name: str, default: float, kind: type = int, most: float | None = None
-              ) -> Any:
-    text = _option(options, name)
-    if text is None:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        raise ConfigError(name, f"must be a positive {'integer' if kind is int else 'number'}", text) from None
-    if value <= 0 or value != value:
-        raise ConfigError(name, "must be positive", text)
-    if most is not None and value > most:
-        raise ConfigError(name, f"must be at most {most:g}", text)
-    return value
-
-
 class BacklogDataSource(DataSource):
     """``spark.readStream.format("servicebus-backlog")``: see the module docstring."""
 
@@ -344,6 +258,18 @@ class ServiceBusDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> ServiceBusStreamReader:
         return ServiceBusStreamReader(self.options)
+
+    def writer(self, schema: StructType, overwrite: bool) -> Any:
+        """``df.write.format("servicebus").save()``: see :mod:`spark_sb.writer`."""
+        from .writer import ServiceBusBatchWriter
+
+        return ServiceBusBatchWriter(self.options, schema, overwrite)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> Any:
+        """``df.writeStream.format("servicebus")``: see :mod:`spark_sb.writer`."""
+        from .writer import stream_writer
+
+        return stream_writer(self.options, schema)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,280 @@
+"""Service Bus in Spark's own terms, writing: ``df.writeStream.format("servicebus")`` and
+``df.write.format("servicebus").save()``.
+
+The ``servicebus`` data source writes through the same machinery as ``foreachBatch(PairedSink)``: each partition
+is sent from its executor by the sender of its Python worker process (:func:`spark_sb.sink.sender_for`; paired
+with backlog failover, or active or passive replication, as the configuration says), with the same columns,
+message ids, chunks, sends in flight and checks. What differs is who drives it: Spark calls the writer's
+``write`` on each partition and its ``commit`` (or ``abort``) with what every partition reported.
+
+Options (case-insensitive), as the ``servicebus`` source takes them: the configuration by reference (``conf``: a
+YAML path; ``config``: JSON whose secrets are ``${ENV_VAR}`` references; or flat options holding no literal
+secret, see :func:`spark_sb.source.config_options`); ``entity`` (the default entity, over ``sink.entity``; a
+row's ``entity`` column still wins) and ``keyColumn`` (over ``sink.key_column``). Checked before anything is
+sent: the options, the columns (names and types, as the sink checks them) and that the ``entity`` exists on the
+primary as a queue or a topic (when the primary does not answer, the check is left to the sends, which fail
+over).
+
+**Message ids**: the key column's value; else, in a stream, ``<batch id>-<partition>-<hash>-<n>`` as the sink
+derives them (Spark's batch id, read from the task's local property ``streaming.sql.batchId``): a replayed
+batch sends the same ids, and an entity with duplicate detection keeps one copy. A batch write
+(``df.write``) has no batch id: its ids start with a write id drawn when the write is planned (``w<hex>``), the
+same for every task retry of that write and new for the next write. Give a key column to make a second run of
+the same write a duplicate.
+
+**What each batch did**: ``commit`` merges the partitions' summaries (rows, primary, backlog per queue,
+rejected, failovers...) and logs one line (``servicebus writer batch 7: 120 rows: 80 -> primary...``), in the
+driver's log; ``abort`` logs what the partitions that finished had sent (sent again, with the same ids, when the
+batch is replayed).
+
+**Bad rows** fail the batch with the sink's :class:`~spark_sb.errors.BadInputError` (batch, entity, message id,
+reason). ``sink.reject_table`` and ``sink.metrics_table`` are Delta tables, which only a SparkSession writes, and
+Spark runs a Python writer's ``commit`` in a worker process without one: this writer refuses a reject table (a
+configuration that names one expects bad rows not to fail the batch) and logs a warning for a metrics table
+(its summaries are in the log); ``foreachBatch(PairedSink)`` writes both.
+
+Entity health is not carried from batch to batch as the ``foreachBatch`` sink carries it (Spark builds a new
+writer for each commit): each worker's sender keeps its own across batches, and a worker new to a failed-over
+entity waits out the failover interval once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import secrets
+import time
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .capabilities import require_python_data_sources
+
+require_python_data_sources("spark_sb.writer (the servicebus format's writers)")
+
+import pyarrow as pa  # noqa: E402
+from pyspark.sql.datasource import (  # noqa: E402
+    DataSourceArrowWriter,
+    DataSourceStreamWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import MapType, StructType, TimestampType  # noqa: E402
+
+from .bus import admin_client  # noqa: E402
+from .config import SinkConfig, SparkSbConfig  # noqa: E402
+from .errors import ConfigError, ErrorClass, classify, redact  # noqa: E402
+from .options import option as _option  # noqa: E402
+from .options import options_config as _options_config  # noqa: E402
+from .sink import BatchSummary, _PartitionRun, check_columns, check_unaccounted, merge_summaries  # noqa: E402
+
+try:  # Spark 4.1 and later: a streaming writer takes Arrow batches
+    from pyspark.sql.datasource import DataSourceStreamArrowWriter
+except ImportError:  # Spark 4.0: rows
+    DataSourceStreamArrowWriter = None  # type: ignore[assignment,misc]
+
+_LOGGER = logging.getLogger(__name__)
+
+__all__ = ["PartitionSent", "ServiceBusBatchWriter", "stream_writer"]
+
+#: the local property in which Spark's micro-batch execution hands each task its batch id
+BATCH_ID_PROPERTY = "streaming.sql.batchId"
+
+
+@dataclass
+class PartitionSent(WriterCommitMessage):
+    """What one partition did: a summary row of :data:`spark_sb.sink.PARTITION_OUTPUT` as a dict."""
+
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class _Writing:
+    """What the batch and the streaming writers share: the options parsed and checked once, on the driver when
+    Spark plans the write, and the partition run on the executors."""
+
+    WHAT = "servicebus writer"
+
+    def __init__(self, options: Mapping[str, str], schema: StructType) -> None:
+        self.config: SparkSbConfig = _options_config(options)
+        self.sink = _sink_options(self.config.sink, options)
+        if self.sink.reject_table is not None:
+            raise ConfigError("sink.reject_table", "is a Delta table, which the servicebus format's writer cannot "
+                              "write (Spark commits a Python writer without a SparkSession): set it to null for "
+                              "this writer (a bad row then fails the batch), or send with foreachBatch(PairedSink), "
+                              "which writes it", self.sink.reject_table)
+        if self.sink.metrics_table is not None:
+            _LOGGER.warning("the servicebus format's writer logs each batch's summary; sink.metrics_table (%s) is "
+                            "written by foreachBatch(PairedSink) only", self.sink.metrics_table)
+
+        def refuse(option: str | None, column: str | None, problem: str) -> Exception:
+            if option is None:
+                return ConfigError(f"column {column!r}", problem)
+            spelled = {"sink.key_column": "keyColumn", "sink.entity": "entity"}.get(option, option)
+            return ConfigError(spelled, problem.replace("(option)", f"(option {spelled})"), column)
+
+        self.fields = {column: name for name, column in check_columns(self.sink, schema, refuse).items()}
+        self.local_timestamps = _local_timestamp_fields(schema, self.fields)
+        self.fingerprint = self.config.fingerprint()
+        if _option(options, "entity") is not None or self.sink.entity is not None:
+            _check_entity(self.config, str(self.sink.entity))
+
+    def _run(self, batch_id: int | str) -> _PartitionRun:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
+        return _PartitionRun(self.config, self.fingerprint, batch_id, partition, (), reject=False, sink=self.sink)
+
+    def _send_batches(self, batch_id: int | str, batches: Iterator[pa.RecordBatch]) -> PartitionSent:
+        run = self._run(batch_id)
+        for _ in run.run(batches, self.fields):
+            pass
+        return PartitionSent(run.counts())
+
+    def _send_rows(self, batch_id: int | str, rows: Iterable[Any]) -> PartitionSent:
+        fields = self.fields
+        local = self.local_timestamps
+        mapped = ({fields[column]: _utc_row_value(value, fields[column] in local)
+                   for column, value in row.asDict(recursive=False).items() if column in fields} for row in rows)
+        return PartitionSent(self._run(batch_id).send_rows(mapped))
+
+    def _summary(self, messages: Iterable[WriterCommitMessage | None], batch_id: int) -> BatchSummary:
+        return merge_summaries(batch_id, [m.summary for m in messages if isinstance(m, PartitionSent)], 0.0)[0]
+
+    def _commit(self, messages: Iterable[WriterCommitMessage | None], label: str, batch_id: int) -> BatchSummary:
+        summary = self._summary(messages, batch_id)
+        summary.seconds = max((m.summary["seconds"] for m in messages if isinstance(m, PartitionSent)), default=0.0)
+        check_unaccounted(summary)
+        _LOGGER.info("%s %s: %s", self.WHAT, label, summary.describe())
+        return summary
+
+    def _abort(self, messages: Iterable[WriterCommitMessage | None], label: str, batch_id: int) -> None:
+        done = [m for m in messages if isinstance(m, PartitionSent)]
+        summary = self._summary(done, batch_id)
+        _LOGGER.error("%s %s failed: the %d partitions that finished sent %d of their %d rows (%d -> primary, %d -> "
+                      "backlog); a replay sends them again with the same message ids", self.WHAT, label, len(done),
+                      summary.sent, summary.rows, summary.primary, summary.backlog_total)
+
+
+class ServiceBusBatchWriter(_Writing, DataSourceArrowWriter):
+    """``df.write.format("servicebus").save()``: one-off sends (backfills, resends). See the module docstring."""
+
+    def __init__(self, options: Mapping[str, str], schema: StructType, overwrite: bool = False) -> None:
+        if overwrite:
+            raise ConfigError("mode", "a Service Bus entity cannot be overwritten: messages are only ever added; "
+                              "write with .mode(\"append\")", "overwrite")
+        super().__init__(options, schema)
+        self.write_id = "w" + secrets.token_hex(6)
+        self.started = time.time()
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionSent:
+        return self._send_batches(self.write_id, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        self._commit(messages, self.write_id, 0)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        self._abort(messages, self.write_id, 0)
+
+
+class _StreamWriting(_Writing):
+    def _batch_id(self) -> int:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        value = context.getLocalProperty(BATCH_ID_PROPERTY) if context is not None else None
+        if value is None:
+            raise RuntimeError(f"{self.WHAT}: Spark gave the task no batch id (local property {BATCH_ID_PROPERTY}); "
+                               "message ids cannot be derived without it")
+        return int(value)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        self._commit(messages, f"batch {batchId}", batchId)
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:  # noqa: N803
+        self._abort(messages, f"batch {batchId}", batchId)
+
+
+if DataSourceStreamArrowWriter is not None:
+
+    class ServiceBusStreamWriter(_StreamWriting, DataSourceStreamArrowWriter):
+        """``df.writeStream.format("servicebus")`` (Arrow batches: Spark 4.1 and later)."""
+
+        def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionSent:
+            return self._send_batches(self._batch_id(), iterator)
+
+else:
+
+    class ServiceBusStreamWriter(_StreamWriting, DataSourceStreamWriter):  # type: ignore[no-redef]
+        """``df.writeStream.format("servicebus")`` (rows: Spark 4.0)."""
+
+        def write(self, iterator: Iterator[Any]) -> PartitionSent:
+            return self._send_rows(self._batch_id(), iterator)
+
+
+def stream_writer(options: Mapping[str, str], schema: StructType) -> ServiceBusStreamWriter:
+    return ServiceBusStreamWriter(options, schema)
+
+
+def _sink_options(sink: SinkConfig, options: Mapping[str, str]) -> SinkConfig:
+    """``sink`` with the writer's own options over it: ``entity`` and ``keyColumn``."""
+    update: dict[str, Any] = {}
+    entity = _option(options, "entity")
+    if entity is not None:
+        update["entity"] = entity.strip()
+    key = _option(options, "keyColumn")
+    if key is not None:
+        if "message_id" in sink.columns:
+            raise ConfigError("keyColumn", "conflicts with sink.columns.message_id of the configuration", key)
+        update["key_column"] = key.strip()
+    if not update:
+        return sink
+    try:
+        return SinkConfig.model_validate({**sink.model_dump(), **update})
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError("entity" if "entity" in update else "keyColumn", redact(str(err))[:300]) from None
+
+
+def _check_entity(config: SparkSbConfig, entity: str) -> None:
+    """The default entity exists on the primary as a queue or a topic; raises :class:`ConfigError` naming the
+    ``entity`` option when it does not. A primary that does not answer is logged: the sends fail over."""
+    namespace = config.primary
+    try:
+        with admin_client(namespace, retry_total=0) as admin:
+            for kind, get in (("queue", admin.get_queue), ("topic", admin.get_topic)):
+                try:
+                    get(entity)
+                    return
+                except Exception as exc:
+                    if classify(exc) is not ErrorClass.CONFIGURATION_NOT_FOUND:
+                        raise
+                    _LOGGER.debug("%r is not a %s on the primary", entity, kind)
+    except Exception as exc:
+        _LOGGER.warning("the primary %s did not answer whether %r exists (%s); the sends will tell",
+                        namespace.fully_qualified_namespace, entity, type(exc).__name__)
+        return
+    raise ConfigError("entity", f"is neither a queue nor a topic on the primary {namespace.fully_qualified_namespace}",
+                      entity)
+
+
+def _local_timestamp_fields(schema: StructType, fields: Mapping[str, str]) -> frozenset[str]:
+    """The message fields whose column is a (session-zoned) timestamp, or a map of them."""
+    found = set()
+    for column in schema.fields:
+        name = fields.get(column.name)
+        data_type = column.dataType
+        if name is not None and (isinstance(data_type, TimestampType)
+                                 or isinstance(data_type, MapType) and isinstance(data_type.valueType, TimestampType)):
+            found.add(name)
+    return frozenset(found)
+
+
+def _utc_row_value(value: Any, local: bool) -> Any:
+    """A value of a :class:`~pyspark.sql.Row`: a ``TimestampType`` value comes as a naive local time (pyspark
+    converts it so), here made an aware UTC one; maps become their items."""
+    if isinstance(value, dict):
+        return {k: _utc_row_value(v, local) for k, v in value.items()}
+    if local and isinstance(value, datetime.datetime) and value.tzinfo is None:
+        return value.astimezone(datetime.UTC)
+    return value

@@ -1,0 +1,165 @@
+"""The servicebus format's writers (``df.writeStream.format("servicebus")``, ``df.write.format("servicebus")``)
+against the emulator pair: through an outage and a crash before the commit, exactly once with duplicate
+detection; one-off batch writes; bad options refused before anything is sent."""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark import cloudpickle
+from pyspark.sql import functions as F
+from pyspark.sql import types as T
+
+from spark_sb.source import ServiceBusDataSource, config_options, register
+from spark_sb.syphon import Syphon
+
+from .conftest import receive_all, sink_config
+
+#: run on every Spark version make test tries (Makefile, EVERY_SPARK)
+pytestmark = pytest.mark.every_spark
+
+SCHEMA = T.StructType([T.StructField("body", T.StringType()), T.StructField("n", T.LongType())])
+
+
+class CrashingOnce(ServiceBusDataSource):
+    """The servicebus format, whose streaming commit of batch ``crashBatch`` fails once after the real commit
+    (every row of the batch sent, Spark's commit log not yet written): what a driver killed at that point
+    leaves. The marker file (option ``crashMarker``) records that it crashed."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "servicebus-crashing-once"
+
+    def streamWriter(self, schema: T.StructType, overwrite: bool) -> Any:
+        writer = super().streamWriter(schema, overwrite)
+        marker, crash_batch = Path(self.options["crashMarker"]), int(self.options["crashBatch"])
+        commit = writer.commit
+
+        def crash_once(messages: Any, batch_id: int) -> None:
+            commit(messages, batch_id)
+            if batch_id == crash_batch and not marker.exists():
+                marker.write_text(str(batch_id))
+                raise RuntimeError(f"killed after sending batch {batch_id}")
+
+        writer.commit = crash_once
+        return writer
+
+
+cloudpickle.register_pickle_by_value(__import__(__name__, fromlist=["_"]))
+
+
+@pytest.fixture(autouse=True)
+def _formats(spark: Any) -> None:
+    register(spark)
+    spark.dataSource.register(CrashingOnce)
+
+
+def _write_json(folder: Path, name: str, rows: list[dict]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _bodies(connection_string: str, queue: str) -> collections.Counter[str]:
+    return collections.Counter(str(m) for m in receive_all(connection_string, queue))
+
+
+def test_a_stream_through_an_outage_and_a_crash_before_its_commit_lands_every_row_once(
+    spark, emulator, primary, secondary, make_queue, tmp_path
+) -> None:
+    q = make_queue(requires_duplicate_detection=True)
+    config = sink_config(primary, secondary, chunk_size=7)
+    source, marker = tmp_path / "in", tmp_path / "crashed"
+    produced: list[str] = []
+
+    def add_file(f: int) -> None:  # one file per batch; two identical rows, which must arrive as two messages
+        rows = [f"row {f}-{i}" for i in range(23)] + [f"same {f}"] * 2
+        produced.extend(rows)
+        _write_json(source, f"part-{f}.json", [{"body": b, "n": i} for i, b in enumerate(rows)])
+
+    def run() -> Any:
+        return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).json(str(source)).repartition(2)
+                .writeStream.format("servicebus-crashing-once").options(**config_options(config))
+                .option("entity", q).option("crashMarker", str(marker)).option("crashBatch", "2")
+                .option("checkpointLocation", str(tmp_path / "cp")).trigger(availableNow=True).start())
+
+    add_file(0)
+    add_file(1)
+    run().awaitTermination(180)  # batches 0 and 1, healthy
+    emulator.fault("primary", "down")
+    add_file(2)
+    add_file(3)
+    with pytest.raises(Exception, match="killed after sending batch 2"):
+        run().awaitTermination(180)  # batch 2 sent to the backlog, then the driver "dies" before Spark's commit
+    assert marker.exists()
+    run().awaitTermination(180)  # restarted from the checkpoint: batch 2 again (the same ids), then batch 3
+    emulator.heal("primary")
+    with Syphon.from_config(config) as syphon:  # the backlog home: both copies of batch 2, one kept
+        moved = syphon.drain().total_moved
+    assert moved == 3 * 25  # batch 2 parked twice (before the crash and on replay), batch 3 once
+    assert _bodies(primary.connection_string, q) == collections.Counter(produced)
+
+
+def _written(spark: Any, rows: int) -> Any:
+    return spark.range(rows, numPartitions=2).select(F.concat(F.lit("order "), F.col("id")).alias("body"),
+                                                     F.col("id").cast("string").alias("order_id"))
+
+
+def test_a_batch_write_sends_every_row_once_and_a_keyed_rewrite_is_a_duplicate(
+    spark, primary, secondary, make_queue
+) -> None:
+    q = make_queue(requires_duplicate_detection=True)
+    options = {**config_options(sink_config(primary, secondary)), "entity": q}
+    _written(spark, 500).write.format("servicebus").options(**options).mode("append").save()
+    _written(spark, 500).write.format("servicebus").options(**options).mode("append").save()  # new write, new ids
+    assert _bodies(primary.connection_string, q) == collections.Counter({f"order {i}": 2 for i in range(500)})
+    for _ in range(2):  # keyed: the second write's messages are duplicates of the first's
+        _written(spark, 300).write.format("servicebus").options(**options, keyColumn="order_id").mode("append").save()
+    received = receive_all(primary.connection_string, q)
+    assert sorted(str(m.message_id) for m in received) == sorted(str(i) for i in range(300))
+
+
+def test_bad_options_are_refused_before_anything_is_sent_naming_the_option(
+    spark, primary, secondary, make_queue
+) -> None:
+    q = make_queue()
+    options = config_options(sink_config(primary, secondary))
+    df = _written(spark, 10)
+
+    def refused(match: str, frame: Any = df, **extra: str) -> None:
+        with pytest.raises(Exception, match=match):
+            frame.write.format("servicebus").options(**{**options, **extra}).mode("append").save()
+
+    refused(r"entity: is neither a queue nor a topic on the primary .*, got no-such-queue", entity="no-such-queue")
+    refused(r"keyColumn: column not found .*\(option keyColumn\).*, got missing", entity=q, keyColumn="missing")
+    refused(r"sink.columns.body: column not found", frame=df.drop("body"), entity=q)
+    refused(r"column 'body': has type int, message field body needs string or binary",
+            frame=df.select(F.lit(1).alias("body")), entity=q)
+    refused(r"no entity", )
+    flat = {"primary.connectionString": primary.connection_string, "secondary.connectionString": secondary.connection_string,
+            "entity": q}
+    with pytest.raises(Exception, match="holds a literal secret") as caught:
+        df.write.format("servicebus").options(**flat).mode("append").save()
+    assert "SharedAccessKey=" not in str(caught.value)
+    tables = config_options(sink_config(primary, secondary, reject_table="/tmp/rejects"))
+    with pytest.raises(Exception, match="sink.reject_table: is a Delta table"):
+        df.write.format("servicebus").options(**tables, entity=q).mode("append").save()
+    with pytest.raises(Exception, match="mode: a Service Bus entity cannot be overwritten"):
+        df.write.format("servicebus").options(**options, entity=q).mode("overwrite").save()
+    assert receive_all(primary.connection_string, q, wait=0.5) == []  # nothing sent by any of them
+
+
+def test_a_bad_row_fails_the_stream_naming_the_batch_entity_and_message(
+    spark, primary, secondary, make_queue, tmp_path
+) -> None:
+    q = make_queue()
+    source = tmp_path / "in"
+    _write_json(source, "part-0.json", [{"body": "fine", "n": 1}, {"body": None, "n": 2}])
+    query = (spark.readStream.schema(SCHEMA).json(str(source)).writeStream.format("servicebus")
+             .options(**config_options(sink_config(primary, secondary)), entity=q, keyColumn="n")
+             .option("checkpointLocation", str(tmp_path / "cp")).trigger(availableNow=True).start())
+    with pytest.raises(Exception, match=rf"batch 0, entity '{q}', message '2': body is null"):
+        query.awaitTermination(120)
