@@ -8,7 +8,7 @@
   of each counted
 - the Python workers' peak memory (ru_maxrss) over those N rows (default 500,000)
 
-    .venv/bin/python bench/sink.py [--rows 500000] [--partitions 2] [--derived-ids] [--rounds 2]
+    .venv/bin/python bench/sink.py [--rows 500000] [--partitions 2] [--derived-ids] [--rounds 2] [--in-flight 8,1]
 """
 
 from __future__ import annotations
@@ -86,7 +86,9 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=500_000)
     parser.add_argument("--partitions", type=int, default=2)
     parser.add_argument("--derived-ids", action="store_true", help="no key column: message ids derived by the sink")
-    parser.add_argument("--in-flight", type=int, default=None, help="sink.sends_in_flight (default: the sink's)")
+    parser.add_argument("--in-flight", default=None,
+                        help="sink.sends_in_flight, or several (1,8): a sink of each, in the same rounds "
+                             "(default: the sink's)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of the sink and of the writer, alternating")
     args = parser.parse_args()
     os.environ["PYSPARK_PYTHON"] = sys.executable
@@ -114,10 +116,12 @@ def main() -> int:
             "secondary": {"connection_string": emu["secondary"].connection_string,
                           "admin_endpoint": emu["secondary"].admin_url},
             "send_availability": {"backlog_queue_count": 1},
-            "sink": {"entity": "sink", "chunk_size": CHUNK, **({} if args.derived_ids else {"key_column": "key"}),
-                     **({} if args.in_flight is None else {"sends_in_flight": args.in_flight})},
+            "sink": {"entity": "sink", "chunk_size": CHUNK, **({} if args.derived_ids else {"key_column": "key"})},
         }
-        sink = PairedSink.from_config(config)
+        in_flight = [None] if args.in_flight is None else [int(n) for n in str(args.in_flight).split(",")]
+        sinks = {n: PairedSink.from_config({**config, "sink": {**config["sink"], **({} if n is None else {
+            "sends_in_flight": n})}}) for n in in_flight}
+        sink = sinks[in_flight[0]]
 
         def frame(n: int):
             ids = spark.range(n, numPartitions=args.partitions)
@@ -130,15 +134,17 @@ def main() -> int:
         options = {**config_options(config), "entity": "writer"}
         frame(args.partitions * 10).write.format("servicebus").options(**options).mode("append").save()  # warm-up
         before = worker_peaks(spark, args.partitions)
-        sink_rates, writer_rates = [], []
+        sink_rates: dict[int | None, list[float]] = {n: [] for n in in_flight}
+        writer_rates: list[float] = []
         for round_ in range(args.rounds):
-            print(f"round {round_ + 1}: sink (foreachBatch), {args.rows} rows, {args.partitions} partitions ...",
-                  flush=True)
-            started = time.perf_counter()
-            summary = sink(frame(args.rows), round_ + 1)
-            sink_rates.append(args.rows / (time.perf_counter() - started))
-            assert summary.primary == args.rows, summary
-            print(f"  {sink_rates[-1]:,.0f} rows/s ({summary.describe()})", flush=True)
+            for n, each in sinks.items():
+                print(f"round {round_ + 1}: sink (foreachBatch{'' if n is None else f', sends_in_flight {n}'}), "
+                      f"{args.rows} rows, {args.partitions} partitions ...", flush=True)
+                started = time.perf_counter()
+                summary = each(frame(args.rows), round_ + 1)
+                sink_rates[n].append(args.rows / (time.perf_counter() - started))
+                assert summary.primary == args.rows, summary
+                print(f"  {sink_rates[n][-1]:,.0f} rows/s ({summary.describe()})", flush=True)
             print(f"round {round_ + 1}: df.write.format(\"servicebus\") ...", flush=True)
             started = time.perf_counter()
             frame(args.rows).write.format("servicebus").options(**options).mode("append").save()
@@ -148,13 +154,17 @@ def main() -> int:
         with admin_client(sink.config.primary) as admin:  # every row the writer reported sent is there
             arrived = admin.get_queue_runtime_properties("writer").active_message_count
         assert arrived == args.rows * args.rounds + args.partitions * 10, arrived
-        sink_rate, writer_rate = max(sink_rates), max(writer_rates)
+        sink_rate, writer_rate = max(sink_rates[in_flight[0]]), max(writer_rates)
         spark.stop()
 
     print()
-    print(f"sink / raw SDK rows per second: {sink_rate / raw_rate:.2f}  (goal >= 0.8; "
+    first = "" if in_flight[0] is None else f" with sends_in_flight {in_flight[0]}"
+    print(f"sink{first} / raw SDK rows per second: {sink_rate / raw_rate:.2f}  (goal >= 0.8; "
           f"{sink_rate:,.0f} vs {raw_rate:,.0f}, {args.partitions} processes each, "
           f"{'derived' if args.derived_ids else 'key column'} message ids)")
+    for n in in_flight[1:]:
+        print(f"sink with sends_in_flight {n} / raw SDK: {max(sink_rates[n]) / raw_rate:.2f}  "
+              f"({max(sink_rates[n]):,.0f} rows/s, best of {args.rounds})")
     print(f"writer / sink rows per second: {writer_rate / sink_rate:.2f}  (goal >= 0.9; {writer_rate:,.0f} vs "
           f"{sink_rate:,.0f}, best of {args.rounds} rounds each); writer / raw SDK: {writer_rate / raw_rate:.2f}")
     peak_mib = max(after.values()) / 1024

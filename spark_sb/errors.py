@@ -252,7 +252,7 @@ class BadInputError(SparkSbError, ValueError):
 
     error_class = ErrorClass.BAD_MESSAGE
 
-    def __init__(self, batch_id: int, reason: str, *, entity: str | None = None, message_id: object = None,
+    def __init__(self, batch_id: int | str, reason: str, *, entity: str | None = None, message_id: object = None,
                  column: str | None = None) -> None:
         self.batch_id = batch_id
         self.entity = entity

@@ -534,14 +534,11 @@ class _PartitionRun:
         yield from self._finish()
         yield self._summary()
 
-    def send_rows(self, rows: Iterable[dict[str, Any]]) -> dict[str, Any]:
-        """Send ``rows`` (dicts of message fields), every acknowledgement awaited; returns the summary as a dict
-        (:meth:`counts`). Bad rows raise :class:`BadInputError` (this path does not reject)."""
-        for _ in self._rows(rows):
-            pass
-        for _ in self._finish():
-            pass
-        return self.counts()
+    def run_rows(self, rows: Iterable[dict[str, Any]]) -> Iterator[pa.RecordBatch]:
+        """:meth:`run` over rows given as dicts of message fields."""
+        yield from self._rows(rows)
+        yield from self._finish()
+        yield self._summary()
 
     def _rows(self, rows: Iterable[dict[str, Any]]) -> Iterator[pa.RecordBatch]:
         for row in rows:

@@ -36,3 +36,26 @@ def append(df: Any, location: str, *, merge_schema: bool = False) -> None:
         writer.save(location)
     else:
         writer.saveAsTable(location)
+
+
+def local_path(location: str) -> str | None:
+    """``location`` as an absolute local path when it names one (no scheme, or ``file:``), else None."""
+    if not is_path(location):
+        return None
+    if location.startswith("file:"):
+        location = location[len("file:"):]
+        location = "/" + location.lstrip("/") if location.startswith("//") or location.startswith("/") else location
+    elif ":" in location.split("/", 1)[0]:
+        return None  # abfss://, dbfs:/, s3://...
+    import os
+
+    return os.path.abspath(location)
+
+
+def append_without_spark(location: str, table: Any) -> None:
+    """Append the Arrow ``table`` to the Delta table at the local path ``location`` (creating it when missing;
+    new columns merged) with delta-rs, where no SparkSession is at hand (a Python data source's ``commit``).
+    Spark reads and appends to the same table as to one it wrote."""
+    from deltalake import write_deltalake
+
+    write_deltalake(location, table, mode="append", schema_mode="merge")

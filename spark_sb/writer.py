@@ -27,11 +27,14 @@ rejected, failovers...) and logs one line (``servicebus writer batch 7: 120 rows
 driver's log; ``abort`` logs what the partitions that finished had sent (sent again, with the same ids, when the
 batch is replayed).
 
-**Bad rows** fail the batch with the sink's :class:`~spark_sb.errors.BadInputError` (batch, entity, message id,
-reason). ``sink.reject_table`` and ``sink.metrics_table`` are Delta tables, which only a SparkSession writes, and
-Spark runs a Python writer's ``commit`` in a worker process without one: this writer refuses a reject table (a
-configuration that names one expects bad rows not to fail the batch) and logs a warning for a metrics table
-(its summaries are in the log); ``foreachBatch(PairedSink)`` writes both.
+**Bad rows** are handled as the sink handles them: with ``sink.reject_table`` each goes there (batch id, partition,
+message id, entity, reason, body, time) and the rest is sent; without it the batch fails with the sink's
+:class:`~spark_sb.errors.BadInputError` (batch, entity, message id, reason). ``sink.metrics_table`` gets one row
+per batch, as the sink writes it. Spark runs a Python writer's ``commit`` in a worker process without a
+SparkSession, so the writer appends to these Delta tables with delta-rs (the ``deltalake`` package, extra
+``delta-rs``), by local path only (``/Volumes/...`` on Databricks, ``data/x``): a catalog table name or a remote
+path (``abfss://``) is refused when the write is planned (``foreachBatch(PairedSink)`` writes those). A batch
+write's rows there have a null batch id.
 
 Entity health is not carried from batch to batch as the ``foreachBatch`` sink carries it (Spark builds a new
 writer for each commit): each worker's sender keeps its own across batches, and a worker new to a failed-over
@@ -43,7 +46,6 @@ from __future__ import annotations
 import datetime
 import logging
 import secrets
-import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,7 +67,8 @@ from .config import SinkConfig, SparkSbConfig  # noqa: E402
 from .errors import ConfigError, ErrorClass, classify, redact  # noqa: E402
 from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
-from .sink import BatchSummary, _PartitionRun, check_columns, check_unaccounted, merge_summaries  # noqa: E402
+from .sink import _COUNTERS, BatchSummary, _PartitionRun, check_columns, check_unaccounted, merge_summaries  # noqa: E402
+from .tables import append_without_spark, local_path  # noqa: E402
 
 try:  # Spark 4.1 and later: a streaming writer takes Arrow batches
     from pyspark.sql.datasource import DataSourceStreamArrowWriter
@@ -85,6 +88,8 @@ class PartitionSent(WriterCommitMessage):
     """What one partition did: a summary row of :data:`spark_sb.sink.PARTITION_OUTPUT` as a dict."""
 
     summary: dict[str, Any] = field(default_factory=dict)
+    #: rows rejected (with ``sink.reject_table``): ``(partition, message id, entity, reason, body)``
+    rejects: list[tuple[int, str | None, str | None, str, bytes | None]] = field(default_factory=list)
 
 
 class _Writing:
@@ -96,14 +101,9 @@ class _Writing:
     def __init__(self, options: Mapping[str, str], schema: StructType) -> None:
         self.config: SparkSbConfig = _options_config(options)
         self.sink = _sink_options(self.config.sink, options)
-        if self.sink.reject_table is not None:
-            raise ConfigError("sink.reject_table", "is a Delta table, which the servicebus format's writer cannot "
-                              "write (Spark commits a Python writer without a SparkSession): set it to null for "
-                              "this writer (a bad row then fails the batch), or send with foreachBatch(PairedSink), "
-                              "which writes it", self.sink.reject_table)
-        if self.sink.metrics_table is not None:
-            _LOGGER.warning("the servicebus format's writer logs each batch's summary; sink.metrics_table (%s) is "
-                            "written by foreachBatch(PairedSink) only", self.sink.metrics_table)
+        #: ``{option: local path}`` of the Delta tables configured (sink.reject_table, sink.metrics_table)
+        self.tables = {option: _table_path(option, getattr(self.sink, option))
+                       for option in ("reject_table", "metrics_table") if getattr(self.sink, option) is not None}
 
         def refuse(option: str | None, column: str | None, problem: str) -> Exception:
             if option is None:
@@ -114,7 +114,7 @@ class _Writing:
         self.fields = {column: name for name, column in check_columns(self.sink, schema, refuse).items()}
         self.local_timestamps = _local_timestamp_fields(schema, self.fields)
         self.fingerprint = self.config.fingerprint()
-        if _option(options, "entity") is not None or self.sink.entity is not None:
+        if self.sink.entity is not None:
             _check_entity(self.config, str(self.sink.entity))
 
     def _run(self, batch_id: int | str) -> _PartitionRun:
@@ -122,29 +122,43 @@ class _Writing:
 
         context = TaskContext.get()
         partition = context.partitionId() if context is not None else 0
-        return _PartitionRun(self.config, self.fingerprint, batch_id, partition, (), reject=False, sink=self.sink)
+        return _PartitionRun(self.config, self.fingerprint, batch_id, partition, (),
+                             reject="reject_table" in self.tables, sink=self.sink)
 
     def _send_batches(self, batch_id: int | str, batches: Iterator[pa.RecordBatch]) -> PartitionSent:
-        run = self._run(batch_id)
-        for _ in run.run(batches, self.fields):
-            pass
-        return PartitionSent(run.counts())
+        return _sent(self._run(batch_id).run(batches, self.fields))
 
     def _send_rows(self, batch_id: int | str, rows: Iterable[Any]) -> PartitionSent:
-        fields = self.fields
-        local = self.local_timestamps
+        fields, local = self.fields, self.local_timestamps
         mapped = ({fields[column]: _utc_row_value(value, fields[column] in local)
                    for column, value in row.asDict(recursive=False).items() if column in fields} for row in rows)
-        return PartitionSent(self._run(batch_id).send_rows(mapped))
+        return _sent(self._run(batch_id).run_rows(mapped))
 
     def _summary(self, messages: Iterable[WriterCommitMessage | None], batch_id: int) -> BatchSummary:
+        """The partitions' summaries merged (:func:`spark_sb.sink.merge_summaries`)."""
         return merge_summaries(batch_id, [m.summary for m in messages if isinstance(m, PartitionSent)], 0.0)[0]
 
-    def _commit(self, messages: Iterable[WriterCommitMessage | None], label: str, batch_id: int) -> BatchSummary:
-        summary = self._summary(messages, batch_id)
-        summary.seconds = max((m.summary["seconds"] for m in messages if isinstance(m, PartitionSent)), default=0.0)
+    def _commit(self, messages: list[WriterCommitMessage | None], label: str, batch_id: int | None
+                ) -> BatchSummary:
+        """Merge the partitions' summaries, append their rejected rows to the reject table, check that every row
+        was sent or rejected, log the summary and append it to the metrics table. ``batch_id`` is None for a
+        batch write (its rows in the tables have a null batch id)."""
+        done = [m for m in messages if isinstance(m, PartitionSent)]
+        summary = self._summary(done, batch_id or 0)
+        summary.batch_id = batch_id
+        summary.seconds = max((m.summary["seconds"] for m in done), default=0.0)
+        rejects = [r for m in done for r in m.rejects]
+        if rejects:
+            append_without_spark(self.tables["reject_table"], _rejects_table(batch_id, rejects))
+            _LOGGER.warning("%s %s: %d rejected rows written to %s", self.WHAT, label, len(rejects),
+                            self.sink.reject_table)
+        if summary.rejected != len(rejects):
+            raise RuntimeError(f"{self.WHAT} {label}: {summary.rejected} rows rejected but {len(rejects)} "
+                               "written to the reject table")
         check_unaccounted(summary)
         _LOGGER.info("%s %s: %s", self.WHAT, label, summary.describe())
+        if "metrics_table" in self.tables:
+            append_without_spark(self.tables["metrics_table"], _metrics_table(summary))
         return summary
 
     def _abort(self, messages: Iterable[WriterCommitMessage | None], label: str, batch_id: int) -> None:
@@ -164,16 +178,15 @@ class ServiceBusBatchWriter(_Writing, DataSourceArrowWriter):
                               "write with .mode(\"append\")", "overwrite")
         super().__init__(options, schema)
         self.write_id = "w" + secrets.token_hex(6)
-        self.started = time.time()
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionSent:
         return self._send_batches(self.write_id, iterator)
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
-        self._commit(messages, self.write_id, 0)
+        self._commit(messages, f"write {self.write_id}", None)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
-        self._abort(messages, self.write_id, 0)
+        self._abort(messages, f"write {self.write_id}", 0)
 
 
 class _StreamWriting(_Writing):
@@ -213,6 +226,19 @@ else:
 
 def stream_writer(options: Mapping[str, str], schema: StructType) -> ServiceBusStreamWriter:
     return ServiceBusStreamWriter(options, schema)
+
+
+def _sent(output: Iterator[pa.RecordBatch]) -> PartitionSent:
+    """What a partition run yielded, as its commit message: the summary, and the rejected rows, which travel to
+    ``commit`` (the reject table is appended to there, once the whole batch was sent)."""
+    sent = PartitionSent()
+    for batch in output:
+        for row in batch.to_pylist():
+            if row["kind"] == "reject":
+                sent.rejects.append((row["partition"], row["message_id"], row["entity"], row["reason"], row["body"]))
+            else:
+                sent.summary = {**row, "backlog": dict(row["backlog"]), "health": dict(row["health"])}
+    return sent
 
 
 def _sink_options(sink: SinkConfig, options: Mapping[str, str]) -> SinkConfig:
@@ -278,3 +304,50 @@ def _utc_row_value(value: Any, local: bool) -> Any:
     if local and isinstance(value, datetime.datetime) and value.tzinfo is None:
         return value.astimezone(datetime.UTC)
     return value
+
+
+_REJECTS = pa.schema([
+    pa.field("batch_id", pa.int64()), pa.field("partition", pa.int32()), pa.field("message_id", pa.string()),
+    pa.field("entity", pa.string()), pa.field("reason", pa.string()), pa.field("body", pa.binary()),
+    pa.field("rejected_at", pa.timestamp("us", tz="UTC")),
+])
+#: :data:`spark_sb.sink.METRICS_SCHEMA` in Arrow
+_METRICS = pa.schema(
+    [pa.field("batch_id", pa.int64()), pa.field("finished_at", pa.timestamp("us", tz="UTC"))]
+    + [pa.field(name, pa.int64()) for name in _COUNTERS]
+    + [pa.field("backlog", pa.map_(pa.string(), pa.int64())), pa.field("failed_over", pa.list_(pa.string())),
+       pa.field("partitions", pa.int32()), pa.field("seconds", pa.float64())])
+
+
+def _rejects_table(batch_id: int | None, rejects: list[tuple]) -> pa.Table:
+    """The reject table's rows (the columns the sink writes)."""
+    now = datetime.datetime.now(datetime.UTC)
+    return pa.Table.from_pylist([
+        {"batch_id": batch_id, "partition": partition, "message_id": message_id, "entity": entity, "reason": reason,
+         "body": body, "rejected_at": now} for partition, message_id, entity, reason, body in rejects],
+        schema=_REJECTS)
+
+
+def _metrics_table(summary: BatchSummary) -> pa.Table:
+    """The metrics table's row for ``summary`` (the columns the sink writes)."""
+    row = {"batch_id": summary.batch_id, "finished_at": datetime.datetime.now(datetime.UTC),
+           **{name: getattr(summary, name) for name in _COUNTERS}, "backlog": list(summary.backlog.items()),
+           "failed_over": list(summary.failed_over), "partitions": summary.partitions, "seconds": summary.seconds}
+    return pa.Table.from_pylist([row], schema=_METRICS)
+
+
+def _table_path(option: str, location: str) -> str:
+    """The local path of the Delta table ``sink.<option>`` names; a catalog table or a remote path is refused,
+    and so is a missing delta-rs (the writer appends without a SparkSession)."""
+    path = local_path(location)
+    if path is None:
+        raise ConfigError(f"sink.{option}", "the servicebus format's writer appends to a Delta table by local path "
+                          "only (Spark commits a Python writer without a SparkSession, so it writes with delta-rs): "
+                          "give a path such as /Volumes/... or data/x, or send with foreachBatch(PairedSink), which "
+                          "writes catalog tables and remote paths", location)
+    try:
+        import deltalake  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"sink.{option}", "the servicebus format's writer appends to Delta tables with delta-rs: "
+                          "install it (pip install 'spark-sb[delta-rs]')", location) from None
+    return path

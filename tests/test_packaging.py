@@ -128,6 +128,7 @@ def test_the_core_requires_no_spark_and_no_emulator_and_the_extras_add_them(whee
     assert not requires[None] & {*SPARK_ONLY, "delta-spark", *EMULATOR_DISTS}, requires[None]
     assert requires["spark"] >= {"pyspark", "delta-spark", "pyarrow", "pandas"}
     assert requires["emulator"] == set(EMULATOR_DISTS)
+    assert requires["delta-rs"] == {"deltalake"} and "deltalake" not in requires["spark"] | requires[None]
     # the development environment (make demo, make test) has the emulator: dev requires spark-sb[emulator,...]
     [itself] = [line for line in wheel_metadata(wheel)
                 if line.startswith("Requires-Dist: spark-sb[") and 'extra == "dev"' in line]

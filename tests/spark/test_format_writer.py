@@ -144,9 +144,10 @@ def test_bad_options_are_refused_before_anything_is_sent_naming_the_option(
     with pytest.raises(Exception, match="holds a literal secret") as caught:
         df.write.format("servicebus").options(**flat).mode("append").save()
     assert "SharedAccessKey=" not in str(caught.value)
-    tables = config_options(sink_config(primary, secondary, reject_table="/tmp/rejects"))
-    with pytest.raises(Exception, match="sink.reject_table: is a Delta table"):
-        df.write.format("servicebus").options(**tables, entity=q).mode("append").save()
+    for table in ("main.default.rejects", "abfss://c@account.dfs.core.windows.net/rejects"):
+        tables = config_options(sink_config(primary, secondary, reject_table=table))
+        with pytest.raises(Exception, match=f"sink.reject_table: .* by local path only .*, got {table}"):
+            df.write.format("servicebus").options(**tables, entity=q).mode("append").save()
     with pytest.raises(Exception, match="mode: a Service Bus entity cannot be overwritten"):
         df.write.format("servicebus").options(**options, entity=q).mode("overwrite").save()
     assert receive_all(primary.connection_string, q, wait=0.5) == []  # nothing sent by any of them
@@ -163,3 +164,33 @@ def test_a_bad_row_fails_the_stream_naming_the_batch_entity_and_message(
              .option("checkpointLocation", str(tmp_path / "cp")).trigger(availableNow=True).start())
     with pytest.raises(Exception, match=rf"batch 0, entity '{q}', message '2': body is null"):
         query.awaitTermination(120)
+
+
+def test_with_a_reject_table_bad_rows_go_there_the_rest_is_sent_and_each_batch_has_a_metrics_row(
+    spark, primary, secondary, make_queue, tmp_path
+) -> None:
+    q = make_queue()
+    source = tmp_path / "in"
+    rejects, metrics = tmp_path / "rejects", tmp_path / "metrics"
+    config = sink_config(primary, secondary, reject_table=str(rejects), metrics_table=str(metrics))
+    for f in range(2):
+        _write_json(source, f"part-{f}.json", [{"body": f"fine {f}-{i}", "n": 10 * f + i} for i in range(5)]
+                    + [{"body": None, "n": 10 * f + 9}])
+    query = (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).json(str(source))
+             .writeStream.format("servicebus").options(**config_options(config), entity=q, keyColumn="n")
+             .option("checkpointLocation", str(tmp_path / "cp")).trigger(availableNow=True).start())
+    query.awaitTermination(180)
+    assert query.exception() is None
+    assert sorted(_bodies(primary.connection_string, q)) == sorted(f"fine {f}-{i}" for f in range(2) for i in range(5))
+    rejected = spark.read.format("delta").load(str(rejects)).orderBy("batch_id").collect()
+    assert sorted((r.message_id, r.entity, r.reason) for r in rejected) == [
+        ("19", q, "body is null"), ("9", q, "body is null")]
+    assert sorted(r.batch_id for r in rejected) == [0, 1]  # one a batch (the files' order is Spark's)
+    rows = spark.read.format("delta").load(str(metrics)).orderBy("batch_id").collect()
+    assert [(r.batch_id, r.rows, r.sent, r.primary, r.rejected) for r in rows] == [(0, 6, 5, 5, 1), (1, 6, 5, 5, 1)]
+    # the sink appends to the same tables (Spark and delta-rs share them)
+    df = spark.createDataFrame([("by the sink", None)], "body string, n long")
+    from spark_sb.sink import PairedSink
+
+    PairedSink.from_config({**config, "sink": {**config["sink"], "entity": q}})(df.select("body"), 7)
+    assert spark.read.format("delta").load(str(metrics)).where("batch_id = 7").count() == 1
