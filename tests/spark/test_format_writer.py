@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from pyspark import cloudpickle
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
+from spark_sb.emulator.model import QueueSpec
 from spark_sb.source import ServiceBusDataSource, config_options, register
 from spark_sb.syphon import Syphon
 
@@ -194,3 +196,23 @@ def test_with_a_reject_table_bad_rows_go_there_the_rest_is_sent_and_each_batch_h
 
     PairedSink.from_config({**config, "sink": {**config["sink"], "entity": q}})(df.select("body"), 7)
     assert spark.read.format("delta").load(str(metrics)).where("batch_id = 7").count() == 1
+
+
+def test_in_active_replication_a_batch_write_sends_every_row_to_both_namespaces_and_rides_out_an_outage(
+    spark, emulator, primary, secondary
+) -> None:
+    q = f"fw-{uuid.uuid4().hex[:8]}"
+    for namespace in ("primary", "secondary"):  # the entity on both namespaces, as active replication needs
+        server = emulator.server(namespace)
+        server.call(lambda server=server: server.broker.create_entity(QueueSpec(name=q)))
+    config = sink_config(primary, secondary)
+    config["replication"] = {"mode": "active", "retry_interval": "1s"}
+    options = {**config_options(config), "entity": q, "keyColumn": "order_id"}
+    _written(spark, 100).write.format("servicebus").options(**options).mode("append").save()
+    emulator.fault("primary", "down")
+    _written(spark, 150).where(F.col("order_id").cast("long") >= 100).write.format("servicebus").options(**options).mode("append").save()
+    emulator.heal("primary")
+    in_primary = sorted(str(m.message_id) for m in receive_all(primary.connection_string, q))
+    in_secondary = sorted(str(m.message_id) for m in receive_all(secondary.connection_string, q))
+    assert in_primary == sorted(str(i) for i in range(100))  # the primary was down for the second write
+    assert in_secondary == sorted(str(i) for i in range(150))
