@@ -220,3 +220,24 @@ def test_in_active_replication_a_batch_write_sends_every_row_to_both_namespaces_
     in_secondary = sorted(str(m.message_id) for m in receive_all(secondary.connection_string, q))
     assert in_primary == sorted(str(i) for i in range(100))  # the primary was down for the second write
     assert in_secondary == sorted(str(i) for i in range(150))
+
+
+def test_a_timestamp_in_a_row_is_read_as_the_local_time_pyspark_made_it(monkeypatch) -> None:
+    # Spark 4.0 hands a stream writer rows, whose TimestampType values pyspark turns into naive local times
+    import datetime
+    import time
+
+    from spark_sb.writer import _utc_row_value
+
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        aware = datetime.datetime(2026, 11, 26, 12, 0, tzinfo=datetime.UTC)
+        naive_local = aware.astimezone().replace(tzinfo=None)  # as pyspark 4.0's row conversion makes it
+        assert naive_local.hour == 7
+        assert _utc_row_value(naive_local, True) == aware
+        assert _utc_row_value({"at": naive_local}, True) == {"at": aware}  # application_properties
+        assert _utc_row_value(naive_local, False) is naive_local  # a timestamp_ntz column: as it is (UTC)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
