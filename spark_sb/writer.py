@@ -24,7 +24,8 @@ the same write a duplicate.
 
 **What each batch did**: ``commit`` merges the partitions' summaries (rows, primary, backlog per queue,
 rejected, failovers...) and logs one line (``servicebus writer batch 7: 120 rows: 80 -> primary...``), in the
-driver's log; ``abort`` logs what the partitions that finished had sent (sent again, with the same ids, when the
+driver's log (Spark runs ``commit`` in a Python worker of its own: when nothing configured its logging, spark_sb's
+lines go to its stderr, which Spark passes to the driver's); ``abort`` logs what the partitions that finished had sent (sent again, with the same ids, when the
 batch is replayed).
 
 **Bad rows** are handled as the sink handles them: with ``sink.reject_table`` each goes there (batch id, partition,
@@ -67,7 +68,15 @@ from .config import SinkConfig, SparkSbConfig  # noqa: E402
 from .errors import ConfigError, ErrorClass, classify, redact  # noqa: E402
 from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
-from .sink import _COUNTERS, BatchSummary, _PartitionRun, check_columns, check_unaccounted, merge_summaries  # noqa: E402
+from .sink import (  # noqa: E402
+    _COUNTERS,
+    BatchSummary,
+    _log_to_stderr_unless_configured,
+    _PartitionRun,
+    check_columns,
+    check_unaccounted,
+    merge_summaries,
+)
 from .tables import append_without_spark, local_path  # noqa: E402
 
 try:  # Spark 4.1 and later: a streaming writer takes Arrow batches
@@ -143,6 +152,7 @@ class _Writing:
         """Merge the partitions' summaries, append their rejected rows to the reject table, check that every row
         was sent or rejected, log the summary and append it to the metrics table. ``batch_id`` is None for a
         batch write (its rows in the tables have a null batch id)."""
+        _log_to_stderr_unless_configured()  # a worker process of its own, whose logging nobody configured
         done = [m for m in messages if isinstance(m, PartitionSent)]
         summary = self._summary(done, batch_id or 0)
         summary.batch_id = batch_id
@@ -162,6 +172,7 @@ class _Writing:
         return summary
 
     def _abort(self, messages: Iterable[WriterCommitMessage | None], label: str, batch_id: int) -> None:
+        _log_to_stderr_unless_configured()
         done = [m for m in messages if isinstance(m, PartitionSent)]
         summary = self._summary(done, batch_id)
         _LOGGER.error("%s %s failed: the %d partitions that finished sent %d of their %d rows (%d -> primary, %d -> "

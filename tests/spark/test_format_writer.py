@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import uuid
 from pathlib import Path
 from typing import Any
@@ -241,3 +242,25 @@ def test_a_timestamp_in_a_row_is_read_as_the_local_time_pyspark_made_it(monkeypa
     finally:
         monkeypatch.undo()
         time.tzset()
+
+
+def test_commit_and_abort_log_what_the_batch_did(primary, secondary, make_queue, caplog) -> None:
+    # what Spark hands them: one commit message per partition (None for a partition that failed)
+    from spark_sb.writer import PartitionSent, stream_writer
+
+    q = make_queue()
+    writer = stream_writer({**config_options(sink_config(primary, secondary)), "entity": q}, SCHEMA)
+
+    def sent(partition: int, primary_rows: int, backlog: dict[str, int]) -> PartitionSent:
+        rows = primary_rows + sum(backlog.values())
+        return PartitionSent({"kind": "summary", "partition": partition, "rows": rows, "sent": rows,
+                              "primary": primary_rows, "secondary": 0, "rejected": 0, "failovers": 1 if backlog else 0,
+                              "failbacks": 0, "busy_waits": 0, "assumed_failovers": 0, "swaps": 0, "backlog": backlog,
+                              "health": {q: "failed_over" if backlog else "healthy"}, "seconds": 0.5})
+
+    caplog.set_level(logging.INFO, logger="spark_sb")
+    writer.commit([sent(0, 10, {}), sent(1, 0, {"p/x-servicebus-transfer/0": 7})], 4)
+    assert ("servicebus writer batch 4: 17 rows: 10 -> primary, 7 -> backlog (p/x-servicebus-transfer/0: 7), "
+            "0 rejected, failovers 1") in caplog.text
+    writer.abort([sent(0, 10, {}), None], 5)
+    assert "servicebus writer batch 5 failed: the 1 partitions that finished sent 10 of their 10 rows" in caplog.text
