@@ -1,7 +1,8 @@
-"""The sink as a streaming foreachBatch through a local Spark Connect server (Databricks serverless and shared
-clusters run Connect: the RDD API does not exist there, and the foreachBatch function runs in a Python process
-of the server, not in the client). Runs in a child process, because a local Connect server cannot share this
-process with the classic session of the other tests."""
+"""The sink as a streaming foreachBatch, and the servicebus format's writers (stream and batch, Spark 4.0 and
+later), through a local Spark Connect server (Databricks serverless and shared clusters run Connect: the RDD API
+does not exist there, and the foreachBatch function runs in a Python process of the server, not in the client).
+Runs in a child process, because a local Connect server cannot share this process with the classic session of the
+other tests."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from spark_sb.capabilities import delta_package
+from spark_sb.capabilities import delta_package, python_data_sources
 
 from .conftest import child_env, receive_all, sink_config
 
@@ -45,12 +46,27 @@ SCRIPT = textwrap.dedent("""
     query.awaitTermination()
     metrics = spark.read.format("delta").load(config["sink"]["metrics_table"]).orderBy("batch_id")
     rejects = spark.read.format("delta").load(config["sink"]["reject_table"])
-    print("RESULT " + json.dumps({
+    result = {
         "session": type(spark).__module__,
         "metrics": [{k: r[k] for k in ("batch_id", "rows", "primary", "rejected", "partitions")}
                     for r in metrics.collect()],
         "rejects": sorted((r["message_id"], r["reason"]) for r in rejects.collect()),
-    }))
+    }
+    if len(sys.argv) > 4:  # the servicebus format's writers (Spark 4.0 and later): the same input, another entity
+        from spark_sb.source import config_options, register
+
+        writer = json.loads(sys.argv[4])
+        register(spark)
+        options = {**config_options(writer), "keyColumn": "key"}
+        query = (spark.readStream.schema(schema).option("maxFilesPerTrigger", 1).parquet(work + "/input")
+                 .writeStream.format("servicebus").options(**options)
+                 .option("checkpointLocation", work + "/writer-checkpoint").trigger(availableNow=True).start())
+        query.awaitTermination()
+        spark.read.parquet(work + "/input").where("body is not null").write.format("servicebus") \
+            .options(**options).mode("append").save()  # again, as a batch: duplicates of the stream's
+        written = spark.read.format("delta").load(writer["sink"]["metrics_table"])
+        result["writer_metrics"] = sorted((r["rows"], r["primary"], r["rejected"]) for r in written.collect())
+    print("RESULT " + json.dumps(result))
     spark.stop()
 """)
 
@@ -70,14 +86,18 @@ def _packages() -> str:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_foreach_batch_sink_under_spark_connect_with_reject_and_metrics_tables(primary, secondary, make_queue,
+def test_foreach_batch_sink_and_the_format_writers_under_spark_connect_with_reject_and_metrics_tables(primary, secondary, make_queue,
                                                                                tmp_path: Path) -> None:
     q = make_queue(requires_duplicate_detection=True)
     config = sink_config(primary, secondary, entity=q, key_column="key",
                          reject_table=str(tmp_path / "rejects"), metrics_table=str(tmp_path / "metrics"))
     env = child_env(SPARK_LOCAL_IP="127.0.0.1")
-    done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(config), str(tmp_path), _packages()],
-                          capture_output=True, text=True, timeout=280, env=env)
+    args = [sys.executable, "-c", SCRIPT, json.dumps(config), str(tmp_path), _packages()]
+    if python_data_sources():  # and the servicebus format's writers, into a queue of their own
+        q2 = make_queue(requires_duplicate_detection=True)
+        args.append(json.dumps(sink_config(primary, secondary, entity=q2, reject_table=str(tmp_path / "w-rejects"),
+                                           metrics_table=str(tmp_path / "w-metrics"))))
+    done = subprocess.run(args, capture_output=True, text=True, timeout=280, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
@@ -94,3 +114,9 @@ def test_foreach_batch_sink_under_spark_connect_with_reject_and_metrics_tables(p
     assert ids == [i for i in range(60) if i not in poison]
     for batch in range(3):
         assert f"batch {batch}: 20 rows: 18 -> primary, 2 rejected" in done.stderr, done.stderr[-3000:]
+    if python_data_sources():
+        # the stream writer: three batches as the sink's, then the batch write of the 54 good rows once more
+        assert result["writer_metrics"] == sorted([[20, 18, 2]] * 3 + [[54, 54, 0]])
+        arrived = sorted(int(str(m.message_id)) for m in receive_all(primary.connection_string, q2, expected=54))
+        assert arrived == [i for i in range(60) if i not in poison]  # the batch write's were duplicates
+        assert "servicebus writer batch 2: 20 rows: 18 -> primary, 2 rejected" in done.stderr
