@@ -7,7 +7,7 @@ partition hands them to the sender.
 
 Rows:
 
-* **sink failed over, loopback / secondary 40 ms away**: the sink's partition run (``_PartitionRun``, what each
+* **sink failed over, loopback / secondary 40 ms away**: the sink's partition run (``PartitionRun``, what each
   executor runs inside ``mapInArrow``; no Spark scheduling in the timing) with the primary down and its entity
   failed over, over the raw SDK's sequential batch send of the same messages to the backlog queue;
 * **sink healthy, primary 5 ms away**: the same run to a healthy primary, over the raw SDK's sequential send to
@@ -88,7 +88,7 @@ def partition_run(config: Any, n: int, failed_over: tuple[str, ...] = ()) -> flo
     batches = [pa.RecordBatch.from_pydict({"body": [BODY] * min(10_000, n - start),
                                            "message_id": [f"run-{tag}-{i}" for i in range(start, min(start + 10_000, n))]})
                for start in range(0, n, 10_000)]
-    run = sink_module._PartitionRun(config, config.fingerprint(), 1, 0, failed_over, reject=False)
+    run = sink_module.PartitionRun(config, config.fingerprint(), 1, 0, failed_over, reject=False)
     # every connection open before the clock starts (a worker keeps them from batch to batch): the calling
     # thread's and each send lane's
     run.sender.send(QUEUE, ServiceBusMessage(b"warm-up"))

@@ -96,7 +96,8 @@ if TYPE_CHECKING:
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["METRICS_SCHEMA", "PARTITION_OUTPUT", "BatchSummary", "PairedSink", "close_senders", "sender_for"]
+__all__ = ["COUNTERS", "METRICS_SCHEMA", "PARTITION_OUTPUT", "BatchSummary", "PairedSink", "PartitionRun", "check_columns",
+           "check_unaccounted", "close_senders", "log_to_stderr_unless_configured", "merge_summaries", "sender_for"]
 
 # --- the per-process registry of paired senders -----------------------------------------------------------
 
@@ -146,13 +147,13 @@ def close_senders() -> None:
 #: ``sent``: rows accepted (by the primary or a backlog queue; in active and passive replication, by at least one
 #: namespace); ``primary`` and ``secondary``: copies each namespace accepted (``secondary`` only in replication,
 #: where an active-mode row counts on both); ``swaps``: passive replication's role swaps
-_COUNTERS = ("rows", "sent", "primary", "secondary", "rejected", "failovers", "failbacks", "busy_waits",
+COUNTERS = ("rows", "sent", "primary", "secondary", "rejected", "failovers", "failbacks", "busy_waits",
              "assumed_failovers", "swaps")
 
 #: what each partition returns: one ``summary`` row, and a ``reject`` row per rejected row
 PARTITION_OUTPUT = T.StructType(
     [T.StructField("kind", T.StringType()), T.StructField("partition", T.IntegerType())]
-    + [T.StructField(name, T.LongType()) for name in _COUNTERS]
+    + [T.StructField(name, T.LongType()) for name in COUNTERS]
     + [
         T.StructField("backlog", T.MapType(T.StringType(), T.LongType())),
         T.StructField("health", T.MapType(T.StringType(), T.StringType())),
@@ -165,7 +166,7 @@ PARTITION_OUTPUT = T.StructType(
 )
 _ARROW_OUTPUT = pa.schema(
     [pa.field("kind", pa.string()), pa.field("partition", pa.int32())]
-    + [pa.field(name, pa.int64()) for name in _COUNTERS]
+    + [pa.field(name, pa.int64()) for name in COUNTERS]
     + [
         pa.field("backlog", pa.map_(pa.string(), pa.int64())),
         pa.field("health", pa.map_(pa.string(), pa.string())),
@@ -178,7 +179,7 @@ _ARROW_OUTPUT = pa.schema(
 )
 METRICS_SCHEMA = T.StructType(
     [T.StructField("batch_id", T.LongType()), T.StructField("finished_at", T.TimestampType())]
-    + [T.StructField(name, T.LongType()) for name in _COUNTERS]
+    + [T.StructField(name, T.LongType()) for name in COUNTERS]
     + [
         T.StructField("backlog", T.MapType(T.StringType(), T.LongType())),
         T.StructField("failed_over", T.ArrayType(T.StringType())),
@@ -192,7 +193,7 @@ METRICS_SCHEMA = T.StructType(
 class BatchSummary:
     """Where a batch's rows went (or, for :attr:`PairedSink.totals`, every batch's so far).
 
-    :ivar sent: rows accepted (see ``_COUNTERS``).
+    :ivar sent: rows accepted (see ``COUNTERS``).
     :ivar primary: copies the primary accepted.
     :ivar secondary: copies the secondary accepted (active and passive replication only).
     :ivar backlog: ``{backlog queue: rows}``.
@@ -223,7 +224,7 @@ class BatchSummary:
 
     def add(self, other: BatchSummary) -> None:
         """Add ``other``'s counts to these (for running totals)."""
-        for name in (*_COUNTERS, "partitions", "batches"):
+        for name in (*COUNTERS, "partitions", "batches"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for queue, n in other.backlog.items():
             self.backlog[queue] = self.backlog.get(queue, 0) + n
@@ -314,7 +315,7 @@ def merge_summaries(batch_id: int, rows: Iterable[Any], seconds: float, health: 
         if row["kind"] != "summary":
             continue
         summary.partitions += 1
-        for name in _COUNTERS:
+        for name in COUNTERS:
             setattr(summary, name, getattr(summary, name) + int(row[name] or 0))
         for queue, n in (row["backlog"] or {}).items():
             summary.backlog[queue] = summary.backlog.get(queue, 0) + int(n)
@@ -386,7 +387,7 @@ class PairedSink:
         started = time.monotonic()
         sink = self.config.sink
         if type(batch_df).__module__.startswith("pyspark.sql.connect"):
-            _log_to_stderr_unless_configured()
+            log_to_stderr_unless_configured()
         present = self.columns(batch_df, batch_id)
         selected = batch_df.select(*[F.col(_quote(column)).alias(name) for name, column in present.items()])
         send = _partition_sender(self.config, self.fingerprint, int(batch_id), self.failed_over,
@@ -437,14 +438,14 @@ class PairedSink:
     def _write_metrics(self, batch_df: DataFrame, summary: BatchSummary) -> None:
         values = asdict(summary)
         row = [int(summary.batch_id or 0), datetime.datetime.now(datetime.UTC)]
-        row += [values[name] for name in _COUNTERS]
+        row += [values[name] for name in COUNTERS]
         row += [dict(summary.backlog), list(summary.failed_over), summary.partitions, summary.seconds]
         spark = batch_df.sparkSession
         tables.append(spark.createDataFrame([tuple(row)], METRICS_SCHEMA), str(self.config.sink.metrics_table),
                       merge_schema=True)
 
 
-def _log_to_stderr_unless_configured() -> None:
+def log_to_stderr_unless_configured() -> None:
     """Under Spark Connect the foreachBatch function runs in a Python process of the server, whose logging the
     user cannot configure: when nothing configured it, spark_sb's INFO lines (the batch summaries) go to its
     stderr, which is the server's log."""
@@ -484,12 +485,12 @@ def _partition_sender(config: SparkSbConfig, fingerprint: str, batch_id: int, fa
 
         context = TaskContext.get()
         partition = context.partitionId() if context is not None else 0
-        yield from _PartitionRun(config, fingerprint, batch_id, partition, failed_over, reject).run(batches)
+        yield from PartitionRun(config, fingerprint, batch_id, partition, failed_over, reject).run(batches)
 
     return send_partition
 
 
-class _PartitionRun:
+class PartitionRun:
     """Sends one partition's rows; yields the reject rows (when rejecting) and then one summary row."""
 
     def __init__(self, config: SparkSbConfig, fingerprint: str, batch_id: int | str, partition: int,
@@ -678,7 +679,7 @@ class _PartitionRun:
         self.rejects = []
         n = len(rows)
         data: dict[str, Any] = {"kind": ["reject"] * n, "partition": [self.partition] * n}
-        for name in _COUNTERS:
+        for name in COUNTERS:
             data[name] = [None] * n
         data.update(backlog=[None] * n, health=[None] * n, seconds=[None] * n,
                     message_id=[r[0] for r in rows], entity=[r[1] for r in rows], reason=[r[2] for r in rows],
@@ -694,7 +695,7 @@ class _PartitionRun:
         counts = {"rows": self.rows, "sent": self.sent, "primary": self.primary, "secondary": self.secondary,
                   "rejected": self.rejected, **{name: delta.get(name, 0) for name in (
                       "failovers", "failbacks", "busy_waits", "assumed_failovers", "swaps")}}
-        return {"kind": "summary", "partition": self.partition, **{name: counts[name] for name in _COUNTERS},
+        return {"kind": "summary", "partition": self.partition, **{name: counts[name] for name in COUNTERS},
                 "backlog": dict(self.backlog),
                 "health": {entity: self.sender.state(entity) for entity in sorted(self.entities)},
                 "seconds": time.monotonic() - self.started}

@@ -69,12 +69,12 @@ from .errors import ConfigError, ErrorClass, classify, redact  # noqa: E402
 from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
 from .sink import (  # noqa: E402
-    _COUNTERS,
+    COUNTERS,
     BatchSummary,
-    _log_to_stderr_unless_configured,
-    _PartitionRun,
+    PartitionRun,
     check_columns,
     check_unaccounted,
+    log_to_stderr_unless_configured,
     merge_summaries,
 )
 from .tables import append_without_spark, local_path  # noqa: E402
@@ -126,12 +126,12 @@ class _Writing:
         if self.sink.entity is not None:
             _check_entity(self.config, str(self.sink.entity))
 
-    def _run(self, batch_id: int | str) -> _PartitionRun:
+    def _run(self, batch_id: int | str) -> PartitionRun:
         from pyspark import TaskContext
 
         context = TaskContext.get()
         partition = context.partitionId() if context is not None else 0
-        return _PartitionRun(self.config, self.fingerprint, batch_id, partition, (),
+        return PartitionRun(self.config, self.fingerprint, batch_id, partition, (),
                              reject="reject_table" in self.tables, sink=self.sink)
 
     def _send_batches(self, batch_id: int | str, batches: Iterator[pa.RecordBatch]) -> PartitionSent:
@@ -152,7 +152,7 @@ class _Writing:
         """Merge the partitions' summaries, append their rejected rows to the reject table, check that every row
         was sent or rejected, log the summary and append it to the metrics table. ``batch_id`` is None for a
         batch write (its rows in the tables have a null batch id)."""
-        _log_to_stderr_unless_configured()  # a worker process of its own, whose logging nobody configured
+        log_to_stderr_unless_configured()  # a worker process of its own, whose logging nobody configured
         done = [m for m in messages if isinstance(m, PartitionSent)]
         summary = self._summary(done, batch_id or 0)
         summary.batch_id = batch_id
@@ -172,7 +172,7 @@ class _Writing:
         return summary
 
     def _abort(self, messages: Iterable[WriterCommitMessage | None], label: str, batch_id: int) -> None:
-        _log_to_stderr_unless_configured()
+        log_to_stderr_unless_configured()
         done = [m for m in messages if isinstance(m, PartitionSent)]
         summary = self._summary(done, batch_id)
         _LOGGER.error("%s %s failed: the %d partitions that finished sent %d of their %d rows (%d -> primary, %d -> "
@@ -325,7 +325,7 @@ _REJECTS = pa.schema([
 #: :data:`spark_sb.sink.METRICS_SCHEMA` in Arrow
 _METRICS = pa.schema(
     [pa.field("batch_id", pa.int64()), pa.field("finished_at", pa.timestamp("us", tz="UTC"))]
-    + [pa.field(name, pa.int64()) for name in _COUNTERS]
+    + [pa.field(name, pa.int64()) for name in COUNTERS]
     + [pa.field("backlog", pa.map_(pa.string(), pa.int64())), pa.field("failed_over", pa.list_(pa.string())),
        pa.field("partitions", pa.int32()), pa.field("seconds", pa.float64())])
 
@@ -342,7 +342,7 @@ def _rejects_table(batch_id: int | None, rejects: list[tuple]) -> pa.Table:
 def _metrics_table(summary: BatchSummary) -> pa.Table:
     """The metrics table's row for ``summary`` (the columns the sink writes)."""
     row = {"batch_id": summary.batch_id, "finished_at": datetime.datetime.now(datetime.UTC),
-           **{name: getattr(summary, name) for name in _COUNTERS}, "backlog": list(summary.backlog.items()),
+           **{name: getattr(summary, name) for name in COUNTERS}, "backlog": list(summary.backlog.items()),
            "failed_over": list(summary.failed_over), "partitions": summary.partitions, "seconds": summary.seconds}
     return pa.Table.from_pylist([row], schema=_METRICS)
 

@@ -59,7 +59,7 @@ def _rows(n: int, tag: str, **columns: list[Any]) -> list[pa.RecordBatch]:
 
 def _run(config: Any, batches: list[pa.RecordBatch], failed_over: tuple[str, ...] = ()) -> dict[str, Any]:
     """One sink partition run; returns its summary row."""
-    run = sink_module._PartitionRun(config, config.fingerprint(), 7, 0, failed_over, reject=False)
+    run = sink_module.PartitionRun(config, config.fingerprint(), 7, 0, failed_over, reject=False)
     out = list(run.run(iter(batches)))
     [summary] = [b for b in out if b.column("kind")[0].as_py() == "summary"]
     return {name: summary.column(name)[0].as_py() for name in summary.schema.names}

@@ -264,3 +264,17 @@ def test_commit_and_abort_log_what_the_batch_did(primary, secondary, make_queue,
             "0 rejected, failovers 1") in caplog.text
     writer.abort([sent(0, 10, {}), None], 5)
     assert "servicebus writer batch 5 failed: the 1 partitions that finished sent 10 of their 10 rows" in caplog.text
+
+
+def test_a_batch_write_to_a_topic_reaches_its_subscription(spark, primary, secondary, make_topic) -> None:
+    from azure.servicebus import ServiceBusClient
+
+    topic = make_topic({"all": {}})
+    options = {**config_options(sink_config(primary, secondary)), "entity": topic, "keyColumn": "order_id"}
+    _written(spark, 20).write.format("servicebus").options(**options).mode("append").save()
+    with ServiceBusClient.from_connection_string(primary.connection_string) as client, \
+            client.get_subscription_receiver(topic, "all") as receiver:
+        got = [str(m.message_id) for m in receiver.receive_messages(50, max_wait_time=5)]
+        while len(got) < 20 and (page := receiver.receive_messages(50, max_wait_time=2)):
+            got += [str(m.message_id) for m in page]
+    assert sorted(got, key=int) == [str(i) for i in range(20)]
