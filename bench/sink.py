@@ -100,6 +100,15 @@ def main() -> int:
     from spark_sb.sink import PairedSink
     from spark_sb.source import config_options, register
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from scale import Meter  # CPU per process group from /proc
+
+    def cpu(meter: Meter) -> str:
+        """CPU seconds per 10,000 rows of the Python workers and of the emulator."""
+        per = 10_000 / args.rows * meter.wall
+        return (f"CPU per 10,000 rows: workers {meter.cores['workers'] * per:.2f} s, emulator "
+                f"{meter.cores['emulator'] * per:.2f} s, machine {meter.cores['machine']:.2f} of 2 cores")
+
     entities = Path(tempfile.mkdtemp(prefix="bench-sink-")) / "entities.yaml"
     entities.write_text("queues:\n  - name: raw\n  - name: sink\n  - name: writer\n  - name: warm\n")
     namespaces = [NamespaceOptions("primary"), NamespaceOptions("secondary")]
@@ -140,16 +149,16 @@ def main() -> int:
             for n, each in sinks.items():
                 print(f"round {round_ + 1}: sink (foreachBatch{'' if n is None else f', sends_in_flight {n}'}), "
                       f"{args.rows} rows, {args.partitions} partitions ...", flush=True)
-                started = time.perf_counter()
-                summary = each(frame(args.rows), round_ + 1)
-                sink_rates[n].append(args.rows / (time.perf_counter() - started))
+                with Meter(emu.proc.pid) as meter:
+                    summary = each(frame(args.rows), round_ + 1)
+                sink_rates[n].append(args.rows / meter.wall)
                 assert summary.primary == args.rows, summary
-                print(f"  {sink_rates[n][-1]:,.0f} rows/s ({summary.describe()})", flush=True)
+                print(f"  {sink_rates[n][-1]:,.0f} rows/s ({summary.describe()}); {cpu(meter)}", flush=True)
             print(f"round {round_ + 1}: df.write.format(\"servicebus\") ...", flush=True)
-            started = time.perf_counter()
-            frame(args.rows).write.format("servicebus").options(**options).mode("append").save()
-            writer_rates.append(args.rows / (time.perf_counter() - started))
-            print(f"  {writer_rates[-1]:,.0f} rows/s", flush=True)
+            with Meter(emu.proc.pid) as meter:
+                frame(args.rows).write.format("servicebus").options(**options).mode("append").save()
+            writer_rates.append(args.rows / meter.wall)
+            print(f"  {writer_rates[-1]:,.0f} rows/s; {cpu(meter)}", flush=True)
         after = worker_peaks(spark, args.partitions)
         with admin_client(sink.config.primary) as admin:  # every row the writer reported sent is there
             arrived = admin.get_queue_runtime_properties("writer").active_message_count
