@@ -1,5 +1,6 @@
 """Service Bus in Spark's own terms, writing: ``df.writeStream.format("servicebus")`` and
-``df.write.format("servicebus").save()``.
+``df.write.format("servicebus").mode("append").save()`` (Spark allows a Python data source the append and
+overwrite modes only; overwrite is refused: an entity is never overwritten).
 
 The ``servicebus`` data source writes through the same machinery as ``foreachBatch(PairedSink)``: each partition
 is sent from its executor by the sender of its Python worker process (:func:`spark_sb.sink.sender_for`; paired
@@ -24,9 +25,9 @@ the same write a duplicate.
 
 **What each batch did**: ``commit`` merges the partitions' summaries (rows, primary, backlog per queue,
 rejected, failovers...) and logs one line (``servicebus writer batch 7: 120 rows: 80 -> primary...``), in the
-driver's log (Spark runs ``commit`` in a Python worker of its own: when nothing configured its logging, spark_sb's
-lines go to its stderr, which Spark passes to the driver's); ``abort`` logs what the partitions that finished had sent (sent again, with the same ids, when the
-batch is replayed).
+driver's log (Spark runs ``commit`` in a Python worker of its own: when nothing configured its logging,
+spark_sb's lines go to its stderr, which Spark passes to the driver's); ``abort`` logs what the partitions that
+finished had sent (sent again, with the same ids, when the batch is replayed).
 
 **Bad rows** are handled as the sink handles them: with ``sink.reject_table`` each goes there (batch id, partition,
 message id, entity, reason, body, time) and the rest is sent; without it the batch fails with the sink's
