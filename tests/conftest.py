@@ -25,6 +25,44 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
+#: what fetches Delta's jars into Ivy's cache (the session fixture's builder, then stop)
+_FETCH_DELTA = """
+from delta import configure_spark_with_delta_pip
+from pyspark.sql import SparkSession
+configure_spark_with_delta_pip(SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+                               ).getOrCreate().stop()
+"""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Fetch Delta's jars once, in the controller, before xdist starts its workers. Each worker's first Spark
+    session (or a job a test starts) otherwise resolves them from Maven Central at the same time as the other's,
+    into the one Ivy cache, and on a machine that has not fetched them yet one of the two got a file of 0 bytes and
+    its Spark did not start (a clean-clone make test on Spark 3.5: "Downloaded file size (0) doesn't match expected
+    Content Length"). A marker per pyspark and delta-spark version keeps later runs from paying the JVM's start."""
+    if hasattr(config, "workerinput"):
+        return
+    from importlib.metadata import PackageNotFoundError, version
+    from pathlib import Path
+
+    try:
+        versions = f"pyspark-{version('pyspark')}-delta-{version('delta-spark')}"
+    except PackageNotFoundError:
+        return  # no Spark here
+    marker = Path.home() / ".cache" / "spark-sb" / f"jars-{versions}.fetched"
+    if marker.exists():
+        return
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
+    env["PYSPARK_PYTHON"] = sys.executable
+    done = subprocess.run([sys.executable, "-c", _FETCH_DELTA], env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode == 0:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.touch()
+
+
 class FakeClock:
     """Epoch seconds that only move when a test says so."""
 
