@@ -25,12 +25,14 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
-#: what fetches Delta's jars into Ivy's cache (the session fixture's builder, then stop)
+#: what fetches Delta's jars into Ivy's cache: those of delta-spark's pip helper (the session fixture) and those
+#: the jobs, the cluster and the Connect tests name (spark_sb.capabilities.delta_package, not always the same)
 _FETCH_DELTA = """
 from delta import configure_spark_with_delta_pip
 from pyspark.sql import SparkSession
-configure_spark_with_delta_pip(SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
-                               ).getOrCreate().stop()
+from spark_sb.capabilities import delta_package
+builder = SparkSession.builder.master("local[1]").config("spark.ui.enabled", "false")
+configure_spark_with_delta_pip(builder, extra_packages=[delta_package()]).getOrCreate().stop()
 """
 
 
