@@ -168,6 +168,10 @@ class _DestinationDown(Exception):
         self.error = error
 
 
+#: how long re-parking rides out a secondary that does not answer, in the republishing path (as settle_outcomes)
+REPARK_OUTAGE_WAIT = 120.0
+
+
 class Syphon:
     """Move backlog messages home. Build it with :meth:`from_config`; close it (or use ``with``).
 
@@ -371,7 +375,9 @@ class Syphon:
         """Send a copy of each message back to its backlog queue, in batches that fit, then complete the
         original. Each copy carries :data:`X_MS_REPARKED_FROM` naming its original, so that a replay finds
         it (:func:`reparked_copies`). A message that cannot be encoded is dead-lettered; a failed send
-        raises (what it held is not completed: the caller's batch fails and is replayed)."""
+        raises (what it held is not completed: the caller's batch fails and is replayed). Republishing
+        (``receiver`` None: nothing is settled here) first rides out a blip of the secondary for up to
+        :data:`REPARK_OUTAGE_WAIT`, sending what is left."""
         queue = summary.backlog_queue
         copies: list[tuple[Any, ServiceBusMessage]] = []
         for message, restored in items:
@@ -390,27 +396,42 @@ class Syphon:
                                   f"cannot be re-parked in {queue!r}: {type(exc).__name__}: {exc}", summary, entity)
                 continue
             copies.append((message, copy))
-        fresh = False
-        while copies:
-            sent = 0
-            try:
-                with self._secondary.sender(queue) as sdk_sender:
-                    for batch in _batches(sdk_sender, copies, queue, False):
-                        sdk_sender.send_messages([copy for _, copy in batch])
-                        for message, _ in batch:
-                            _settle(receiver, "complete_message", message)
-                            summary.outcomes.append(_outcome(queue, message, entity, "reparked"))
-                        sent += len(batch)
-                        _add(summary.left, entity, len(batch))
-                copies = []
-            except _BadMessage as bad:  # those before it were sent: dead-letter it, go on with the rest
-                self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
-                copies = [item for item in copies[sent:] if item[0] is not bad.message]
-            except Exception as exc:
-                self._secondary.drop_sender(queue)
-                if fresh or sent or not is_link_gone(exc):
-                    raise
-                fresh = True  # the service detached the sender's link (idle, forced): once more on a new one
+        left = [copies]  # what is still to send, kept across the tries of a blip
+        fresh = [False]
+
+        def attempt() -> None:
+            copies = left[0]
+            while copies:
+                sent = 0
+                try:
+                    with self._secondary.sender(queue) as sdk_sender:
+                        for batch in _batches(sdk_sender, copies, queue, False):
+                            sdk_sender.send_messages([copy for _, copy in batch])
+                            for message, _ in batch:
+                                _settle(receiver, "complete_message", message)
+                                summary.outcomes.append(_outcome(queue, message, entity, "reparked"))
+                            sent += len(batch)
+                            _add(summary.left, entity, len(batch))
+                    copies = []
+                except _BadMessage as bad:  # those before it were sent: dead-letter it, go on with the rest
+                    self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
+                    copies = [item for item in copies[sent:] if item[0] is not bad.message]
+                except Exception as exc:
+                    self._secondary.drop_sender(queue)
+                    left[0] = copies[sent:]  # those sent are recorded: a try again sends the rest
+                    if fresh[0] or sent or not is_link_gone(exc):
+                        raise
+                    fresh[0] = True  # the service detached the sender's link (idle, forced): once more on a new one
+                    copies = left[0]
+            left[0] = []
+
+        if receiver is not None:  # settling as it goes: a failed send fails the call (its batch is replayed)
+            attempt()
+            return
+        # republishing (the syphon job): nothing is settled here, so a blip of the secondary (a lost connection,
+        # a timeout, busy) is ridden out with backoff within a bound, as the settlement rides it out
+        blips = RetryFor(REPARK_OUTAGE_WAIT, ExponentialBackoff(0.5, 5.0), clock=time.monotonic, sleep=time.sleep)
+        blips.call(attempt, is_blip, what=f"re-parking {len(copies)} messages in {queue!r}")
 
     @staticmethod
     def _dead_letter(receiver: Any | None, message: Any, reason: str, description: str | None,

@@ -22,6 +22,7 @@ from pairing import pair_config
 
 from spark_sb import messages
 from spark_sb.bus import close_all
+from spark_sb.bus.deferred import peek_deferred
 from spark_sb.config import load_config
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.errors import CredentialRejectedError
@@ -32,6 +33,7 @@ from spark_sb.syphon import (
     Syphon,
     SyphonSettleError,
     republish_deferred,
+    republish_received,
     settle_outcomes,
 )
 
@@ -317,6 +319,33 @@ def test_settling_carries_on_through_a_secondary_that_stops_answering_for_a_few_
     assert _peek(secondary.connection_string, queue) == []
     assert sorted(m.message_id for m in _receive(primary.connection_string, home, expected=4)) == [
         f"m{i}" for i in range(4)]
+
+
+def test_re_parking_carries_on_through_a_secondary_that_stops_answering_for_a_few_seconds(
+    emulator, config, primary, secondary, make_queue
+) -> None:
+    """The destination is down, so the syphon re-parks its messages; the secondary stops answering for 2 s just
+    then (test_link_habits saw the copy's send fail with a lost connection, and the batch failed). The copies
+    are sent once it answers again."""
+    home = make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(f"m{i}", message_id=f"m{i}"), home)
+                                   for i in range(3)])
+    numbers = _defer_all(secondary, queue, 3)
+    cfg = load_config(_syphon_config(config))
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client, \
+            client.get_queue_receiver(queue) as receiver:
+        found = peek_deferred(receiver, numbers)
+    close_all()
+    emulator.fault("primary", "down")  # the destination: its messages are re-parked
+    emulator.fault("secondary", "down", duration=2.0)
+    try:
+        outcomes = republish_received(cfg, {queue: found})
+    finally:
+        emulator.heal("primary")
+    assert [o.outcome for o in outcomes] == ["reparked"] * 3
+    copies = [m for m in _peek_all(secondary.connection_string, queue) if m.state != ServiceBusMessageState.DEFERRED]
+    assert sorted(str(m.message_id) for m in copies) == ["m0", "m1", "m2"]  # one copy each
 
 
 def test_settling_gives_up_after_the_outage_wait_and_leaves_the_messages_deferred(
