@@ -396,11 +396,11 @@ class Syphon:
                                   f"cannot be re-parked in {queue!r}: {type(exc).__name__}: {exc}", summary, entity)
                 continue
             copies.append((message, copy))
-        left = [copies]  # what is still to send, kept across the tries of a blip
-        fresh = [False]
+        fresh = False  # a detached sender's link was replaced once already
 
         def attempt() -> None:
-            copies = left[0]
+            """Send what is left of ``copies``; on a failure, ``copies`` keeps only what was not sent."""
+            nonlocal copies, fresh
             while copies:
                 sent = 0
                 try:
@@ -418,12 +418,10 @@ class Syphon:
                     copies = [item for item in copies[sent:] if item[0] is not bad.message]
                 except Exception as exc:
                     self._secondary.drop_sender(queue)
-                    left[0] = copies[sent:]  # those sent are recorded: a try again sends the rest
-                    if fresh[0] or sent or not is_link_gone(exc):
+                    copies = copies[sent:]  # those sent are recorded: a try again sends the rest
+                    if fresh or sent or not is_link_gone(exc):
                         raise
-                    fresh[0] = True  # the service detached the sender's link (idle, forced): once more on a new one
-                    copies = left[0]
-            left[0] = []
+                    fresh = True  # the service detached the sender's link (idle, forced): once more on a new one
 
         if receiver is not None:  # settling as it goes: a failed send fails the call (its batch is replayed)
             attempt()
