@@ -12,22 +12,29 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
-from azure.servicebus.exceptions import MessageLockLostError, ServiceBusConnectionError
+from azure.servicebus import ServiceBusClient, ServiceBusMessage
+from azure.servicebus.exceptions import MessageLockLostError, ServiceBusError
 from pairing import pair_config
 
 from spark_sb import messages
 from spark_sb.bus import close_all
 from spark_sb.config import load_config
 from spark_sb.emulator import Emulator, NamespaceOptions
+from spark_sb.emulator.model import QueueSpec
 from spark_sb.paired import PairedSender
 from spark_sb.replication import DedupeReceiver
 from spark_sb.replication.dedupe import ReceiveUnavailableError
 
 IDLE, EVERY, PAUSE = 1.0, 2.5, 1.3
-#: a receive cut by a detach leaves the rest of its page locked until the lock expires (60 s): a reader waits
-LOCKED = 100.0
+#: a receive cut by a detach leaves the rest of its page locked until the lock expires (LOCK): a reader waits.
+#: Nearly every management operation (peek, settle by sequence number) meets a detached $management link and is
+#: tried again after a backoff, so a round takes seconds: the syphon's 40 messages took 82 s in 10-message
+#: batches; a loaded machine gets DEADLINE (a quiet one breaks out as soon as everything is home)
+LOCK, DEADLINE = 10.0, 240.0
 QUEUES = ["h-dd", "h-rep", "h-src", "h-home"]
+#: the guarantee is at least once (a send whose acknowledgement a detach cut off is sent again): "nothing
+#: duplicated" holds where the entity detects duplicates, as the issue and behaviour.md say
+DEDUPLICATED = {"h-dd", "h-home"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +42,8 @@ def emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     habits = {"idle_detach": IDLE, "detach_every": EVERY}
     emu = Emulator([NamespaceOptions("primary", **habits), NamespaceOptions("secondary", **habits)],
                    data_dir=tmp_path_factory.mktemp("habits"),
-                   entities={"queues": [{"name": q, "requires_duplicate_detection": q == "h-dd"} for q in QUEUES]})
+                   entities={"queues": [{"name": q, "requires_duplicate_detection": q in DEDUPLICATED,
+                                              "lock_duration": LOCK} for q in QUEUES]})
     with emu:
         yield emu
 
@@ -55,22 +63,27 @@ def _detached(emu: Emulator) -> int:
     return total
 
 
-def _drain(info: Any, queue: str) -> list[str]:
-    """Receive and delete what ``queue`` holds (a receive on a link detached meanwhile raises; it is repeated)."""
+def _held(info: Any, queue: str) -> list[str]:
+    """The ids ``queue`` holds, in any state (active, locked, deferred), by peeking, pings left out (the syphon
+    pings a destination before it sends there; every reader drops them): nothing is taken. A receive
+    and delete would lose what a detach cuts off between the broker's transfer and the SDK's return (the service
+    does the same: that mode is at most once), so the tests never count with it. A peek cut by a detach is
+    repeated."""
     with ServiceBusClient.from_connection_string(info.connection_string) as client, \
-            client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+            client.get_queue_receiver(queue) as receiver:
         got: list[str] = []
-        failures = 0
+        after, failures = 0, 0
         while True:
             try:
-                page = receiver.receive_messages(max_message_count=100, max_wait_time=1)
-            except ServiceBusConnectionError:
+                page = receiver.peek_messages(max_message_count=100, sequence_number=after)
+            except ServiceBusError:
                 failures += 1
                 assert failures < 5
                 continue
             if not page:
                 return got
-            got += [str(m.message_id) for m in page]
+            got += [str(m.message_id) for m in page if not messages.is_ping(m)]
+            after = page[-1].sequence_number + 1
 
 
 def _send(info: Any, queue: str, ids: list[str], make: Any = lambda m: m) -> None:
@@ -89,7 +102,7 @@ def test_the_paired_sender_sends_every_message_to_the_primary_once(emulator, con
             assert dict(result.destinations) == {"primary": 25}  # a detach is no outage: nothing failed over
             sent += ids
             time.sleep(PAUSE)
-    assert sorted(_drain(primary, "h-dd")) == sorted(sent)
+    assert sorted(_held(primary, "h-dd")) == sorted(sent)
     assert _detached(emulator) - before >= 2
 
 
@@ -100,8 +113,9 @@ def test_dedupe_receiver_gives_each_id_once_and_completes_both_copies(emulator, 
     before = _detached(emulator)
     got: list[str] = []
     lock_lost = unavailable = 0
+    deadline = time.monotonic() + DEADLINE
     with DedupeReceiver.from_config(config, "h-rep") as receiver:
-        for _ in range(30):
+        while time.monotonic() < deadline:
             try:
                 page = receiver.receive_messages(max_message_count=10, max_wait_time=0.5)
             except ReceiveUnavailableError:  # both namespaces detached twice in one call: repeat it (the contract)
@@ -113,12 +127,15 @@ def test_dedupe_receiver_gives_each_id_once_and_completes_both_copies(emulator, 
                     receiver.complete_message(message)
                 except MessageLockLostError:  # its link was detached: the id is recorded, the redelivery dropped
                     lock_lost += 1
-            if len(set(got)) == len(ids) and _detached(emulator) - before >= 2:
+            # every id returned is not enough: the other copy of the last ids may not have been received yet (a
+            # detach cut that namespace's receive), and a later call drops it
+            if not page and len(set(got)) == len(ids) and _detached(emulator) - before >= 2 \
+                    and _held(primary, "h-rep") == _held(secondary, "h-rep") == []:
                 break
             time.sleep(PAUSE)
     assert sorted(got) == sorted(ids)
     assert unavailable < 5  # each detach alone is retried within the call
-    assert _drain(primary, "h-rep") == [] and _drain(secondary, "h-rep") == []  # every copy completed
+    assert _held(primary, "h-rep") == [] and _held(secondary, "h-rep") == []  # every copy completed
     assert _detached(emulator) - before >= 2
 
 
@@ -138,7 +155,7 @@ def test_the_servicebus_source_reads_every_message_once(emulator, config, primar
                                      "reportBacklogDepth": "false"})
     got: list[str] = []
     start = reader.initialOffset()
-    deadline = time.monotonic() + LOCKED
+    deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:
         end = reader.latestOffset(start, _read_limit(10))
         got += [dict(zip(SERVICEBUS_SCHEMA.names, row, strict=True))["message_id"]
@@ -151,7 +168,7 @@ def test_the_servicebus_source_reads_every_message_once(emulator, config, primar
     reader.latestOffset(start, _read_limit(10))  # completes the last batch (as Spark's next trigger does)
     reader.stop()
     assert sorted(got) == sorted(ids)
-    assert _drain(primary, "h-src") == []  # every message completed, none left deferred
+    assert _held(primary, "h-src") == []  # every message completed, none left deferred
     assert _detached(emulator) - before >= 2
 
 
@@ -159,9 +176,13 @@ def test_the_syphon_moves_every_parked_message_home_once(emulator, config, prima
     from spark_sb.source import SCHEMA, BacklogStreamReader, config_options
     from spark_sb.syphon import republish_received, settle_outcomes
 
-    with PairedSender.from_config(config) as sender:
-        sender.pair()
     queues = load_config(config).send_availability.backlog_queue_names()
+    server = emulator.server("secondary")
+    for queue in queues:  # as pairing creates them, with a short lock (a page cut by a detach waits for it)
+        spec = QueueSpec(name=queue, max_delivery_count=2147483647, lock_duration=LOCK)
+        server.call(lambda spec=spec: server.broker.create_entity(spec))
+    with PairedSender.from_config(config) as sender:
+        assert sender.pair() == len(queues)
     ids = [f"b-{i}" for i in range(40)]
     for n, queue in enumerate(queues):
         _send(secondary, queue, ids[n::len(queues)], lambda m: messages.to_backlog(m, "h-home"))
@@ -169,9 +190,9 @@ def test_the_syphon_moves_every_parked_message_home_once(emulator, config, prima
     reader = BacklogStreamReader({**config_options(config), "receiveTimeout": "0.5", "reportBacklogDepth": "false"})
     delivered: list[str] = []
     start = reader.initialOffset()
-    deadline = time.monotonic() + LOCKED
+    deadline = time.monotonic() + DEADLINE
     while time.monotonic() < deadline:
-        end = reader.latestOffset(start, _read_limit(10))
+        end = reader.latestOffset(start, _read_limit(20))
         received: dict[str, list[Any]] = {}
         for partition in reader.partitions(start, end):
             for row in reader.read(partition):
@@ -188,7 +209,7 @@ def test_the_syphon_moves_every_parked_message_home_once(emulator, config, prima
         time.sleep(PAUSE)
     reader.stop()
     assert sorted(delivered) == sorted(ids)
-    assert sorted(_drain(primary, "h-home")) == sorted(ids)  # each home once
+    assert sorted(_held(primary, "h-home")) == sorted(ids)  # each home once
     for queue in queues:
-        assert _drain(secondary, queue) == []  # nothing left parked or deferred
+        assert _held(secondary, queue) == []  # nothing left parked or deferred
     assert _detached(emulator) - before >= 2
