@@ -44,7 +44,8 @@ def _without_keep_alive(sdk_receiver: ServiceBusReceiver) -> ServiceBusReceiver:
     until the lock runs out (a message a lock's duration late: README, "A straggler"). spark-sb pumps its
     receivers itself, one thread at a time (:meth:`Namespace.receiver`), so the thread is not started: the
     handler's ``keep_alive_interval`` is set to 0 each time the SDK builds one (on open and on reconnect). An SDK
-    without that attribute is left as it is."""
+    without that attribute is left as it is. The price: a message that reaches the receiver between calls (credit a
+    short receive left open) is no longer released within 5 s; the receiver's next call returns or releases it."""
     create = getattr(sdk_receiver, "_create_handler", None)
     if create is None:
         return sdk_receiver
