@@ -34,30 +34,6 @@ from ..errors import is_link_gone, is_message_not_found, needs_session
 from ._registry import close_quietly, shared
 
 _LOGGER = logging.getLogger(__name__)
-
-
-def _without_keep_alive(sdk_receiver: ServiceBusReceiver) -> ServiceBusReceiver:
-    """``sdk_receiver`` without the SDK's keep-alive thread. With ``prefetch_count=0`` azure-servicebus (pyamqp)
-    starts a thread per receiver that calls ``connection.listen()`` every 5 s while the thread that receives and
-    settles calls it too; two threads then process one link's transfers at once, and a message can come out with
-    the delivery id and tag of another transfer. Settling it settles that other delivery, and its own stays locked
-    until the lock runs out (a message a lock's duration late: README, "A straggler"). spark-sb pumps its
-    receivers itself, one thread at a time (:meth:`Namespace.receiver`), so the thread is not started: the
-    handler's ``keep_alive_interval`` is set to 0 each time the SDK builds one (on open and on reconnect). An SDK
-    without that attribute is left as it is. The price: a message that reaches the receiver between calls (credit a
-    short receive left open) is no longer released within 5 s; the receiver's next call returns or releases it."""
-    create = getattr(sdk_receiver, "_create_handler", None)
-    if create is None:
-        return sdk_receiver
-
-    def create_handler(auth: Any) -> None:
-        create(auth)
-        handler = getattr(sdk_receiver, "_handler", None)
-        if handler is not None and hasattr(handler, "_keep_alive_interval"):
-            handler._keep_alive_interval = 0
-
-    sdk_receiver._create_handler = create_handler  # type: ignore[method-assign]
-    return sdk_receiver
 _T = TypeVar("_T")
 
 __all__ = ["NAMESPACE_KIND", "PING_SCHEDULE_AHEAD", "SENDER_KWARGS", "STALE_AFTER", "Namespace", "admin_client",
@@ -238,8 +214,7 @@ class Namespace:
         mode = ServiceBusReceiveMode.RECEIVE_AND_DELETE if delete else ServiceBusReceiveMode.PEEK_LOCK
         with self._handle_lock(("receiver", *key)), self._use(
                 lambda g: g.receivers, key,
-                lambda client: _without_keep_alive(
-                    client.get_queue_receiver(queue, prefetch_count=0, receive_mode=mode)),
+                lambda client: client.get_queue_receiver(queue, prefetch_count=0, receive_mode=mode),
         ) as (generation, sdk_receiver):
             try:
                 # open it here, with the SDK's retries and try timeout (at once when open): left to the first

@@ -194,26 +194,3 @@ def test_a_new_object_replaces_an_outdated_one_and_closes_it() -> None:
     assert new is not old and old.closed == 1 and new.closed == 0
     bus.close_all("test-replace")
     assert new.closed == 1
-
-
-def _listeners() -> list[str]:
-    """The SDK's keep-alive threads alive now (pyamqp names them ``Thread-N (_keep_alive)``)."""
-    return [t.name for t in threading.enumerate() if t.is_alive() and "_keep_alive" in t.name]
-
-
-def test_a_receiver_has_no_second_thread_listening_on_its_connection(namespace, make_queue, primary) -> None:
-    """With prefetch 0 the SDK starts a keep-alive thread per receiver that listens on the connection beside the
-    thread that receives; the two then build messages with each other's delivery tags, and a message whose own
-    delivery is never settled comes back a lock's duration late (README, "A straggler"). The namespace's
-    receivers run without it, also after the SDK opens a new link."""
-    queue = make_queue()
-    with ServiceBusClient.from_connection_string(primary.connection_string) as client:
-        before = len(_listeners())
-        with client.get_queue_receiver(queue, prefetch_count=0):
-            assert len(_listeners()) == before + 1  # the SDK's own: what the namespace turns off
-    before = len(_listeners())
-    for _ in range(2):  # a new SDK receiver each time (the exception drops it)
-        with pytest.raises(RuntimeError), namespace.receiver(queue) as receiver:
-            assert receiver.receive_messages(max_message_count=1, max_wait_time=0.2) == []
-            assert len(_listeners()) == before
-            raise RuntimeError("drop this receiver")
