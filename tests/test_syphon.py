@@ -307,8 +307,7 @@ def test_settling_carries_on_through_a_secondary_that_stops_answering_for_a_few_
     restarted) failed the batch, and in local mode stopped the syphon job; it is tried again with backoff."""
     home = make_queue()
     queue = config["backlog_queue"]
-    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(f"m{i}", message_id=f"m{i}"), home)
-                                   for i in range(4)])
+    _to_backlog(secondary, queue, _parked(home, [f"m{i}" for i in range(4)]))
     numbers = _defer_all(secondary, queue, 4)
     cfg = load_config(_syphon_config(config))
     outcomes = republish_deferred(cfg, {queue: numbers})
@@ -329,8 +328,7 @@ def test_re_parking_carries_on_through_a_secondary_that_stops_answering_for_a_fe
     are sent once it answers again."""
     home = make_queue()
     queue = config["backlog_queue"]
-    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(f"m{i}", message_id=f"m{i}"), home)
-                                   for i in range(3)])
+    _to_backlog(secondary, queue, _parked(home, [f"m{i}" for i in range(3)]))
     numbers = _defer_all(secondary, queue, 3)
     cfg = load_config(_syphon_config(config))
     with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client, \
