@@ -36,6 +36,53 @@ from ._registry import close_quietly, shared
 _LOGGER = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
+
+def _one_listener(sdk_receiver: ServiceBusReceiver) -> ServiceBusReceiver:
+    """``sdk_receiver``, whose connection is listened on by one thread at a time.
+
+    With ``prefetch_count=0`` azure-servicebus (pyamqp) starts a keep-alive thread per receiver that calls
+    ``connection.listen()`` every 5 s, while the thread that receives and settles calls it too. Two threads then
+    process one link's transfers at once, and ``ReceiverLink._incoming_transfer`` keeps the transfer in progress
+    on the link: a message comes out with the delivery id and tag of another transfer. Settling it settles that
+    other delivery, and its own stays locked until the lock runs out (a message a lock's duration late: README,
+    "A straggler"). The keep-alive thread is kept, because it also releases messages that reach the receiver
+    between calls; each connection the SDK opens for this receiver (on open and on reconnect) gets a lock around
+    ``listen``. An SDK without these internals is left as it is."""
+    create = getattr(sdk_receiver, "_create_handler", None)
+    if create is None:
+        return sdk_receiver
+
+    def create_handler(auth: Any) -> None:
+        create(auth)
+        handler = getattr(sdk_receiver, "_handler", None)
+        open_handler = getattr(handler, "open", None)
+        if open_handler is None:
+            return
+
+        def open_locked(*args: Any, **kwargs: Any) -> None:
+            open_handler(*args, **kwargs)
+            _lock_listen(getattr(handler, "_connection", None))
+
+        handler.open = open_locked
+
+    sdk_receiver._create_handler = create_handler  # type: ignore[method-assign]
+    return sdk_receiver
+
+
+def _lock_listen(connection: Any) -> None:
+    """Serialise ``connection.listen`` (re-entrant: closing the connection listens from inside a listen)."""
+    listen = getattr(connection, "listen", None)
+    if listen is None or getattr(listen, "spark_sb_locked", False):
+        return
+    lock = threading.RLock()
+
+    def listen_alone(*args: Any, **kwargs: Any) -> Any:
+        with lock:
+            return listen(*args, **kwargs)
+
+    listen_alone.spark_sb_locked = True  # type: ignore[attr-defined]
+    connection.listen = listen_alone
+
 __all__ = ["NAMESPACE_KIND", "PING_SCHEDULE_AHEAD", "SENDER_KWARGS", "STALE_AFTER", "Namespace", "admin_client",
            "current_lane", "send_lane", "shared_namespace"]
 
@@ -214,7 +261,8 @@ class Namespace:
         mode = ServiceBusReceiveMode.RECEIVE_AND_DELETE if delete else ServiceBusReceiveMode.PEEK_LOCK
         with self._handle_lock(("receiver", *key)), self._use(
                 lambda g: g.receivers, key,
-                lambda client: client.get_queue_receiver(queue, prefetch_count=0, receive_mode=mode),
+                lambda client: _one_listener(
+                    client.get_queue_receiver(queue, prefetch_count=0, receive_mode=mode)),
         ) as (generation, sdk_receiver):
             try:
                 # open it here, with the SDK's retries and try timeout (at once when open): left to the first

@@ -194,3 +194,66 @@ def test_a_new_object_replaces_an_outdated_one_and_closes_it() -> None:
     assert new is not old and old.closed == 1 and new.closed == 0
     bus.close_all("test-replace")
     assert new.closed == 1
+
+
+def _listens_on_receiver_connections(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Record, for every pyamqp connection, how many threads are inside ``listen`` at once (each call held 20 ms
+    longer, to widen a window two threads could share) and which threads called it."""
+    from azure.servicebus._pyamqp._connection import Connection
+
+    seen: dict[str, Any] = {"most": 0, "threads": set()}
+    inside: dict[int, int] = {}
+    guard = threading.Lock()
+    listen = Connection.listen
+
+    def counting_listen(self: Connection, *args: Any, **kwargs: Any) -> Any:
+        with guard:
+            inside[id(self)] = inside.get(id(self), 0) + 1
+            seen["most"] = max(seen["most"], inside[id(self)])
+            seen["threads"].add(threading.current_thread().name)
+        try:
+            time.sleep(0.02)
+            return listen(self, *args, **kwargs)
+        finally:
+            with guard:
+                inside[id(self)] -= 1
+
+    monkeypatch.setattr(Connection, "listen", counting_listen)
+    return seen
+
+
+def test_one_thread_at_a_time_listens_on_a_receivers_connection(namespace, make_queue, primary,
+                                                                  monkeypatch) -> None:
+    """With prefetch 0 the SDK's keep-alive thread listens on a receiver's connection every 5 s beside the
+    thread that receives; two threads processing one link's transfers built messages with each other's delivery
+    tags, and a message whose own delivery was never settled came back a lock's duration late (README, "A
+    straggler"). The namespace's receivers keep the thread (it releases messages that reach an idle receiver)
+    but never let it listen at the same time as the receiving thread, also on a connection the SDK reopens."""
+    queue = make_queue()
+    seen = _listens_on_receiver_connections(monkeypatch)
+    for _ in range(2):  # a new SDK receiver the second time (the exception drops the first)
+        with pytest.raises(RuntimeError), namespace.receiver(queue) as receiver:
+            deadline = time.monotonic() + 6.5  # past the keep-alive thread's first listen (5 s after opening)
+            while time.monotonic() < deadline:
+                assert receiver.receive_messages(max_message_count=1, max_wait_time=0.3) == []
+            raise RuntimeError("drop this receiver")
+    assert any("_keep_alive" in name for name in seen["threads"])  # the SDK's thread listened...
+    assert seen["most"] == 1  # ...never beside the receiving thread
+
+
+def test_a_message_reaching_an_idle_receiver_is_released_for_others(namespace, make_queue, primary) -> None:
+    """A receive that returns empty-handed can leave link credit open; a message sent then reaches the idle
+    cached receiver. The SDK's keep-alive thread releases it, so another receiver gets it well within its
+    lock duration (60 s) instead of after it."""
+    queue = make_queue()
+    with namespace.receiver(queue) as idle:
+        assert idle.receive_messages(max_message_count=5, max_wait_time=0.2) == []
+    with ServiceBusClient.from_connection_string(primary.connection_string) as client:
+        with client.get_queue_sender(queue) as sender:
+            sender.send_messages(ServiceBusMessage("for whoever asks"))
+        with client.get_queue_receiver(queue) as other:
+            got: list[str] = []
+            deadline = time.monotonic() + 30
+            while not got and time.monotonic() < deadline:
+                got = [str(m) for m in other.receive_messages(max_message_count=1, max_wait_time=1)]
+            assert got == ["for whoever asks"]
