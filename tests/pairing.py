@@ -1,11 +1,14 @@
-"""The configuration of the test session's emulator pair, shared by the paired, Spark and syphon tests
-(imported as ``pairing``: ``tests/`` is on ``sys.path`` through its conftest)."""
+"""The configuration of the test session's emulator pair, and what a queue holds, shared by the paired, Spark
+and syphon tests (imported as ``pairing``: ``tests/`` is on ``sys.path`` through its conftest)."""
 
 from __future__ import annotations
 
 import itertools
 import uuid
 from typing import Any
+
+from azure.servicebus import ServiceBusClient, ServiceBusReceivedMessage
+from azure.servicebus.exceptions import ServiceBusError
 
 _prefixes = itertools.count()
 
@@ -20,3 +23,27 @@ def pair_config(primary: Any, secondary: Any, tag: str, *, prefix: str | None = 
         "send_availability": {"backlog_prefix": prefix or f"{tag}{next(_prefixes)}-{uuid.uuid4().hex[:8]}",
                               **send_availability},
     }
+
+
+def peek_all(connection_string: str, queue: str, *, retry_total: int = 0,
+             tries: int = 1) -> list[ServiceBusReceivedMessage]:
+    """Every message ``queue`` holds, in any state (active, locked, deferred), peeked page by page by sequence
+    number: nothing is locked or taken, so counting never loses a page the way a receive-and-delete cut off by a
+    detach does. ``retry_total`` is the SDK's; a page whose peek still fails is asked for again, up to ``tries``
+    times in all (for an emulator that detaches links on purpose)."""
+    out: list[ServiceBusReceivedMessage] = []
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=retry_total) as client, \
+            client.get_queue_receiver(queue) as receiver:
+        after, failures = 0, 0
+        while True:
+            try:
+                page = receiver.peek_messages(max_message_count=100, sequence_number=after)
+            except ServiceBusError:
+                failures += 1
+                if failures >= tries:
+                    raise
+                continue
+            if not page:
+                return out
+            out.extend(page)
+            after, failures = page[-1].sequence_number + 1, 0

@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
-from azure.servicebus.exceptions import MessageLockLostError, ServiceBusError
-from pairing import pair_config
+from azure.servicebus.exceptions import MessageLockLostError
+from pairing import pair_config, peek_all
 
 from spark_sb import messages
 from spark_sb.bus import close_all
@@ -64,26 +64,11 @@ def _detached(emu: Emulator) -> int:
 
 
 def _held(info: Any, queue: str) -> list[str]:
-    """The ids ``queue`` holds, in any state (active, locked, deferred), by peeking, pings left out (the syphon
-    pings a destination before it sends there; every reader drops them): nothing is taken. A receive
-    and delete would lose what a detach cuts off between the broker's transfer and the SDK's return (the service
-    does the same: that mode is at most once), so the tests never count with it. A peek cut by a detach is
-    repeated."""
-    with ServiceBusClient.from_connection_string(info.connection_string) as client, \
-            client.get_queue_receiver(queue) as receiver:
-        got: list[str] = []
-        after, failures = 0, 0
-        while True:
-            try:
-                page = receiver.peek_messages(max_message_count=100, sequence_number=after)
-            except ServiceBusError:
-                failures += 1
-                assert failures < 5
-                continue
-            if not page:
-                return got
-            got += [str(m.message_id) for m in page if not messages.is_ping(m)]
-            after = page[-1].sequence_number + 1
+    """The ids ``queue`` holds, in any state, by peeking, pings left out (the syphon pings a destination before
+    it sends there; every reader drops them): nothing is taken. A receive and delete would lose what a detach
+    cuts off between the broker's transfer and the SDK's return (the service does the same: that mode is at most
+    once), so the tests never count with it. A peek cut by a detach is repeated."""
+    return [str(m.message_id) for m in peek_all(info.connection_string, queue, retry_total=3, tries=5) if not messages.is_ping(m)]
 
 
 def _send(info: Any, queue: str, ids: list[str], make: Any = lambda m: m) -> None:

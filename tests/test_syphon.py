@@ -18,7 +18,7 @@ from azure.servicebus import (
 )
 from azure.servicebus.amqp import AmqpAnnotatedMessage
 from azure.servicebus.exceptions import ServiceBusConnectionError
-from pairing import pair_config
+from pairing import pair_config, peek_all
 
 from spark_sb import messages
 from spark_sb.bus import close_all
@@ -342,7 +342,7 @@ def test_re_parking_carries_on_through_a_secondary_that_stops_answering_for_a_fe
     finally:
         emulator.heal("primary")
     assert [o.outcome for o in outcomes] == ["reparked"] * 3
-    copies = [m for m in _peek_all(secondary.connection_string, queue) if m.state != ServiceBusMessageState.DEFERRED]
+    copies = [m for m in peek_all(secondary.connection_string, queue) if m.state != ServiceBusMessageState.DEFERRED]
     assert sorted(str(m.message_id) for m in copies) == ["m0", "m1", "m2"]  # one copy each
 
 
@@ -396,18 +396,6 @@ def test_settling_waits_for_a_lock_left_by_an_attempt_that_died(emulator_with_cl
 # --- re-parking: size-bounded batches, idempotent on a replay -----------------------------------------------
 
 
-def _peek_all(connection_string: str, queue: str) -> list:
-    """Every message of the queue (active and deferred), paging by sequence number."""
-    out: list = []
-    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client:
-        with client.get_queue_receiver(queue) as receiver:
-            start = 0
-            while page := receiver.peek_messages(max_message_count=50, sequence_number=start):
-                out.extend(page)
-                start = page[-1].sequence_number + 1
-    return out
-
-
 def _drain_home(cfg: dict) -> list[Outcome]:
     """A single-process syphon run until a round finds the backlog empty; its outcomes. A round waits up to
     3 s for its first message: on a loaded machine a receiver's first messages took longer than 0.5 s, and the
@@ -434,13 +422,13 @@ def test_reparking_more_than_a_batch_holds_goes_in_several_batches(
     try:
         outcomes = republish_deferred(load_config(cfg), {queue: numbers})
         assert sorted((o.message_id, o.outcome) for o in outcomes) == [(i, "reparked") for i in sorted(ids)]
-        backlog = _peek_all(secondary.connection_string, queue)
+        backlog = peek_all(secondary.connection_string, queue)
         copies = [m for m in backlog if m.state == ServiceBusMessageState.ACTIVE]
         assert sorted(m.message_id for m in copies) == sorted(ids)  # every copy, once
         assert settle_outcomes(load_config(cfg), outcomes) == 40
     finally:
         emulator.heal("primary", entity=down)
-    assert sorted(m.sequence_number for m in _peek_all(secondary.connection_string, queue)) == sorted(
+    assert sorted(m.sequence_number for m in peek_all(secondary.connection_string, queue)) == sorted(
         m.sequence_number for m in copies)  # the originals completed, the copies kept
     delivered = [o.message_id for o in _drain_home(cfg) if o.outcome == "delivered"]
     assert sorted(delivered) == sorted(ids)
@@ -467,13 +455,13 @@ def test_a_replayed_repark_adds_no_second_copy(emulator, config, primary, second
         emulator.heal("primary", entity=down)
     assert sorted((o.message_id, o.sequence_number, o.outcome) for o in again) == sorted(
         (o.message_id, o.sequence_number, "reparked") for o in first)
-    backlog = _peek_all(secondary.connection_string, queue)
+    backlog = peek_all(secondary.connection_string, queue)
     copies = [m for m in backlog if m.state == ServiceBusMessageState.ACTIVE]
     assert sorted(m.message_id for m in copies) == sorted(ids)  # one copy each
     assert {m.application_properties[b"x-ms-reparked-from"] for m in copies} == {
         f"{queue}:{n}".encode() for n in numbers}
     assert settle_outcomes(cfg, again) == 3
-    assert sorted(m.sequence_number for m in _peek_all(secondary.connection_string, queue)) == sorted(
+    assert sorted(m.sequence_number for m in peek_all(secondary.connection_string, queue)) == sorted(
         m.sequence_number for m in copies)
     delivered = [o.message_id for o in _drain_home(_syphon_config(config)) if o.outcome == "delivered"]
     assert sorted(delivered) == sorted(ids)  # one delivered outcome per message id
@@ -505,7 +493,7 @@ def test_a_replay_that_also_took_back_the_copies_leaves_one_copy_or_delivers_onc
     assert [by_number[n] for n in originals] == ["reparked"] * 3  # their copies carry them on: nothing sent
     assert [by_number[n] for n in copies] == ["reparked" if at_replay == "down" else "delivered"] * 3
     assert settle_outcomes(cfg, outcomes) == 6
-    left = _peek_all(secondary.connection_string, queue)
+    left = peek_all(secondary.connection_string, queue)
     if at_replay == "down":  # the copies' copies, each marked with the copy it came from (and only that)
         assert sorted(m.message_id for m in left) == sorted(ids)
         assert sorted(m.application_properties[b"x-ms-reparked-from"] for m in left) == sorted(
@@ -526,7 +514,7 @@ def _unencodable(entity: str, message_id: str) -> ServiceBusMessage:
 
 def _restores_unencodable(secondary: Any, queue: str, message_id: str) -> bool:
     """Whether the parked ``message_id`` is restored as a message the SDK cannot encode."""
-    [parked] = [m for m in _peek_all(secondary.connection_string, queue) if m.message_id == message_id]
+    [parked] = [m for m in peek_all(secondary.connection_string, queue) if m.message_id == message_id]
     restored = messages.from_backlog(parked, datetime.datetime.now(datetime.UTC))
     if not restored.ok or restored.message is None:
         return False
@@ -580,4 +568,4 @@ def test_a_deferred_message_the_sdk_cannot_encode_is_dead_lettered_whether_its_d
     dead = _receive(secondary.connection_string, queue, expected=2, sub_queue=ServiceBusSubQueue.DEAD_LETTER)
     assert sorted(m.message_id for m in dead) == ["d-bad", "u-bad"]
     assert sorted(m.message_id for m in _receive(primary.connection_string, up, expected=2)) == ["u-0", "u-1"]
-    assert sorted(m.message_id for m in _peek_all(secondary.connection_string, queue)) == ["d-0", "d-1"]
+    assert sorted(m.message_id for m in peek_all(secondary.connection_string, queue)) == ["d-0", "d-1"]
