@@ -6,12 +6,14 @@ anything is sent (the paired sender and the replicating sender share it).
   :class:`~spark_sb.errors.BadMessageError` naming its message id, and nothing of the call is sent;
 * then the batches are sent in order; a failure after some were accepted raises :class:`PartialSend` with the
   count of messages accepted before it (``items[:sent]`` are stored, ``items[sent:]`` are not known to be), so
-  that the caller resends only the rest.
+  that the caller resends only the rest;
+* batches built for one namespace can be sent to another as they are (``built``): active replication encodes
+  each message once for both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from azure.servicebus import ServiceBusMessage
@@ -28,7 +30,7 @@ from ..errors import (
 )
 from ._namespace import Namespace
 
-__all__ = ["PartialSend", "call_messages", "message_id", "send_batches"]
+__all__ = ["PartialSend", "batches_after", "build_batches", "call_messages", "message_id", "send_batches"]
 
 
 class PartialSend(Exception):
@@ -100,23 +102,61 @@ def _fits(batch: Any, item: ServiceBusMessage, path: str, entity: str, *, first:
     return True
 
 
-def send_batches(side: Namespace, path: str, items: Sequence[ServiceBusMessage], entity: str) -> None:
+def build_batches(sdk_sender: Any, path: str, items: Sequence[ServiceBusMessage], entity: str) -> list[Any]:
+    """``items``, in order, in as few of ``sdk_sender``'s batches as fit (see :func:`send_batches`)."""
+    batches = []
+    current = sdk_sender.create_message_batch()
+    for item in items:
+        if _fits(current, item, path, entity, first=len(current) == 0):
+            continue
+        batches.append(current)
+        current = sdk_sender.create_message_batch()
+        _fits(current, item, path, entity, first=True)
+    batches.append(current)
+    return batches
+
+
+def _fit_link(batches: Sequence[Any], sdk_sender: Any) -> bool:
+    """Whether ``sdk_sender``'s link takes each of ``batches`` (namespaces of different tiers have different
+    limits)."""
+    limit = sdk_sender.create_message_batch().max_size_in_bytes
+    return all(batch.size_in_bytes <= limit for batch in batches)
+
+
+def batches_after(batches: Sequence[Any] | None, sent: int) -> list[Any] | None:
+    """What is left of ``batches`` once their first ``sent`` messages were accepted; ``None`` when ``sent`` ends
+    inside a batch (or there were no batches): the rest is built again."""
+    if batches is None:
+        return None
+    for i, batch in enumerate(batches):
+        if sent == 0:
+            return list(batches[i:])
+        sent -= len(batch)
+        if sent < 0:
+            return None
+    return [] if sent == 0 else None
+
+
+def send_batches(side: Namespace, path: str, items: Sequence[ServiceBusMessage], entity: str, *,
+                 built: Sequence[Any] | None = None, on_built: Callable[[list[Any]], None] | None = None) -> None:
     """Send ``items`` to ``path`` on ``side`` in as few batches as fit. ``entity`` is what errors name (the
     entity the caller sends to; ``path`` differs from it for a backlog queue). Raises :class:`PartialSend` with
     the count sent before a failure, or :class:`BadMessageError` for a message that fits no batch or cannot be
-    encoded (then nothing was sent) or that the service refused as a bad message."""
+    encoded (then nothing was sent) or that the service refused as a bad message.
+
+    ``built``: ``items`` already in batches (by another namespace's sender, for the same entity), sent as they
+    are when this link takes batches that large, else built again here: a batch holds its messages encoded and
+    the SDK sends it without changing it, so two namespaces can be sent the same bytes. ``on_built`` is handed
+    the batches sent, before the first is sent."""
     sent = 0
     try:
         with side.sender(path) as sdk_sender:
-            batches = []
-            current = sdk_sender.create_message_batch()
-            for item in items:
-                if _fits(current, item, path, entity, first=len(current) == 0):
-                    continue
-                batches.append(current)
-                current = sdk_sender.create_message_batch()
-                _fits(current, item, path, entity, first=True)
-            batches.append(current)
+            if built is not None and _fit_link(built, sdk_sender):
+                batches = list(built)
+            else:
+                batches = build_batches(sdk_sender, path, items, entity)
+            if on_built is not None:
+                on_built(batches)
             for one in batches:
                 sdk_sender.send_messages(one)
                 sent += len(one)

@@ -15,10 +15,11 @@ Choices where behaviour.md is silent (also in the report):
   paired sender): a message that fits no batch or cannot be encoded is a :class:`~spark_sb.errors.BadMessageError`
   naming its id, and nothing of the call goes to that side;
 * a message without a message_id gets one (``uuid4().hex``) before anything is sent, on the caller's object,
-  so that both copies carry the same id. In active mode the secondary is sent its own shallow copies (a new
-  ``ServiceBusMessage`` over a copy of the AMQP message with its own application-properties dict): adding a
-  message to a batch rewrites its ``_message`` and its bytes-valued application properties in place, and the
-  two sides build their batches at the same time;
+  so that both copies carry the same id. In active mode each message is encoded once: the primary's side
+  builds the batches and hands them to the secondary's before sending them, and both send the same batches (a
+  batch holds its messages encoded; the SDK sends it unchanged). The secondary builds its own only when the
+  primary's side built none or its link takes smaller batches, and only after the primary's side is done
+  with the messages (adding a message to a batch rewrites its ``_message`` in place);
 * **active**: the secondary's send runs in a small thread pool of the sender (:data:`SIDE_THREADS` threads),
   the primary's on the calling thread. A side counts as having accepted the call only if every batch was
   accepted (a side that stored some batches before failing has stored duplicates, which receivers drop by
@@ -48,7 +49,6 @@ Choices where behaviour.md is silent (also in the report):
 
 from __future__ import annotations
 
-import copy
 import itertools
 import logging
 import os
@@ -63,7 +63,7 @@ from typing import Any, Literal
 from azure.servicebus import ServiceBusMessage
 
 from ..bus import Namespace, send_lane
-from ..bus.batches import PartialSend, call_messages, send_batches
+from ..bus.batches import PartialSend, batches_after, call_messages, send_batches
 from ..bus.inflight import SendPool
 from ..config import SparkSbConfig, load_config
 from ..errors import (
@@ -176,15 +176,6 @@ def active_side(config: SparkSbConfig, entity: str) -> Side:
 def _roles_key(config: SparkSbConfig, entity: str) -> tuple[str, str, str]:
     return (config.primary.fully_qualified_namespace.lower(), config.secondary.fully_qualified_namespace.lower(),
             entity)
-
-
-def _own_copy(message: ServiceBusMessage) -> ServiceBusMessage:
-    """A message the SDK may rewrite while adding it to a batch without touching ``message`` (its
-    ``_message`` and its application properties are its own; body, header and properties are only read)."""
-    raw = copy.copy(message.raw_amqp_message)
-    if raw.application_properties is not None:
-        raw.application_properties = dict(raw.application_properties)
-    return ServiceBusMessage(None, message=None, raw_amqp_message=raw)
 
 
 def _with_id(message: ServiceBusMessage) -> ServiceBusMessage:
@@ -326,18 +317,31 @@ class ReplicatingSender:
         self._check_open()
         return self._calls.submit(self.send, entity, message)
 
-    def _send_side(self, side: Side, entity: str, items: Sequence[ServiceBusMessage]) -> _Outcome:
-        """Send ``items`` to ``side`` until it accepted all of them or failed otherwise than busy."""
+    def _send_side(self, side: Side, entity: str, items: Sequence[ServiceBusMessage], *,
+                   built: Sequence[Any] | None = None,
+                   on_built: Callable[[list[Any]], None] | None = None) -> _Outcome:
+        """Send ``items`` to ``side`` until it accepted all of them or failed otherwise than busy. ``built``:
+        the items already in batches (the other side's), ``on_built``: handed this side's batches (see
+        :func:`~spark_sb.bus.batches.send_batches`); a retry sends what is left of the same batches."""
         namespace = self._sides[side]
         sent = 0
         pending = items
+        batches = built
         stale = namespace.stale()
+
+        def keep(made: list[Any]) -> None:
+            nonlocal batches
+            batches = made
+            if on_built is not None:
+                on_built(made)
+
         while True:
             try:
-                send_batches(namespace, entity, pending, entity)
+                send_batches(namespace, entity, pending, entity, built=batches, on_built=keep)
             except PartialSend as partial:
                 sent += partial.sent
                 pending = pending[partial.sent:]
+                batches = batches_after(batches, partial.sent)
                 error = partial.error
             except BadMessageError as exc:
                 return _Outcome(side, sent, exc)
@@ -423,15 +427,25 @@ class ReplicatingSender:
         return ReplicationResult(entity, accepted, failed, mode="active")
 
     def _run_sides(self, sides: Sequence[Side], entity: str, items: list[ServiceBusMessage]) -> list[_Outcome]:
-        """Send ``items`` to each of ``sides``: the secondary in the pool with its own copies, the other on the
-        calling thread, at the same time."""
+        """Send ``items`` to each of ``sides`` at the same time: the primary on the calling thread, the secondary
+        in the pool. Each message is encoded once: the primary builds the batches and hands them to the
+        secondary before sending them (the SDK sends a batch without changing it). The secondary builds its
+        own only when the primary built none (its link did not open, a message was refused) or its link takes
+        smaller batches; it waits for the primary's hand-over or failure first, so that the SDK never rewrites
+        a message in two threads at once."""
         if len(sides) == 1:
             return [self._send_side(sides[0], entity, items)]
-        copies = [_own_copy(item) for item in items]
-        future = self._submit(lambda: self._send_side(SECONDARY, entity, copies))
+        handed: Future[list[Any] | None] = Future()
+
+        def hand_over(batches: list[Any] | None) -> None:
+            if not handed.done():
+                handed.set_result(batches)
+
+        future = self._submit(lambda: self._send_side(SECONDARY, entity, items, built=handed.result()))
         try:
-            primary = self._send_side(PRIMARY, entity, items)
+            primary = self._send_side(PRIMARY, entity, items, on_built=hand_over)
         finally:
+            hand_over(None)
             secondary = future.result()
         return [primary, secondary]
 

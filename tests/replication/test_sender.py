@@ -151,6 +151,57 @@ def test_active_a_side_that_stored_part_of_a_call_has_not_accepted_it(stored, ma
     assert sender.state(q) == "secondary only (primary skipped)"
 
 
+def _counting_adds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The message id of every message the SDK adds to a batch (``ServiceBusMessageBatch.add_message``; an add
+    refused because the batch is full is not counted)."""
+    from azure.servicebus import ServiceBusMessageBatch
+
+    adds: list[str] = []
+    add = ServiceBusMessageBatch.add_message
+
+    def counting(self: Any, message: Any) -> None:
+        add(self, message)
+        adds.append(str(message.message_id))
+
+    monkeypatch.setattr(ServiceBusMessageBatch, "add_message", counting)
+    return adds
+
+
+def test_active_encodes_each_message_once_for_both_namespaces(stored, make_sender, pair_queue, monkeypatch) -> None:
+    """Active replication costs the CPU of one encode per message (issue 21): both namespaces are sent the same
+    batches, built once."""
+    q = pair_queue()
+    sender = make_sender("active")
+    sender.send(q, [msg("warm")])  # both sides' links open
+    adds = _counting_adds(monkeypatch)
+    ids = [f"once-{i}" for i in range(20)]
+    result = sender.send(q, [msg(i) for i in ids])
+    assert result.destinations == {"primary": 20, "secondary": 20}
+    assert sorted(adds) == sorted(ids)  # each encoded once (twice before: a batch per side)
+    assert stored("primary", q) == stored("secondary", q) == sorted(["warm", *ids])
+
+
+def test_active_a_side_taking_smaller_batches_builds_its_own(stored, emulator, make_sender, pair_queue,
+                                                             monkeypatch) -> None:
+    """Namespaces of different tiers take batches of different sizes: here the primary's links take 1 MiB
+    batches (premium), the secondary's 256 KiB (standard). The primary's one batch of three 150 KB messages does
+    not fit the secondary's link, and the secondary builds its own batches."""
+    server = emulator.server("primary")
+    limit = server.max_message_size
+    q = pair_queue()
+    server.call(lambda: setattr(server, "max_message_size", 1024 * 1024))
+    try:
+        sender = make_sender("active")  # links opened from now on advertise the larger limit
+        adds = _counting_adds(monkeypatch)
+        ids = [f"wide-{i}" for i in range(3)]
+        result = sender.send(q, [ServiceBusMessage(b"x" * 150_000, message_id=i) for i in ids])
+    finally:
+        server.call(lambda: setattr(server, "max_message_size", limit))
+    assert result.destinations == {"primary": 3, "secondary": 3} and result.errors == {}
+    assert sorted(adds) == sorted(ids * 2)  # the primary's batch, then the secondary's own
+    assert stored("primary", q) == stored("secondary", q) == ids
+
+
 def test_active_one_instance_shared_by_threads(stored, make_sender, pair_queue, primary, secondary) -> None:
     q = pair_queue()
     sender = make_sender("active")
