@@ -688,7 +688,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         """The (entity, lane) units of a receive: a lane per entity (two for an entity read alone), at most
         ``receivesInFlight`` lanes (they wrap round when there are more entities). One receiver per entity: with
         four per queue, bench/syphon.py's job on loopback fell to 0.76 of the raw loop (0.92 with one), and one
-        run of three stalled for about a lock duration (cause not found)."""
+        run of three stalled for about a lock duration (the SDK's two listening threads, since serialised:
+        :func:`spark_sb.bus._namespace._one_listener`)."""
         per = 2 if len(ready) == 1 else 1
         units = [entity for entity in ready for _ in range(per)]
         return [(entity, 1 + i % self.receives_in_flight) for i, entity in enumerate(units)]
