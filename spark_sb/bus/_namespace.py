@@ -83,6 +83,7 @@ def _lock_listen(connection: Any) -> None:
     listen_alone.spark_sb_locked = True  # type: ignore[attr-defined]
     connection.listen = listen_alone
 
+
 __all__ = ["NAMESPACE_KIND", "PING_SCHEDULE_AHEAD", "SENDER_KWARGS", "STALE_AFTER", "Namespace", "admin_client",
            "current_lane", "send_lane", "shared_namespace"]
 
