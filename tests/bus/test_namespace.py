@@ -201,7 +201,7 @@ def _listens_on_receiver_connections(monkeypatch: pytest.MonkeyPatch) -> dict[st
     longer, to widen a window two threads could share) and which threads called it."""
     from azure.servicebus._pyamqp._connection import Connection
 
-    seen: dict[str, Any] = {"most": 0, "threads": set()}
+    seen: dict[str, Any] = {"most": 0, "threads": set(), "keep_alive": 0}
     inside: dict[int, int] = {}
     guard = threading.Lock()
     listen = Connection.listen
@@ -211,6 +211,7 @@ def _listens_on_receiver_connections(monkeypatch: pytest.MonkeyPatch) -> dict[st
             inside[id(self)] = inside.get(id(self), 0) + 1
             seen["most"] = max(seen["most"], inside[id(self)])
             seen["threads"].add(threading.current_thread().name)
+            seen["keep_alive"] += "_keep_alive" in threading.current_thread().name
         try:
             time.sleep(0.02)
             return listen(self, *args, **kwargs)
@@ -233,11 +234,12 @@ def test_one_thread_at_a_time_listens_on_a_receivers_connection(namespace, make_
     seen = _listens_on_receiver_connections(monkeypatch)
     for _ in range(2):  # a new SDK receiver the second time (the exception drops the first)
         with pytest.raises(RuntimeError), namespace.receiver(queue) as receiver:
-            deadline = time.monotonic() + 6.5  # past the keep-alive thread's first listen (5 s after opening)
-            while time.monotonic() < deadline:
+            heard = seen["keep_alive"]
+            deadline = time.monotonic() + 60  # the keep-alive thread listens 5 s after opening, on a quiet machine
+            while seen["keep_alive"] == heard and time.monotonic() < deadline:
                 assert receiver.receive_messages(max_message_count=1, max_wait_time=0.3) == []
+            assert seen["keep_alive"] > heard  # the SDK's thread listened on this receiver's connection...
             raise RuntimeError("drop this receiver")
-    assert any("_keep_alive" in name for name in seen["threads"])  # the SDK's thread listened...
     assert seen["most"] == 1  # ...never beside the receiving thread
 
 
