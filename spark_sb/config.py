@@ -105,9 +105,9 @@ _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
     "DEAD_LETTER_SUFFIX", "ConnectionString", "CredentialConfig", "Duration", "FrozenMap", "NamespaceConfig", "ProxyConfig", "REPLICATION_MODES", "ReplicationConfig", "Secret", "SendAvailabilityConfig",
-    "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "entity_path", "format_duration",
-    "from_options", "is_literal_secret", "is_secret_name", "load_config", "load_reference", "parse_duration", "positive_duration", "redact_connection_string",
-    "split_dead_letter",
+    "SinkConfig", "SinkSourceConfig", "SparkSbConfig", "SyphonConfig", "default_backlog_prefix", "did_you_mean", "entity_path", "format_duration",
+    "from_options", "is_literal_secret", "is_secret_name", "load_config", "load_reference", "parse_duration", "option_section", "positive_duration", "redact_connection_string",
+    "split_dead_letter", "unsendable",
 ]
 
 BACKLOG_QUEUE_SEGMENT = "x-servicebus-transfer"
@@ -150,6 +150,20 @@ def entity_path(value: object, option: str = "entity") -> str:
     if marker and (not topic.strip("/") or not subscription.strip("/") or "/" in subscription):
         raise ConfigError(option, problem, repr(value))
     return path
+
+
+def unsendable(entity: str) -> str | None:
+    """Why nothing can be sent to ``entity``, or None: Service Bus takes messages at a queue or a topic, never at
+    a subscription or a dead-letter queue (a send there is answered not-implemented, which must never be taken
+    for an outage and parked where no syphon can deliver it)."""
+    base, dead_letter = split_dead_letter(entity.strip())
+    at = base.lower().find("/subscriptions/")
+    topic = base[:at] if at >= 0 else base
+    if dead_letter:
+        return f"is a dead-letter queue: Service Bus takes messages at a queue or a topic; send to {topic!r}"
+    if at >= 0:
+        return f"is a subscription: Service Bus takes messages at its topic; send to {topic!r}"
+    return None
 
 
 #: the suffix of an entity's dead-letter queue (``orders/$DeadLetterQueue``, ``events/subscriptions/all/$DeadLetterQueue``)
@@ -677,6 +691,10 @@ _EMULATOR_ONLY = ("only used with an emulator: a connection string with UseDevel
                   "fully_qualified_namespace with emulator: true")
 
 
+#: seconds an administration API call may take by default (``admin_timeout``)
+DEFAULT_ADMIN_TIMEOUT = 10.0
+
+
 class NamespaceConfig(_Compact):
     """One Service Bus namespace: a connection string, or a fully qualified namespace plus a credential
     (option ``credential``, attribute ``credential_config``).
@@ -718,6 +736,9 @@ class NamespaceConfig(_Compact):
     http_proxy: Annotated[ProxyConfig, BeforeValidator(_proxy)] | None = None
     #: a CA bundle (PEM) that TLS trusts instead of the system's
     connection_verify: Text | None = None
+    #: bounds each call to the administration API (the connect, and each wait for an answer): a management
+    #: endpoint that accepts and never answers costs this, never azure-core's 300 s. None: 10 s
+    admin_timeout: Duration | None = Field(default=None, ge=100 * MS, le=5 * MINUTE)
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -805,6 +826,11 @@ class NamespaceConfig(_Compact):
             raise ConfigError("connection_verify", f"(namespace {self.fully_qualified_namespace}) is not a readable "
                               "CA bundle (PEM) file on this machine", repr(self.connection_verify))
         return self.connection_verify
+
+    @property
+    def admin_timeout_seconds(self) -> float:
+        """``admin_timeout`` in seconds (10 by default)."""
+        return DEFAULT_ADMIN_TIMEOUT if self.admin_timeout is None else self.admin_timeout.total_seconds()
 
     def admin_kwargs(self) -> dict[str, Any]:
         """What the administration client of a namespace reached over https is given: the proxy and the CA."""
@@ -1445,6 +1471,19 @@ def load_reference(value: str | Mapping[str, Any]) -> SparkSbConfig:
 # --- Spark options ---------------------------------------------------------------------------------------
 
 _OPTION_SECTIONS = {name: list(_fields_of(_model_in(f.annotation))) for name, f in SparkSbConfig.model_fields.items()}
+
+
+def option_section(key: str) -> str | None:
+    """The configuration section a flat Spark option belongs to (``sink`` for ``sink.keyColumn``), or None for a
+    key that is no configuration option (:func:`from_options` leaves those to the caller)."""
+    parts = str(key).split(".")
+    section = _canonical(parts[0], _OPTION_SECTIONS)
+    return section if section in _OPTION_SECTIONS and len(parts) >= 2 else None
+
+
+def did_you_mean(name: str, allowed: Any) -> str:
+    """`` (did you mean X?)`` for the closest of ``allowed`` (case, ``_`` and ``-`` aside), or ``""``."""
+    return _did_you_mean(name, allowed)
 
 
 def from_options(options: Mapping[str, str]) -> SparkSbConfig:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 import os
 import re
+import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -104,6 +106,34 @@ def primary(emulator: Emulator) -> Iterator[NamespaceInfo]:
 def secondary(emulator: Emulator) -> Iterator[NamespaceInfo]:
     yield emulator["secondary"]
     emulator.heal("secondary")
+
+
+@pytest.fixture
+def silent_endpoint() -> Iterator[str]:
+    """``http://127.0.0.1:PORT`` of a server that accepts every connection and never answers (a management
+    endpoint that hangs): each connection is held open, unread, until the test ends."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                held.append(listener.accept()[0])
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+
+    thread = threading.Thread(target=accept, name="silent-endpoint", daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    thread.join(5)
+    listener.close()
+    for connection in held:
+        connection.close()
 
 
 @pytest.fixture

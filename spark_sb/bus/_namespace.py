@@ -378,7 +378,10 @@ def admin_client(namespace: NamespaceConfig, **kwargs: Any) -> Any:
     """A ``ServiceBusAdministrationClient`` for ``namespace`` (its connection string, or its namespace and
     credential), built by :func:`spark_sb.admin.admin_client`; ``kwargs`` go to the SDK. Close it. A real
     namespace's client goes through the namespace's ``http_proxy`` and trusts its ``connection_verify``; the
-    emulator's administration API is plain HTTP on its own port."""
+    emulator's administration API is plain HTTP on its own port. Every request is bounded by the namespace's
+    ``admin_timeout`` (connect and read), unless ``kwargs`` set ``connection_timeout`` or ``read_timeout``."""
+    timeout = namespace.admin_timeout_seconds
+    kwargs = {"connection_timeout": timeout, "read_timeout": timeout, **kwargs}
     if not namespace.is_emulator:
         kwargs = {**namespace.admin_kwargs(), **kwargs}
     if namespace.connection_string is not None:
