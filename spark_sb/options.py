@@ -6,16 +6,30 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .config import SparkSbConfig, from_options, is_literal_secret, load_config, load_reference
+from .config import (
+    SparkSbConfig,
+    did_you_mean,
+    from_options,
+    is_literal_secret,
+    load_config,
+    load_reference,
+    option_section,
+)
 from .errors import ConfigError
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["config_options", "option", "options_config", "positive"]
+__all__ = ["SPARK_OPTIONS", "check_known", "config_options", "option", "options_config", "positive"]
+
+#: options Spark itself puts among a data source's options: the path given to ``save``/``load`` and a stream's
+#: checkpoint location
+SPARK_OPTIONS = ("path", "checkpointLocation")
+#: what other connectors call the entity option
+_ENTITY_ALIASES = frozenset({"queue", "topic", "queuename", "topicname", "entitypath", "entityname", "destination"})
 
 
 def options_config(options: Mapping[str, str]) -> SparkSbConfig:
@@ -33,6 +47,32 @@ def options_config(options: Mapping[str, str]) -> SparkSbConfig:
                           "the configuration by reference (option conf: a YAML path; or option config: JSON whose "
                           "secrets are ${ENV_VAR} references; spark_sb.source.config_options builds them)")
     return config
+
+
+def check_known(options: Mapping[str, str], own: Iterable[str], what: str) -> None:
+    """Refuse, naming it, an option ``what`` does not take (a misspelt one would otherwise be ignored): known
+    are ``own``, ``conf``, ``config``, Spark's own (:data:`SPARK_OPTIONS`) and, without ``conf`` or ``config``,
+    the flat configuration options (``primary.connectionString``, ``sink.keyColumn``...). Next to ``conf`` or
+    ``config``, which hand over the whole configuration, a flat configuration option is refused too."""
+    own = tuple(own)
+    known = {name.lower() for name in (*own, "conf", "config", *SPARK_OPTIONS)}
+    by_reference = option(options, "conf") is not None or option(options, "config") is not None
+    for key in options:
+        name = str(key)
+        if name.lower() in known:
+            continue
+        if option_section(name) is not None:
+            if by_reference:
+                reference = "conf" if option(options, "conf") is not None else "config"
+                raise ConfigError(name, f"is a configuration option next to option {reference}, which hands over the "
+                                  "whole configuration: set it in that configuration"
+                                  + (f", or use the {what}'s own options ({', '.join(own)})" if own else ""))
+            continue
+        hint = (" (did you mean entity?)" if "entity" in own and name.lower().replace("_", "") in _ENTITY_ALIASES
+                else did_you_mean(name, (*own, "conf", "config")))
+        raise ConfigError(name, f"is not an option of the {what}{hint}: it "
+                          f"takes {', '.join((*own, 'conf', 'config'))} or flat configuration options such as "
+                          "primary.connectionString")
 
 
 def config_options(conf: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConfig) -> dict[str, str]:

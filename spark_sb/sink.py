@@ -21,12 +21,26 @@ subject, content_type,
 correlation_id, to,
 reply_to
 time_to_live               day-time interval, or a number of seconds (integer or floating point)
+time_to_live_ms            integer: milliseconds (the ``servicebus`` source's column; its name is fixed).
+                           Not together with time_to_live
 scheduled_enqueue_time     timestamp (or timestamp_ntz, read as UTC)
 application_properties     map<string, string|integer|floating point|boolean|binary|timestamp>
+application_property_types map<string, string>: each property's AMQP type (the ``servicebus`` source's column;
+                           its name is fixed), with application_properties as map<string, string>
 ========================== =================================================================================
 
 A column of another type fails the batch on the driver before anything is sent (:class:`BadInputError` naming
 the batch, the column and its type), with or without a reject table.
+
+**Property types**: with ``application_property_types`` (what the ``servicebus`` source reads beside each row's
+properties, e.g. ``{"p": "int", "at": "timestamp"}``), each property's text is sent as that type
+(:func:`spark_sb.messages.property_value`: ``string``, ``symbol``, ``binary`` (base64), ``boolean``, ``byte``,
+``short``, ``int``, ``long``, ``ubyte``, ``ushort``, ``uint``, ``ulong``, ``float``, ``double``, ``decimal128``,
+``timestamp`` (milliseconds since the epoch, or ISO 8601), ``uuid``); a property it does not name is a string. A
+text that is not of its type (``five`` for an ``int``), or a type that cannot be sent from text (``list``,
+``described``...), makes the row a bad row whose reason names the property: it is never sent as another type. So a
+row read from a queue or a dead-letter queue and written back is the message it was: the same fields, TTL
+(``time_to_live_ms``) and property types.
 
 **Message ids** are the key column's value, else ``<batch id>-<partition>-<hash>-<n>``: a hash of the row's
 mapped values, and ``n`` the row's occurrence number among identical rows of its partition. A replayed batch
@@ -85,7 +99,8 @@ from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
 from . import bus, tables
-from .config import SinkConfig, SparkSbConfig, load_config
+from . import messages as msgs
+from .config import SinkConfig, SparkSbConfig, load_config, unsendable
 from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
 from .paired import PRIMARY, PairedSender, SendResult
 from .paired.sender import pairing_key
@@ -257,6 +272,16 @@ _PROPERTY_VALUES = (T.StringType, T.BooleanType, T.FloatType, T.DoubleType, T.Bi
                     T.TimestampNTZType, *_INTEGRAL)
 
 
+#: message fields whose column has the field's own name (not configurable with ``sink.columns``): what the
+#: ``servicebus`` source reads beside the fields above, taken when a batch has them
+_READ_FIELDS = ("time_to_live_ms", "application_property_types")
+
+
+def _text_map(data_type: T.DataType) -> bool:
+    return (isinstance(data_type, T.MapType) and isinstance(data_type.keyType, T.StringType)
+            and isinstance(data_type.valueType, T.StringType))
+
+
 def _type_ok(name: str, data_type: T.DataType) -> tuple[bool, str]:
     """Whether ``data_type`` fits message field ``name``, and what is expected."""
     if name == "body":
@@ -268,8 +293,12 @@ def _type_ok(name: str, data_type: T.DataType) -> tuple[bool, str]:
     if name == "time_to_live":
         ok = isinstance(data_type, (T.DayTimeIntervalType, T.FloatType, T.DoubleType, *_INTEGRAL))
         return ok, "a day-time interval or a number of seconds"
+    if name == "time_to_live_ms":
+        return isinstance(data_type, _INTEGRAL), "an integer number of milliseconds"
     if name == "scheduled_enqueue_time":
         return isinstance(data_type, T.TimestampType | T.TimestampNTZType), "timestamp"
+    if name == "application_property_types":
+        return _text_map(data_type), "map<string, string>"
     ok = (isinstance(data_type, T.MapType) and isinstance(data_type.keyType, T.StringType)
           and isinstance(data_type.valueType, _PROPERTY_VALUES))
     return ok, "map<string, string|integer|floating point|boolean|binary|timestamp>"
@@ -298,6 +327,24 @@ def check_columns(sink: SinkConfig, schema: T.StructType,
             raise refuse(None, found.name, f"has type {found.dataType.simpleString()}, message field {name} "
                          f"needs {expected}; nothing was sent")
         present[name] = found.name
+    for name in _READ_FIELDS:
+        found = by_name.get(name) or by_lower.get(name)
+        if found is None or found.name in present.values():  # absent, or mapped to another field by sink.columns
+            continue
+        ok, expected = _type_ok(name, found.dataType)
+        if not ok:
+            raise refuse(None, found.name, f"has type {found.dataType.simpleString()}, message field {name} "
+                         f"needs {expected}; nothing was sent")
+        present[name] = found.name
+    if "time_to_live" in present and "time_to_live_ms" in present:
+        raise refuse(None, present["time_to_live_ms"], f"and column {present['time_to_live']!r} both give the "
+                     "message's TTL (time_to_live_ms in milliseconds, time_to_live in seconds or as an interval): "
+                     "keep one; nothing was sent")
+    properties = next((f for f in schema.fields if f.name == present.get("application_properties")), None)
+    if "application_property_types" in present and properties is not None and not _text_map(properties.dataType):
+        raise refuse(None, properties.name, f"has type {properties.dataType.simpleString()}: with column "
+                     f"{present['application_property_types']!r} (each property's type) the application "
+                     "properties must be their text, map<string, string>; nothing was sent")
     if "entity" not in present and sink.entity is None:
         raise refuse("sink.entity", None, f"no entity: the batch has no entity column ({sink.column_map['entity']!r}) "
                      "and sink.entity is not set")
@@ -494,9 +541,12 @@ class PartitionRun:
     """Sends one partition's rows; yields the reject rows (when rejecting) and then one summary row."""
 
     def __init__(self, config: SparkSbConfig, fingerprint: str, batch_id: int | str, partition: int,
-                 failed_over: tuple[str, ...], reject: bool, sink: SinkConfig | None = None) -> None:
+                 failed_over: tuple[str, ...], reject: bool, sink: SinkConfig | None = None, id_prefix: str = ""
+                 ) -> None:
         self.sink = sink or config.sink
         self.batch_id = batch_id
+        #: what derived message ids start with (the servicebus writer's: the query's)
+        self.id_prefix = id_prefix
         self.partition = partition
         self.reject = reject
         self.sender = sender_for(config, fingerprint)
@@ -567,7 +617,7 @@ class PartitionRun:
         digest = hashlib.blake2b(content, digest_size=16).digest()
         occurrence = self.occurrences.get(digest, 0)
         self.occurrences[digest] = occurrence + 1
-        return f"{self.batch_id}-{self.partition}-{digest.hex()}-{occurrence}"
+        return f"{self.id_prefix}{self.batch_id}-{self.partition}-{digest.hex()}-{occurrence}"
 
     def _row(self, row: dict[str, Any]) -> None:
         entity = row.get("entity") or self.sink.entity
@@ -579,6 +629,10 @@ class PartitionRun:
             return
         if entity is None:
             self._reject(message_id, None, "no entity: the entity column is null and sink.entity is not set", body)
+            return
+        problem = unsendable(entity)
+        if problem is not None:
+            self._reject(message_id, entity, f"the entity {problem}", body)
             return
         if body is None:
             self._reject(message_id, entity, "body is null", body)
@@ -733,23 +787,47 @@ def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
         value = row.get(name)
         if value is not None:
             kwargs[name] = value
-    ttl = row.get("time_to_live")
-    if ttl is not None and not isinstance(ttl, datetime.timedelta):
-        try:
-            ttl = datetime.timedelta(seconds=ttl)
-        except OverflowError:
-            raise ValueError(f"time_to_live: {ttl} s is out of range") from None
+    ttl = _time_to_live(row)
     scheduled = row.get("scheduled_enqueue_time")
     if scheduled is not None:
         kwargs["scheduled_enqueue_time_utc"] = _utc(scheduled)
     properties = row.get("application_properties")
     if properties is not None:
-        pairs = properties.items() if isinstance(properties, Mapping) else properties
-        kwargs["application_properties"] = {str(k): _property_value(v) for k, v in pairs}
+        types = row.get("application_property_types")
+        if types is None:
+            kwargs["application_properties"] = {str(k): _property_value(v) for k, v in _items(properties)}
+        else:
+            kinds = {str(k): v for k, v in _items(types) if v is not None}
+            kwargs["application_properties"] = {
+                str(k): msgs.property_value(str(k), v, kinds.get(str(k), "string")) for k, v in _items(properties)}
     message = ServiceBusMessage(row["body"], **kwargs)
     if ttl is not None:  # in milliseconds: the SDK's own setter keeps whole seconds only
-        from .messages import set_time_to_live
-
-        set_time_to_live(message, ttl)
+        msgs.set_time_to_live(message, ttl)
     return message
+
+
+def _items(value: Any) -> Iterable[tuple[Any, Any]]:
+    """A map column's entries: pyarrow hands a map over as a list of pairs, a Row as a dict."""
+    return value.items() if isinstance(value, Mapping) else value
+
+
+def _time_to_live(row: Mapping[str, Any]) -> datetime.timedelta | None:
+    """The row's TTL: ``time_to_live`` (an interval or seconds) or ``time_to_live_ms`` (milliseconds)."""
+    ttl, ttl_ms = row.get("time_to_live"), row.get("time_to_live_ms")
+    if ttl is not None and ttl_ms is not None:
+        raise ValueError(f"time_to_live ({ttl}) and time_to_live_ms ({ttl_ms}) both give the TTL: keep one")
+    if ttl_ms is not None:
+        if not 0 < ttl_ms <= _MAX_TTL_MS:
+            raise ValueError(f"time_to_live_ms: {ttl_ms} ms is not between 1 and {_MAX_TTL_MS} (about 49.7 days, "
+                             "what the AMQP header can carry)")
+        return datetime.timedelta(milliseconds=ttl_ms)
+    if ttl is None or isinstance(ttl, datetime.timedelta):
+        return ttl
+    try:
+        return datetime.timedelta(seconds=ttl)
+    except OverflowError:
+        raise ValueError(f"time_to_live: {ttl} s is out of range") from None
+
+
+_MAX_TTL_MS = 0xFFFFFFFF  # the AMQP header's ttl is a uint
 

@@ -48,7 +48,13 @@ since a deferred session message can be fetched only by the holder of its sessio
 Columns of ``servicebus`` (:data:`SERVICEBUS_SCHEMA`), in the style of the Kafka and Event Hubs sources:
 ``namespace`` (primary or secondary), ``entity``, ``message_id``, ``body`` (binary), ``sequence_number``,
 ``enqueued_time``, ``delivery_count``, ``session_id``, ``partition_key``, ``subject``, ``content_type``,
-``correlation_id``, ``reply_to``, ``to``, ``time_to_live_ms``, ``application_properties`` (map of strings).
+``correlation_id``, ``reply_to``, ``to``, ``time_to_live_ms``, ``application_properties`` (map of strings: each
+value as text, a timestamp as its milliseconds since the epoch, a binary as base64) and ``application_property_types``
+(map of strings: each property's AMQP type, ``int``, ``long``, ``double``, ``boolean``, ``timestamp``, ``string``...,
+as the service sent it; nulls left out). The columns are the ``servicebus`` writer's and the sink's
+(:mod:`spark_sb.sink`): a row written back is sent with the same fields, TTL and property types. A dead-letter
+queue's rows (:data:`DEAD_LETTER_SCHEMA`) add ``dead_letter_reason``, ``dead_letter_error_description`` and
+``dead_letter_source``; the reason and description are not among their application properties.
 
 Blips: a ``read`` runs a batch already planned (its sequence numbers are in the checkpoint and cannot change), so
 a namespace that times out, drops the connection or is busy is retried with backoff for up to
@@ -71,12 +77,13 @@ Readers keep no clients in ``self``: their receivers live in the per-process reg
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -136,7 +143,7 @@ else:
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["DEAD_LETTER_SCHEMA", "SCHEMA", "SERVICEBUS_SCHEMA", "BacklogDataSource", "BacklogStreamReader",
+__all__ = ["DEAD_LETTER_PROPERTIES", "DEAD_LETTER_SCHEMA", "SCHEMA", "SERVICEBUS_SCHEMA", "BacklogDataSource", "BacklogStreamReader",
            "DeferredPartition", "DeferringStreamReader", "Entity", "PeekPartition", "ServiceBusBatchReader",
            "ServiceBusDataSource", "ServiceBusStreamReader", "backlog_row", "config_options", "dead_letter_row",
            "dedupe", "register", "servicebus_row"]
@@ -183,7 +190,12 @@ SERVICEBUS_SCHEMA = StructType([
     StructField("to", StringType()),
     StructField("time_to_live_ms", LongType()),
     StructField("application_properties", MapType(StringType(), StringType())),
+    # each application property's AMQP type ("int", "timestamp", ...): the sink sends the text back as that type
+    StructField("application_property_types", MapType(StringType(), StringType())),
 ])
+#: the application properties in which the service hands a dead-lettered message's reason and description over
+#: (a dead-letter row has them as ``dead_letter_reason`` and ``dead_letter_error_description``)
+DEAD_LETTER_PROPERTIES = ("DeadLetterReason", "DeadLetterErrorDescription")
 #: a batch read of a dead-letter queue: the ``servicebus`` columns (``entity`` names the queue or subscription the
 #: dead-letter queue belongs to) and why the message was dead-lettered
 DEAD_LETTER_SCHEMA = StructType([
@@ -269,7 +281,7 @@ class ServiceBusDataSource(DataSource):
         """``df.writeStream.format("servicebus")``: see :mod:`spark_sb.writer`."""
         from .writer import stream_writer
 
-        return stream_writer(self.options, schema)
+        return stream_writer(self.options, schema, overwrite)
 
 
 @dataclass(frozen=True)
@@ -388,16 +400,28 @@ def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
             encoded)
 
 
-def servicebus_row(received: Any, entity: Entity, now: datetime.datetime) -> tuple:
-    """The row of one message of the ``servicebus`` source (see :data:`SERVICEBUS_SCHEMA`)."""
+def servicebus_row(received: Any, entity: Entity, now: datetime.datetime, *, leave_out: Collection[str] = ()
+                   ) -> tuple:
+    """The row of one message of the ``servicebus`` source (see :data:`SERVICEBUS_SCHEMA`), without the application
+    properties named in ``leave_out``. Each property's text is what :func:`_property_text` makes of it (a binary
+    as base64), and its AMQP type is in ``application_property_types`` (:func:`spark_sb.messages.property_types`),
+    so that the sink sends it back as it was."""
     text = msgs.text
     ttl = received.time_to_live
-    properties = {text(k): _property_text(v) for k, v in (received.application_properties or {}).items()}
+    types = msgs.property_types(received)
+    properties: dict[str, str | None] = {}
+    for key, value in (received.application_properties or {}).items():
+        name = text(key)
+        if name in leave_out:
+            continue
+        binary = types.get(name) == "binary" and isinstance(value, bytes | bytearray)
+        properties[name] = base64.b64encode(value).decode("ascii") if binary else _property_text(value)
+    kept_types = {name: kind for name, kind in types.items() if name in properties}
     return (entity.side, entity.path, text(received.message_id), _body(received), int(received.sequence_number),
             _utc(received.enqueued_time_utc), received.delivery_count, text(received.session_id),
             text(received.partition_key), text(received.subject), text(received.content_type),
             text(received.correlation_id), text(received.reply_to), text(received.to),
-            None if ttl is None else int(ttl.total_seconds() * 1000), properties or None)
+            None if ttl is None else ttl // datetime.timedelta(milliseconds=1), properties or None, kept_types or None)
 
 
 class _EntityAccess:
@@ -825,7 +849,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         now = datetime.datetime.now(datetime.UTC)
 
         def peek() -> list[Any]:
-            with self._namespace(entity).receiver(entity.path) as receiver:
+            with self._namespace(entity).receiver(entity.path) as receiver, msgs.keeping_property_types(receiver):
                 return peek_deferred(receiver, partition.sequence_numbers)
 
         found = self._retrying(entity, "reading a planned batch", peek)
@@ -990,10 +1014,12 @@ class PeekPartition(InputPartition):
 
 def dead_letter_row(received: Any, entity: Entity, now: datetime.datetime) -> tuple:
     """The row of one message of a dead-letter queue (see :data:`DEAD_LETTER_SCHEMA`): ``entity`` is the queue or
-    subscription the dead-letter queue belongs to."""
+    subscription the dead-letter queue belongs to. The reason and the description the service keeps among the
+    message's application properties (:data:`DEAD_LETTER_PROPERTIES`) are in their own columns only, so that a row
+    written back carries the properties the message had."""
     owner = Entity(entity.key, entity.side, split_dead_letter(entity.path)[0])
     text = msgs.text
-    return (*servicebus_row(received, owner, now), text(received.dead_letter_reason),
+    return (*servicebus_row(received, owner, now, leave_out=DEAD_LETTER_PROPERTIES), text(received.dead_letter_reason),
             text(received.dead_letter_error_description), text(received.dead_letter_source))
 
 
@@ -1037,7 +1063,7 @@ class ServiceBusBatchReader(_EntityAccess, DataSourceReader):
             count = PAGE if left is None else min(PAGE, left)
 
             def peek(start: int = start, count: int = count) -> list[Any]:
-                with self._namespace(entity).receiver(entity.path) as receiver:
+                with self._namespace(entity).receiver(entity.path) as receiver, msgs.keeping_property_types(receiver):
                     return list(receiver.peek_messages(max_message_count=count, sequence_number=start))
 
             page = self._retrying(entity, f"peeking from sequence number {start}", peek)

@@ -47,7 +47,11 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import secrets
+import sys
+import threading
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,8 +69,9 @@ from pyspark.sql.datasource import (  # noqa: E402
 from pyspark.sql.types import MapType, StructType, TimestampType  # noqa: E402
 
 from .bus import admin_client  # noqa: E402
-from .config import SinkConfig, SparkSbConfig  # noqa: E402
+from .config import SinkConfig, SparkSbConfig, unsendable  # noqa: E402
 from .errors import ConfigError, ErrorClass, classify, redact  # noqa: E402
+from .options import check_known as _check_known  # noqa: E402
 from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
 from .sink import (  # noqa: E402
@@ -91,6 +96,18 @@ __all__ = ["PartitionSent", "ServiceBusBatchWriter", "stream_writer"]
 
 #: the local property in which Spark's micro-batch execution hands each task its batch id
 BATCH_ID_PROPERTY = "streaming.sql.batchId"
+#: the local property holding the streaming query's id (kept in its checkpoint, the same across restarts)
+QUERY_ID_PROPERTY = "sql.streaming.queryId"
+#: the modules in which Spark's Python worker commits or aborts a streaming write
+_COMMIT_RUNNERS = (os.path.join("sql", "worker", "python_streaming_sink_runner.py"),)
+#: seconds an entity found on the primary is not asked about again (Spark builds the writer for every batch)
+_FOUND_FOR = 300.0
+#: seconds a primary that did not answer is not asked again: a management plane that is down costs a query one
+#: ``admin_timeout`` a minute, not one per batch
+_UNANSWERED_FOR = 60.0
+#: (configuration fingerprint, entity) -> when it was checked (time.monotonic()) and whether it was found
+_CHECKED: dict[tuple[str, str], tuple[float, bool]] = {}
+_CHECKED_LOCK = threading.Lock()
 
 
 @dataclass
@@ -109,6 +126,7 @@ class _Writing:
     WHAT = "servicebus writer"
 
     def __init__(self, options: Mapping[str, str], schema: StructType) -> None:
+        _check_known(options, ("entity", "keyColumn"), self.WHAT)
         self.config: SparkSbConfig = _options_config(options)
         self.sink = _sink_options(self.config.sink, options)
         #: ``{option: local path}`` of the Delta tables configured (sink.reject_table, sink.metrics_table)
@@ -125,7 +143,13 @@ class _Writing:
         self.local_timestamps = _local_timestamp_fields(schema, self.fields)
         self.fingerprint = self.config.fingerprint()
         if self.sink.entity is not None:
-            _check_entity(self.config, str(self.sink.entity))
+            entity = str(self.sink.entity)
+            problem = unsendable(entity)
+            if problem is not None:
+                raise ConfigError("entity" if _option(options, "entity") is not None else "sink.entity", problem,
+                                  entity)
+            if not _committing():
+                _check_entity(self.config, entity)
 
     def _run(self, batch_id: int | str) -> PartitionRun:
         from pyspark import TaskContext
@@ -133,7 +157,11 @@ class _Writing:
         context = TaskContext.get()
         partition = context.partitionId() if context is not None else 0
         return PartitionRun(self.config, self.fingerprint, batch_id, partition, (),
-                             reject="reject_table" in self.tables, sink=self.sink)
+                             reject="reject_table" in self.tables, sink=self.sink, id_prefix=self._id_prefix())
+
+    def _id_prefix(self) -> str:
+        """What derived message ids start with before the batch id (see the module docstring)."""
+        return ""
 
     def _send_batches(self, batch_id: int | str, batches: Iterator[pa.RecordBatch]) -> PartitionSent:
         return _sent(self._run(batch_id).run(batches, self.fields))
@@ -202,6 +230,25 @@ class ServiceBusBatchWriter(_Writing, DataSourceArrowWriter):
 
 
 class _StreamWriting(_Writing):
+    def __init__(self, options: Mapping[str, str], schema: StructType, overwrite: bool = False) -> None:
+        if overwrite:
+            raise ConfigError("outputMode", "a Service Bus entity cannot be overwritten (complete mode would send "
+                              "the whole result again each batch): write with outputMode(\"append\") or "
+                              "\"update\"", "complete")
+        super().__init__(options, schema)
+
+    def _id_prefix(self) -> str:
+        """``q`` and the first 16 hex digits of the query's id (Spark keeps it in the checkpoint: the same across
+        restarts, another for another query or a new checkpoint), then ``-``."""
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        query = context.getLocalProperty(QUERY_ID_PROPERTY) if context is not None else None
+        if not query:
+            raise RuntimeError(f"{self.WHAT}: Spark gave the task no query id (local property {QUERY_ID_PROPERTY}); "
+                               "message ids cannot be derived without it")
+        return "q" + query.replace("-", "")[:16] + "-"
+
     def _batch_id(self) -> int:
         from pyspark import TaskContext
 
@@ -236,8 +283,20 @@ else:
             return self._send_rows(self._batch_id(), iterator)
 
 
-def stream_writer(options: Mapping[str, str], schema: StructType) -> ServiceBusStreamWriter:
-    return ServiceBusStreamWriter(options, schema)
+def stream_writer(options: Mapping[str, str], schema: StructType, overwrite: bool = False) -> ServiceBusStreamWriter:
+    return ServiceBusStreamWriter(options, schema, overwrite)
+
+
+def _committing() -> bool:
+    """Whether Spark builds this writer to commit or abort a streaming batch (its runner builds the writer again
+    for that): the entity was checked when the batch was planned, and an abort must log what was sent even when
+    the entity has been deleted since."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_COMMIT_RUNNERS):
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _sent(output: Iterator[pa.RecordBatch]) -> PartitionSent:
@@ -276,22 +335,37 @@ def _sink_options(sink: SinkConfig, options: Mapping[str, str]) -> SinkConfig:
 
 def _check_entity(config: SparkSbConfig, entity: str) -> None:
     """The default entity exists on the primary as a queue or a topic; raises :class:`ConfigError` naming the
-    ``entity`` option when it does not. A primary that does not answer is logged: the sends fail over."""
+    ``entity`` option when it does not. A primary that does not answer within its ``admin_timeout`` is logged: the
+    sends fail over. What the primary answered is remembered by the process for a while (:data:`_FOUND_FOR`,
+    :data:`_UNANSWERED_FOR`): Spark builds the writer again for every batch."""
+    key = (config.fingerprint(), entity)
+    with _CHECKED_LOCK:
+        checked = _CHECKED.get(key)
+    if checked is not None and time.monotonic() - checked[0] < (_FOUND_FOR if checked[1] else _UNANSWERED_FOR):
+        return
+    found = _ask_primary(config, entity)
+    with _CHECKED_LOCK:
+        _CHECKED[key] = (time.monotonic(), found)
+
+
+def _ask_primary(config: SparkSbConfig, entity: str) -> bool:
+    """:func:`_check_entity`'s question: True when the entity was found, False when the primary did not answer."""
     namespace = config.primary
     try:
         with admin_client(namespace, retry_total=0) as admin:
             for kind, get in (("queue", admin.get_queue), ("topic", admin.get_topic)):
                 try:
                     get(entity)
-                    return
+                    return True
                 except Exception as exc:
                     if classify(exc) is not ErrorClass.CONFIGURATION_NOT_FOUND:
                         raise
                     _LOGGER.debug("%r is not a %s on the primary", entity, kind)
     except Exception as exc:
-        _LOGGER.warning("the primary %s did not answer whether %r exists (%s); the sends will tell",
-                        namespace.fully_qualified_namespace, entity, type(exc).__name__)
-        return
+        _LOGGER.warning("the primary %s did not answer whether %r exists within %g s (%s); the sends will tell",
+                        namespace.fully_qualified_namespace, entity, namespace.admin_timeout_seconds,
+                        type(exc).__name__)
+        return False
     raise ConfigError("entity", f"is neither a queue nor a topic on the primary {namespace.fully_qualified_namespace}",
                       entity)
 

@@ -19,9 +19,11 @@ from typing import Any
 from azure.servicebus import ServiceBusMessage
 
 from .. import messages as msgs
+from ..config import unsendable
 from ..errors import (
     ENCODING_ERRORS,
     BadMessageError,
+    ConfigError,
     ErrorClass,
     classify,
     encoding_error,
@@ -44,9 +46,13 @@ class PartialSend(Exception):
 
 def call_messages(entity: str, message: ServiceBusMessage | Sequence[ServiceBusMessage]) -> list[ServiceBusMessage]:
     """The messages of one send call as a list, once its arguments are checked: ``entity`` must be a non-empty
-    string (``ValueError``), every message a ``ServiceBusMessage`` (``TypeError``)."""
+    string naming a queue or a topic (:class:`~spark_sb.errors.ConfigError`, a ``ValueError``; a subscription or a
+    dead-letter queue takes no message), every message a ``ServiceBusMessage`` (``TypeError``)."""
     if not isinstance(entity, str) or not entity:
         raise ValueError(f"entity must be a non-empty string, got {entity!r}")
+    problem = unsendable(entity)
+    if problem is not None:
+        raise ConfigError("entity", problem, repr(entity))
     batch = [message] if isinstance(message, ServiceBusMessage) else list(message)
     for item in batch:
         if not isinstance(item, ServiceBusMessage):
