@@ -59,3 +59,22 @@ def append_without_spark(location: str, table: Any) -> None:
     from deltalake import write_deltalake
 
     write_deltalake(location, table, mode="append", schema_mode="merge")
+
+
+def append_once(location: str, table: Any, app_id: str, version: int) -> bool:
+    """:func:`append_without_spark` at most once for ``(app_id, version)``: the append records them in the
+    table's log as Delta's idempotent writes do (a ``txn`` action, as Spark's ``txnAppId``/``txnVersion``), and
+    a table that already has ``version`` or a later one for ``app_id`` is left as it is (a replayed batch, a
+    retried task). Returns whether it appended."""
+    from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+    from deltalake.exceptions import TableNotFoundError
+
+    try:
+        done = DeltaTable(location).transaction_version(app_id)
+    except TableNotFoundError:
+        done = None
+    if done is not None and done >= version:
+        return False
+    write_deltalake(location, table, mode="append", schema_mode="merge",
+                    commit_properties=CommitProperties(app_transactions=[Transaction(app_id=app_id, version=version)]))
+    return True

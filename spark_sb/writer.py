@@ -83,7 +83,7 @@ from .sink import (  # noqa: E402
     log_to_stderr_unless_configured,
     merge_summaries,
 )
-from .tables import append_without_spark, local_path  # noqa: E402
+from .tables import append_once, append_without_spark, local_path  # noqa: E402
 
 try:  # Spark 4.1 and later: a streaming writer takes Arrow batches
     from pyspark.sql.datasource import DataSourceStreamArrowWriter
@@ -115,8 +115,11 @@ class PartitionSent(WriterCommitMessage):
     """What one partition did: a summary row of :data:`spark_sb.sink.PARTITION_OUTPUT` as a dict."""
 
     summary: dict[str, Any] = field(default_factory=dict)
-    #: rows rejected (with ``sink.reject_table``): ``(partition, message id, entity, reason, body)``
-    rejects: list[tuple[int, str | None, str | None, str, bytes | None]] = field(default_factory=list)
+    #: the rows this partition rejected that are in the reject table (it appends them itself: only this count
+    #: travels to the driver, whatever the rows' size)
+    rejects_written: int = 0
+    #: the write's key in the tables' logs: the query's id (a stream) or the write id (a batch write)
+    run_key: str = ""
 
 
 class _Writing:
@@ -164,13 +167,40 @@ class _Writing:
         return ""
 
     def _send_batches(self, batch_id: int | str, batches: Iterator[pa.RecordBatch]) -> PartitionSent:
-        return _sent(self._run(batch_id).run(batches, self.fields))
+        return self._sent(self._run(batch_id).run(batches, self.fields), batch_id)
 
     def _send_rows(self, batch_id: int | str, rows: Iterable[Any]) -> PartitionSent:
         fields, local = self.fields, self.local_timestamps
         mapped = ({fields[column]: _utc_row_value(value, fields[column] in local)
                    for column, value in row.asDict(recursive=False).items() if column in fields} for row in rows)
-        return _sent(self._run(batch_id).run_rows(mapped))
+        return self._sent(self._run(batch_id).run_rows(mapped), batch_id)
+
+    def _run_key(self) -> str:
+        """The write's key in the tables' logs (see :attr:`PartitionSent.run_key`)."""
+        raise NotImplementedError
+
+    def _sent(self, output: Iterator[pa.RecordBatch], batch_id: int | str) -> PartitionSent:
+        """What a partition run yielded, as its commit message: the summary, and how many rejected rows this
+        partition appended to the reject table (once per batch and partition: a retried task or a replayed
+        batch finds its rows there and appends nothing, :func:`spark_sb.tables.append_once`)."""
+        sent = PartitionSent(run_key=self._run_key())
+        rejects: list[tuple] = []
+        for batch in output:
+            for row in batch.to_pylist():
+                if row["kind"] == "reject":
+                    rejects.append((row["partition"], row["message_id"], row["entity"], row["reason"], row["body"]))
+                else:
+                    sent.summary = {**row, "backlog": dict(row["backlog"]), "health": dict(row["health"])}
+        if rejects:
+            partition = rejects[0][0]
+            version = batch_id if isinstance(batch_id, int) else 0
+            appended = append_once(self.tables["reject_table"],
+                                   _rejects_table(batch_id if isinstance(batch_id, int) else None, rejects),
+                                   f"spark-sb-rejects-{sent.run_key}-{partition}", version)
+            _LOGGER.warning("%s batch %s partition %s: %d rejected rows %s %s", self.WHAT, batch_id, partition,
+                            len(rejects), "written to" if appended else "already in", self.sink.reject_table)
+            sent.rejects_written = len(rejects)
+        return sent
 
     def _summary(self, messages: Iterable[WriterCommitMessage | None], batch_id: int) -> BatchSummary:
         """The partitions' summaries merged (:func:`spark_sb.sink.merge_summaries`)."""
@@ -186,18 +216,19 @@ class _Writing:
         summary = self._summary(done, batch_id or 0)
         summary.batch_id = batch_id
         summary.seconds = max((m.summary["seconds"] for m in done), default=0.0)
-        rejects = [r for m in done for r in m.rejects]
-        if rejects:
-            append_without_spark(self.tables["reject_table"], _rejects_table(batch_id, rejects))
-            _LOGGER.warning("%s %s: %d rejected rows written to %s", self.WHAT, label, len(rejects),
-                            self.sink.reject_table)
-        if summary.rejected != len(rejects):
-            raise RuntimeError(f"{self.WHAT} {label}: {summary.rejected} rows rejected but {len(rejects)} "
+        written = sum(m.rejects_written for m in done)
+        if summary.rejected != written:
+            raise RuntimeError(f"{self.WHAT} {label}: {summary.rejected} rows rejected but {written} "
                                "written to the reject table")
         check_unaccounted(summary)
         _LOGGER.info("%s %s: %s", self.WHAT, label, summary.describe())
         if "metrics_table" in self.tables:
-            append_without_spark(self.tables["metrics_table"], _metrics_table(summary))
+            run_key = next((m.run_key for m in done if m.run_key), None)
+            if run_key is None:  # no partition reported: nothing to key the row by
+                append_without_spark(self.tables["metrics_table"], _metrics_table(summary))
+            else:  # once per batch: a commit that failed after appending and ran again appends nothing
+                append_once(self.tables["metrics_table"], _metrics_table(summary), f"spark-sb-metrics-{run_key}",
+                            batch_id or 0)
         return summary
 
     def _abort(self, messages: Iterable[WriterCommitMessage | None], label: str, batch_id: int) -> None:
@@ -218,6 +249,9 @@ class ServiceBusBatchWriter(_Writing, DataSourceArrowWriter):
                               "write with .mode(\"append\")", "overwrite")
         super().__init__(options, schema)
         self.write_id = "w" + secrets.token_hex(6)
+
+    def _run_key(self) -> str:
+        return self.write_id
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> PartitionSent:
         return self._send_batches(self.write_id, iterator)
@@ -240,6 +274,10 @@ class _StreamWriting(_Writing):
     def _id_prefix(self) -> str:
         """``q`` and the first 16 hex digits of the query's id (Spark keeps it in the checkpoint: the same across
         restarts, another for another query or a new checkpoint), then ``-``."""
+        return "q" + self._run_key().replace("-", "")[:16] + "-"
+
+    def _run_key(self) -> str:
+        """The query's id, which Spark hands each task."""
         from pyspark import TaskContext
 
         context = TaskContext.get()
@@ -247,7 +285,7 @@ class _StreamWriting(_Writing):
         if not query:
             raise RuntimeError(f"{self.WHAT}: Spark gave the task no query id (local property {QUERY_ID_PROPERTY}); "
                                "message ids cannot be derived without it")
-        return "q" + query.replace("-", "")[:16] + "-"
+        return str(query)
 
     def _batch_id(self) -> int:
         from pyspark import TaskContext
@@ -297,19 +335,6 @@ def _committing() -> bool:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
-
-
-def _sent(output: Iterator[pa.RecordBatch]) -> PartitionSent:
-    """What a partition run yielded, as its commit message: the summary, and the rejected rows, which travel to
-    ``commit`` (the reject table is appended to there, once the whole batch was sent)."""
-    sent = PartitionSent()
-    for batch in output:
-        for row in batch.to_pylist():
-            if row["kind"] == "reject":
-                sent.rejects.append((row["partition"], row["message_id"], row["entity"], row["reason"], row["body"]))
-            else:
-                sent.summary = {**row, "backlog": dict(row["backlog"]), "health": dict(row["health"])}
-    return sent
 
 
 def _sink_options(sink: SinkConfig, options: Mapping[str, str]) -> SinkConfig:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -82,7 +84,7 @@ def test_options_the_writer_does_not_take_are_refused_naming_them(spark, primary
     df = _rows(spark, 5)
 
     def refused(match: str, **extra: str) -> str:
-        with pytest.raises(Exception, match=match) as caught:
+        with pytest.raises(Exception, match="(?i)" + match) as caught:
             df.write.format("servicebus").options(**{**options, "entity": q, **extra}).mode("append").save()
         return str(caught.value)
 
@@ -163,3 +165,34 @@ def test_complete_mode_is_refused_before_anything_is_sent(spark, primary, second
         finally:
             query.stop()
     assert receive_all(primary.connection_string, q, wait=0.5) == []
+
+
+#: a batch write of 40 rejected rows of 100 KB (their key is null) in a Spark whose driver takes at most 1 MiB of
+#: task results
+_LARGE_REJECTS = """
+import json, sys
+from pyspark.sql import SparkSession
+from spark_sb.source import register
+spark = (SparkSession.builder.master("local[2]").config("spark.driver.maxResultSize", "1m")
+         .config("spark.ui.enabled", "false").getOrCreate())
+register(spark)
+rows = [("x" * 100_000, None)] * 40 + [("fine", "1")]
+spark.createDataFrame(rows, "body string, k string").repartition(2).write.format("servicebus") \\
+    .options(**json.loads(sys.argv[1])).mode("append").save()
+spark.stop()
+"""
+
+
+def test_rejected_rows_never_travel_to_the_driver(primary, secondary, make_queue, tmp_path) -> None:
+    from deltalake import DeltaTable
+
+    q = make_queue()
+    rejects = tmp_path / "rejects"
+    options = {**config_options(sink_config(primary, secondary, reject_table=str(rejects))), "entity": q,
+               "keyColumn": "k"}
+    done = subprocess.run([sys.executable, "-c", _LARGE_REJECTS, json.dumps(options)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [str(m) for m in receive_all(primary.connection_string, q)] == ["fine"]
+    table = DeltaTable(str(rejects)).to_pyarrow_table(columns=["entity", "body"]).to_pylist()
+    assert len(table) == 40 and all(len(r["body"]) == 100_000 for r in table)
