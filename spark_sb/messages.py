@@ -29,15 +29,25 @@ precision, as on the wire. Only the backlog's own properties (:data:`BACKLOG_PRO
 
 :func:`check_encodable` says which field of a message the SDK cannot encode; :func:`set_time_to_live` sets a
 TTL in milliseconds (the SDK's setter keeps whole seconds).
+
+Rows hold application properties as text with each one's AMQP type beside it (the ``servicebus`` source's
+``application_property_types``): :func:`property_types` says what a message's are (as the service sent them when
+it was peeked under :func:`keeping_property_types`, the one helper here that touches an SDK object: it lends a
+receiver a transport that reads them off the wire) and :func:`property_value` turns a row's text back into a
+value of its type, or says why it cannot.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import copy
 import datetime
+import decimal
 import enum
 import json
 import logging
+import math
 import re
 import uuid
 from collections.abc import Iterator, Mapping
@@ -81,6 +91,7 @@ __all__ = [
     "X_MS_SCHEDULED_ENQUEUE_TIME",
     "X_MS_SESSION_ID",
     "X_MS_TIME_TO_LIVE",
+    "SENDABLE_PROPERTY_TYPES",
     "RestoreStatus",
     "Restored",
     "check_encodable",
@@ -89,9 +100,13 @@ __all__ = [
     "from_backlog",
     "from_received_bytes",
     "is_ping",
+    "keeping_property_types",
     "message_size",
     "received_bytes",
     "ping_message",
+    "property_types",
+    "property_types_on_wire",
+    "property_value",
     "set_time_to_live",
     "text",
     "to_backlog",
@@ -820,6 +835,327 @@ def from_backlog(
         **_restored_body(raw, body_types),
     )
     return Restored(RestoreStatus.RESTORED, entity, _wrap(annotated))
+
+
+# --- application properties in rows: their text and their AMQP types -----------------------------------
+#
+# The ``servicebus`` source's rows hold application properties as text (``map<string, string>``) and, beside
+# them, each one's AMQP type by its name in the AMQP 1.0 specification (``application_property_types``):
+# ``{"p": "int", "at": "timestamp", "region": "string"}``. The sink reads the text back as that type, so a
+# message written back from a row carries the same types as the one read (a numeric SQL filter on a
+# subscription still matches it). The SDK's decoder loses most of these types (an int, a long and a timestamp
+# all arrive as ``int``); :func:`keeping_property_types` reads them off the wire while a receiver peeks.
+
+#: the types a row can give a property back: text -> value (:func:`property_value`)
+SENDABLE_PROPERTY_TYPES = ("string", "symbol", "binary", "boolean", "byte", "short", "int", "long", "ubyte",
+                           "ushort", "uint", "ulong", "float", "double", "decimal128", "timestamp", "uuid")
+#: the type name of each AMQP constructor a property value can start with (the high nibble gives its width)
+_WIRE_TYPE_NAMES = {
+    0x40: "null", 0x41: "boolean", 0x42: "boolean", 0x56: "boolean", 0x50: "ubyte", 0x51: "byte",
+    0x60: "ushort", 0x61: "short", 0x70: "uint", 0x52: "uint", 0x43: "uint", 0x80: "ulong", 0x53: "ulong",
+    0x44: "ulong", 0x71: "int", 0x54: "int", 0x81: "long", 0x55: "long", 0x72: "float", 0x82: "double",
+    0x74: "decimal32", 0x84: "decimal64", 0x94: "decimal128", 0x73: "char", 0x83: "timestamp", 0x98: "uuid",
+    0xA0: "binary", 0xB0: "binary", 0xA1: "string", 0xB1: "string", 0xA3: "symbol", 0xB3: "symbol",
+    0x45: "list", 0xC0: "list", 0xD0: "list", 0xC1: "map", 0xD1: "map", 0xE0: "array", 0xF0: "array",
+    0x00: "described",
+}
+_FIXED_WIDTHS = {0x4: 0, 0x5: 1, 0x6: 2, 0x7: 4, 0x8: 8, 0x9: 16}
+_APPLICATION_PROPERTIES_SECTION = 0x74
+_INTEGER_RANGES = {
+    "byte": (-(2**7), 2**7 - 1), "short": (-(2**15), 2**15 - 1), "int": (_MIN_INT32, _MAX_INT32),
+    "long": (-(2**63), 2**63 - 1), "ubyte": (0, 2**8 - 1), "ushort": (0, 2**16 - 1), "uint": (0, 2**32 - 1),
+    "ulong": (0, 2**64 - 1),
+}
+_TYPE_NAMES = {
+    AMQPTypes.null: "null", AMQPTypes.boolean: "boolean", AMQPTypes.ubyte: "ubyte", AMQPTypes.byte: "byte",
+    AMQPTypes.ushort: "ushort", AMQPTypes.short: "short", AMQPTypes.uint: "uint", AMQPTypes.int: "int",
+    AMQPTypes.ulong: "ulong", AMQPTypes.long: "long", AMQPTypes.float: "float", AMQPTypes.double: "double",
+    AMQPTypes.timestamp: "timestamp", AMQPTypes.uuid: "uuid", AMQPTypes.binary: "binary",
+    AMQPTypes.string: "string", AMQPTypes.symbol: "symbol", AMQPTypes.list: "list", AMQPTypes.map: "map",
+    AMQPTypes.array: "array", AMQPTypes.described: "described", AMQPTypes.decimal128: "decimal128",
+}
+_BY_TYPE_NAME = {name: amqp_type for amqp_type, name in _TYPE_NAMES.items()}
+_INTEGER_TEXT = re.compile(r"[+-]?[0-9]+")
+_MAX_FLOAT32 = 3.4028234663852886e38
+#: the attribute :func:`keeping_property_types` sets on each message it sees peeked
+_WIRE_TYPES_ATTRIBUTE = "_spark_sb_property_types"
+
+
+def _after(view: memoryview, at: int, depth: int = 0) -> int:
+    """Where the AMQP value whose constructor is at ``at`` ends (read by its width, never decoded)."""
+    if depth > 64:
+        raise ValueError("described values nested too deep")
+    constructor = view[at]
+    at += 1
+    if constructor == 0x00:  # described: a descriptor, then the value
+        return _after(view, _after(view, at, depth + 1), depth + 1)
+    width = constructor >> 4
+    if width in _FIXED_WIDTHS:
+        end = at + _FIXED_WIDTHS[width]
+    elif width in (0xA, 0xC, 0xE):
+        end = at + 1 + view[at]
+    elif width in (0xB, 0xD, 0xF):
+        end = at + 4 + int.from_bytes(view[at:at + 4], "big")
+    else:
+        raise ValueError(f"0x{constructor:02x} is no AMQP constructor")
+    if end > len(view):
+        raise ValueError("the value runs past the end of the message")
+    return end
+
+
+def property_types_on_wire(payload: bytes | bytearray | memoryview) -> dict[str, str]:
+    """``{name: AMQP type}`` of the application properties of an encoded AMQP message (its sections, as the
+    service sends them), null values left out; a type spark-sb cannot send back is named too (``described``,
+    ``list``, ``char``...). Raises ``ValueError`` (or ``IndexError``) when ``payload`` is not a message."""
+    view = memoryview(payload)
+    at = 0
+    while at < len(view):
+        if view[at] != 0x00:
+            raise ValueError(f"byte {at} does not start a message section")
+        if view[at + 1] == 0x53:  # smallulong descriptor
+            code, at = view[at + 2], at + 3
+        elif view[at + 1] == 0x80:  # ulong descriptor
+            code, at = int.from_bytes(view[at + 2:at + 10], "big"), at + 10
+        else:  # a symbolic descriptor
+            code, at = None, _after(view, at + 1)
+        if code == _APPLICATION_PROPERTIES_SECTION:
+            return _wire_map_types(view, at)
+        at = _after(view, at)
+    return {}
+
+
+def _wire_map_types(view: memoryview, at: int) -> dict[str, str]:
+    constructor = view[at]
+    if constructor == 0x40:  # null: no properties
+        return {}
+    if constructor == 0xC1:
+        count, at = view[at + 2], at + 3
+    elif constructor == 0xD1:
+        count, at = int.from_bytes(view[at + 5:at + 9], "big"), at + 9
+    else:
+        raise ValueError(f"the application properties are not a map (constructor 0x{constructor:02x})")
+    types: dict[str, str] = {}
+    for _ in range(count // 2):
+        key_constructor, key_end = view[at], _after(view, at)
+        if key_constructor in (0xA1, 0xA3):
+            key = bytes(view[at + 2:key_end])
+        elif key_constructor in (0xB1, 0xB3):
+            key = bytes(view[at + 5:key_end])
+        else:
+            raise ValueError(f"an application property name is not a string (constructor 0x{key_constructor:02x})")
+        name = _wire_described(view, key_end) if view[key_end] == 0x00 else _WIRE_TYPE_NAMES.get(
+            view[key_end], f"0x{view[key_end]:02x}")
+        at = _after(view, key_end)
+        if name != "null":
+            types[_key(key)] = name
+    return types
+
+
+def _wire_described(view: memoryview, at: int) -> str:
+    """The type of the described value at ``at``: ``described:<descriptor>:<type of its value>`` (a symbol, or a
+    number as ``0x...``) when that value is of a type :func:`property_value` sends, e.g. .NET's DateTimeOffset
+    ``described:com.microsoft:datetime-offset:long``; else ``described``."""
+    constructor = view[at + 1]
+    if constructor in (0xA3, 0xB3):
+        start = at + 3 if constructor == 0xA3 else at + 6
+        descriptor = bytes(view[start:_after(view, at + 1)]).decode("ascii", "replace")
+    elif constructor == 0x53:
+        descriptor = f"0x{view[at + 2]:x}"
+    elif constructor == 0x80:
+        descriptor = f"0x{int.from_bytes(view[at + 2:at + 10], 'big'):x}"
+    else:
+        return "described"
+    inner = _WIRE_TYPE_NAMES.get(view[_after(view, at + 1)])
+    return f"described:{descriptor}:{inner}" if inner in SENDABLE_PROPERTY_TYPES else "described"
+
+
+def _record_wire_types(parsed: Any, answer: Any) -> None:
+    """Give each message of ``parsed`` (what a management operation's callback made of ``answer``, the service's
+    reply) the application property types its bytes in ``answer`` have (:data:`_WIRE_TYPES_ATTRIBUTE`)."""
+    value = getattr(answer, "value", None)
+    wire = value.get(b"messages") if isinstance(value, dict) else None
+    if not isinstance(parsed, list) or not isinstance(wire, list) or len(wire) != len(parsed):
+        return
+    for received, item in zip(parsed, wire, strict=True):
+        try:
+            types = property_types_on_wire(item[b"message"])
+        except Exception as exc:  # never fails a peek: the decoded values say what they can
+            _LOGGER.debug("application property types not read off the wire: %s: %s", type(exc).__name__, exc)
+            continue
+        setattr(received, _WIRE_TYPES_ATTRIBUTE, types)
+
+
+def _keeping_types(base: type) -> type:
+    """``base`` (the SDK's pyamqp transport) whose management requests (a peek, a receive by sequence number) also
+    record the application property types of the messages they return, read off the bytes of the service's reply.
+    The SDK parses those messages in the request's callback (``mgmt_handlers.peek_op``), to which
+    ``PyamqpTransport.mgmt_client_request`` hands ``PyamqpTransport`` itself whatever the receiver's transport is:
+    so the callback is wrapped, not the parse."""
+    cached = _KEEPING_TYPES.get(base)
+    if cached is not None:
+        return cached
+
+    def mgmt_client_request(mgmt_client: Any, mgmt_msg: Any, **kwargs: Any) -> Any:
+        callback = kwargs.pop("callback")
+
+        def recording(status: Any, answer: Any, description: Any, **more: Any) -> Any:
+            parsed = callback(status, answer, description, **more)
+            _record_wire_types(parsed, answer)
+            return parsed
+
+        request = base.mgmt_client_request  # type: ignore[attr-defined]
+        return request(mgmt_client, mgmt_msg, callback=recording, **kwargs)
+
+    kept = type(f"{base.__name__}KeepingPropertyTypes", (base,),
+                {"mgmt_client_request": staticmethod(mgmt_client_request), "__module__": __name__})
+    _KEEPING_TYPES[base] = kept
+    return kept
+
+
+_KEEPING_TYPES: dict[type, type] = {}
+
+
+@contextlib.contextmanager
+def keeping_property_types(receiver: Any) -> Iterator[Any]:
+    """While the block runs, every message ``receiver`` (a ``ServiceBusReceiver`` held by this thread alone)
+    peeks or receives by sequence number records its application properties' AMQP types as the service sent
+    them, which :func:`property_types` then reports (the SDK's decoder loses them). The receiver's management
+    requests go through its transport: for the block, a subclass of it whose requests also read the types off
+    the reply's bytes (see :func:`_keeping_types`); the receiver's own is put back when the block ends. Does
+    nothing for a transport other than the SDK's pyamqp one (the types are then inferred from the values)."""
+    transport = getattr(receiver, "_amqp_transport", None)
+    if not (isinstance(transport, type) and issubclass(transport, PyamqpTransport)):
+        yield receiver
+        return
+    receiver._amqp_transport = _keeping_types(transport)
+    try:
+        yield receiver
+    finally:
+        receiver._amqp_transport = transport
+
+
+def _inferred_type(value: Any) -> str:
+    """The AMQP type of a decoded (or in-process) property value, as far as the value tells: the SDK hands a
+    string, a binary and a symbol over as ``bytes`` (sent back as a string), an int, a long and a timestamp as
+    ``int`` (an int when it fits 32 bits, else a long), a float and a double as ``float`` (a double)."""
+    if _is_typed(value):
+        return _TYPE_NAMES.get(value[TYPE], "described")
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "int" if _MIN_INT32 <= value <= _MAX_INT32 else "long" if value < 2**63 else "ulong"
+    if isinstance(value, float):
+        return "double"
+    if isinstance(value, str | bytes | bytearray):
+        return "string"
+    if isinstance(value, datetime.datetime):
+        return "timestamp"
+    if isinstance(value, uuid.UUID):
+        return "uuid"
+    if isinstance(value, decimal.Decimal):
+        return "decimal128"
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, dict):
+        return "map"
+    return "described"
+
+
+def property_types(message: ServiceBusMessage | AmqpAnnotatedMessage) -> dict[str, str]:
+    """``{name: AMQP type}`` for each application property of ``message`` that is not null: as the service sent
+    it when ``message`` was peeked under :func:`keeping_property_types`, else as far as the decoded value tells
+    (see :func:`_inferred_type`: a timestamp then reads as a long, a binary as a string)."""
+    wire = getattr(message, _WIRE_TYPES_ATTRIBUTE, None) or {}
+    types: dict[str, str] = {}
+    for key, value in (_raw(message).application_properties or {}).items():
+        if _plain(value) is None:
+            continue
+        name = _key(key)
+        types[name] = wire.get(name) or _inferred_type(value)
+    return types
+
+
+def _an(amqp_type: str) -> str:
+    return f"an {amqp_type}" if amqp_type == "int" else f"a {amqp_type}"
+
+
+def property_value(name: str, text: str | None, amqp_type: str) -> Any:
+    """The value to send for application property ``name`` whose text (as a row holds it) is of ``amqp_type``
+    (a name of :data:`SENDABLE_PROPERTY_TYPES`, or ``described:<descriptor>:<one of those>``, the descriptor a
+    symbol or a ``0x`` number): a plain Python value where the SDK's encoder infers that type,
+    else a pyamqp typed value. A timestamp's text is its milliseconds since the epoch (what the source writes) or
+    an ISO 8601 time (UTC when it has no offset); a binary's is base64. Raises ``ValueError`` naming the property,
+    the text and the type when the text is not of that type: never sent as something else."""
+    if text is None:
+        return None
+    if str(amqp_type).startswith("described:"):  # described:<descriptor>:<type>
+        described, _, inner = str(amqp_type).rpartition(":")
+        descriptor = described[len("described:"):]
+        if inner.strip().lower() in SENDABLE_PROPERTY_TYPES and descriptor:
+            code: Any = _typed(AMQPTypes.ulong, int(descriptor, 16)) if re.fullmatch(
+                r"0x[0-9a-fA-F]{1,16}", descriptor) else _typed(AMQPTypes.symbol, descriptor)
+            return _typed(AMQPTypes.described, (code, property_value(name, text, inner)))
+    kind = str(amqp_type).strip().lower()
+    where = f"application property {name!r}"
+    if kind not in SENDABLE_PROPERTY_TYPES:
+        raise ValueError(f"{where} has type {amqp_type!r:.40} in application_property_types, which cannot be sent "
+                         f"from text (the types that can: {', '.join(SENDABLE_PROPERTY_TYPES)}): remove the property "
+                         "or give it one of those types")
+    wrong = ValueError(f"{where}: {text!r:.80} is not {_an(kind)} (its type in application_property_types)")
+    if kind == "string":
+        return text
+    if kind == "symbol":
+        return _typed(AMQPTypes.symbol, text)
+    if kind == "binary":
+        try:
+            return _typed(AMQPTypes.binary, base64.b64decode(text, validate=True))
+        except ValueError:  # binascii.Error too
+            raise ValueError(f"{where}: {text!r:.80} is not base64 (a binary's text)") from None
+    if kind == "boolean":
+        flag = text.strip().lower()
+        if flag not in ("true", "false"):
+            raise wrong
+        return flag == "true"
+    if kind in _INTEGER_RANGES:
+        if not _INTEGER_TEXT.fullmatch(text.strip()):
+            raise wrong
+        number = int(text.strip())
+        low, high = _INTEGER_RANGES[kind]
+        if not low <= number <= high:
+            raise ValueError(f"{where}: {number} is out of range for {_an(kind)} ({low}..{high})")
+        return number if kind == "int" else _typed(_BY_TYPE_NAME[kind], number)
+    if kind in ("float", "double"):
+        try:
+            number_f = float(text)
+        except ValueError:
+            raise wrong from None
+        if kind == "double":
+            return number_f
+        if math.isfinite(number_f) and abs(number_f) > _MAX_FLOAT32:
+            raise ValueError(f"{where}: {text!r:.80} is out of range for a float (32 bits)")
+        return _typed(AMQPTypes.float, number_f)
+    if kind == "timestamp":
+        stripped = text.strip()
+        if _INTEGER_TEXT.fullmatch(stripped):
+            ms = int(stripped)
+        else:
+            try:
+                ms = _ms(datetime.datetime.fromisoformat(stripped))
+            except ValueError:
+                raise ValueError(f"{where}: {text!r:.80} is not a timestamp (milliseconds since the epoch, or "
+                                 "an ISO 8601 time)") from None
+        if not -(2**63) <= ms < 2**63:
+            raise ValueError(f"{where}: {ms} ms is out of range for a timestamp")
+        return _typed(AMQPTypes.timestamp, ms)
+    if kind == "uuid":
+        try:
+            return uuid.UUID(text.strip())
+        except ValueError:
+            raise wrong from None
+    try:  # decimal128
+        return decimal.Decimal(text.strip())
+    except decimal.InvalidOperation:
+        raise wrong from None
 
 
 # --- pings and sizes -------------------------------------------------------------------------------------

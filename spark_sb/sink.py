@@ -36,11 +36,11 @@ the batch, the column and its type), with or without a reject table.
 properties, e.g. ``{"p": "int", "at": "timestamp"}``), each property's text is sent as that type
 (:func:`spark_sb.messages.property_value`: ``string``, ``symbol``, ``binary`` (base64), ``boolean``, ``byte``,
 ``short``, ``int``, ``long``, ``ubyte``, ``ushort``, ``uint``, ``ulong``, ``float``, ``double``, ``decimal128``,
-``timestamp`` (milliseconds since the epoch, or ISO 8601), ``uuid``); a property it does not name is a string. A
-text that is not of its type (``five`` for an ``int``), or a type that cannot be sent from text (``list``,
-``described``...), makes the row a bad row whose reason names the property: it is never sent as another type. So a
-row read from a queue or a dead-letter queue and written back is the message it was: the same fields, TTL
-(``time_to_live_ms``) and property types.
+``timestamp`` (milliseconds since the epoch, or ISO 8601), ``uuid``, and ``described:<descriptor>:<one of these>``,
+e.g. .NET's DateTimeOffset); a property it does not name is a string. A text that is not of its type (``five`` for
+an ``int``), or a type that cannot be sent from text (``list``, ``map``, ``described``...), makes the row a bad row
+whose reason names the property: it is never sent as another type. So a row read from a queue or a dead-letter
+queue and written back is the message it was: the same fields, TTL (``time_to_live_ms``) and property types.
 
 **Message ids** are the key column's value, else ``<batch id>-<partition>-<hash>-<n>``: a hash of the row's
 mapped values, and ``n`` the row's occurrence number among identical rows of its partition. A replayed batch
@@ -831,3 +831,14 @@ def _time_to_live(row: Mapping[str, Any]) -> datetime.timedelta | None:
 
 _MAX_TTL_MS = 0xFFFFFFFF  # the AMQP header's ttl is a uint
 
+
+
+def message_for_row(row: Mapping[str, Any]) -> ServiceBusMessage:
+    """The message the ``servicebus`` writer would send for ``row``, whose keys are message fields (the columns of
+    a batch read: ``body``, ``message_id``, ``application_properties``...); ``body`` and ``message_id`` must be
+    set. Raises ``ValueError`` (or ``TypeError``) naming the field."""
+    if row.get("body") is None:
+        raise ValueError("body is null")
+    if row.get("message_id") is None:
+        raise ValueError("message_id is null: give the row a message id")
+    return _to_message(row, str(row["message_id"]))

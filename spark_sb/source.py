@@ -49,9 +49,10 @@ Columns of ``servicebus`` (:data:`SERVICEBUS_SCHEMA`), in the style of the Kafka
 ``namespace`` (primary or secondary), ``entity``, ``message_id``, ``body`` (binary), ``sequence_number``,
 ``enqueued_time``, ``delivery_count``, ``session_id``, ``partition_key``, ``subject``, ``content_type``,
 ``correlation_id``, ``reply_to``, ``to``, ``time_to_live_ms``, ``application_properties`` (map of strings: each
-value as text, a timestamp as its milliseconds since the epoch, a binary as base64) and ``application_property_types``
-(map of strings: each property's AMQP type, ``int``, ``long``, ``double``, ``boolean``, ``timestamp``, ``string``...,
-as the service sent it; nulls left out). The columns are the ``servicebus`` writer's and the sink's
+value as text, a timestamp as its milliseconds since the epoch, a binary as base64) and
+``application_property_types`` (map of strings: each property's AMQP type, ``int``, ``long``, ``double``,
+``boolean``, ``timestamp``, ``string``..., as the service sent it, a described value as
+``described:<descriptor>:<type>``; nulls left out). The columns are the ``servicebus`` writer's and the sink's
 (:mod:`spark_sb.sink`): a row written back is sent with the same fields, TTL and property types. A dead-letter
 queue's rows (:data:`DEAD_LETTER_SCHEMA`) add ``dead_letter_reason``, ``dead_letter_error_description`` and
 ``dead_letter_source``; the reason and description are not among their application properties.
@@ -143,10 +144,10 @@ else:
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["DEAD_LETTER_PROPERTIES", "DEAD_LETTER_SCHEMA", "SCHEMA", "SERVICEBUS_SCHEMA", "BacklogDataSource", "BacklogStreamReader",
-           "DeferredPartition", "DeferringStreamReader", "Entity", "PeekPartition", "ServiceBusBatchReader",
-           "ServiceBusDataSource", "ServiceBusStreamReader", "backlog_row", "config_options", "dead_letter_row",
-           "dedupe", "register", "servicebus_row"]
+__all__ = ["DEAD_LETTER_PROPERTIES", "DEAD_LETTER_SCHEMA", "SCHEMA", "SERVICEBUS_SCHEMA", "BacklogDataSource",
+           "BacklogStreamReader", "DeferredPartition", "DeferringStreamReader", "Entity", "PeekPartition",
+           "ServiceBusBatchReader", "ServiceBusDataSource", "ServiceBusStreamReader", "backlog_row", "config_options",
+           "dead_letter_row", "dedupe", "register", "servicebus_row"]
 
 FORMAT = "servicebus-backlog"
 SCHEMA = StructType([
@@ -411,10 +412,11 @@ def servicebus_row(received: Any, entity: Entity, now: datetime.datetime, *, lea
     types = msgs.property_types(received)
     properties: dict[str, str | None] = {}
     for key, value in (received.application_properties or {}).items():
-        name = text(key)
+        name = text(key) or ""  # a name is never null on the wire
         if name in leave_out:
             continue
-        binary = types.get(name) == "binary" and isinstance(value, bytes | bytearray)
+        # a binary, or a described binary (described:<descriptor>:binary)
+        binary = types.get(name, "").rpartition(":")[2] == "binary" and isinstance(value, bytes | bytearray)
         properties[name] = base64.b64encode(value).decode("ascii") if binary else _property_text(value)
     kept_types = {name: kind for name, kind in types.items() if name in properties}
     return (entity.side, entity.path, text(received.message_id), _body(received), int(received.sequence_number),
