@@ -5,7 +5,8 @@ case-insensitive string options, or by :func:`load_reference` from what :meth:`S
 gave. Shape (defaults shown)::
 
     primary:   {connection_string: "${SB_PRIMARY}"}        # or fully_qualified_namespace + credential
-    secondary: {connection_string: "${SB_SECONDARY}"}
+    secondary: {connection_string: "${SB_SECONDARY}"}        # each also takes admin_timeout: 10s (every
+                                                             # administration API call: connect, and each read)
     send_availability:
       backlog_queue_count: 10
       failover_interval: 60s          # durations: 500ms / 60s / 5m / 1h / 1h30m, ISO 8601 (PT1M); numbers are seconds

@@ -11,14 +11,18 @@ message ids, chunks, sends in flight and checks. What differs is who drives it: 
 Options (case-insensitive), as the ``servicebus`` source takes them: the configuration by reference (``conf``: a
 YAML path; ``config``: JSON whose secrets are ``${ENV_VAR}`` references; or flat options holding no literal
 secret, see :func:`spark_sb.source.config_options`); ``entity`` (the default entity, over ``sink.entity``; a
-row's ``entity`` column still wins) and ``keyColumn`` (over ``sink.key_column``). Checked before anything is
-sent: the options, the columns (names and types, as the sink checks them) and that the ``entity`` exists on the
-primary as a queue or a topic (when the primary does not answer, the check is left to the sends, which fail
-over).
+row's ``entity`` column still wins) and ``keyColumn`` (over ``sink.key_column``). Any other option is refused
+naming it (:func:`spark_sb.options.check_known`), and so is a flat configuration option next to ``conf`` or
+``config``. Checked before anything is sent: the options, the columns (names and types, as the sink checks them),
+that the ``entity`` is a queue or a topic (never a subscription or a dead-letter queue) and that it exists on
+the primary (asked within the primary's ``admin_timeout``, remembered by the process for a while; when the
+primary does not answer, the check is left to the sends, which fail over). A stream in complete mode is refused.
 
-**Message ids**: the key column's value; else, in a stream, ``<batch id>-<partition>-<hash>-<n>`` as the sink
-derives them (Spark's batch id, read from the task's local property ``streaming.sql.batchId``): a replayed
-batch sends the same ids, and an entity with duplicate detection keeps one copy. A batch write
+**Message ids**: the key column's value; else, in a stream, ``q<query>-<batch id>-<partition>-<hash>-<n>``
+(``<query>``: 16 hex digits of the query's id, which Spark keeps in the checkpoint; the rest as the sink derives
+them, with Spark's batch id read from the task's local property ``streaming.sql.batchId``): a replayed batch
+sends the same ids, and an entity with duplicate detection keeps one copy; another query writing the same rows
+sends other ids. A batch write
 (``df.write``) has no batch id: its ids start with a write id drawn when the write is planned (``w<hex>``), the
 same for every task retry of that write and new for the next write. Give a key column to make a second run of
 the same write a duplicate.
@@ -30,10 +34,11 @@ spark_sb's lines go to its stderr, which Spark passes to the driver's); ``abort`
 finished had sent (sent again, with the same ids, when the batch is replayed).
 
 **Bad rows** are handled as the sink handles them: with ``sink.reject_table`` each goes there (batch id, partition,
-message id, entity, reason, body, time) and the rest is sent; without it the batch fails with the sink's
+message id, entity, reason, body, time), appended by its partition once per batch (only the count travels to the
+driver), and the rest is sent; without it the batch fails with the sink's
 :class:`~spark_sb.errors.BadInputError` (batch, entity, message id, reason). ``sink.metrics_table`` gets one row
-per batch, as the sink writes it. Spark runs a Python writer's ``commit`` in a worker process without a
-SparkSession, so the writer appends to these Delta tables with delta-rs (the ``deltalake`` package, extra
+per batch, as the sink writes it, once per batch. Spark runs a Python writer's ``commit`` in a worker process
+without a SparkSession, so the writer appends to these Delta tables with delta-rs (the ``deltalake`` package, extra
 ``delta-rs``), by local path only (``/Volumes/...`` on Databricks, ``data/x``): a catalog table name or a remote
 path (``abfss://``) is refused when the write is planned (``foreachBatch(PairedSink)`` writes those). A batch
 write's rows there have a null batch id.
