@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
+import os
 import subprocess
 import sys
 import threading
@@ -196,3 +198,20 @@ def test_rejected_rows_never_travel_to_the_driver(primary, secondary, make_queue
     assert [str(m) for m in receive_all(primary.connection_string, q)] == ["fine"]
     table = DeltaTable(str(rejects)).to_pyarrow_table(columns=["entity", "body"]).to_pylist()
     assert len(table) == 40 and all(len(r["body"]) == 100_000 for r in table)
+
+
+def test_an_abort_logs_what_was_sent_even_when_the_entity_is_gone(primary, secondary, caplog) -> None:
+    """Spark's streaming runner builds the writer again to commit or abort a batch (in its
+    python_streaming_sink_runner module); by then the entity may have been deleted: the abort still logs what
+    the batch had sent instead of failing on the entity check, which planning a batch still makes."""
+    from spark_sb.errors import ConfigError
+    from spark_sb.writer import stream_writer
+
+    options = {**config_options(sink_config(primary, secondary)), "entity": "deleted-meanwhile"}
+    with pytest.raises(ConfigError, match="entity: is neither a queue nor a topic on the primary"):
+        stream_writer(options, SCHEMA)  # planning a batch
+    runner = os.path.join(os.sep, "site-packages", "pyspark", "sql", "worker", "python_streaming_sink_runner.py")
+    names = {"stream_writer": stream_writer, "options": options, "schema": SCHEMA}
+    with caplog.at_level(logging.ERROR, logger="spark_sb.writer"):
+        exec(compile("stream_writer(options, schema).abort([None, None], 3)", runner, "exec"), names)  # noqa: S102
+    assert "servicebus writer batch 3 failed: the 0 partitions that finished sent 0 of their 0 rows" in caplog.text
