@@ -304,6 +304,16 @@ def _type_ok(name: str, data_type: T.DataType) -> tuple[bool, str]:
     return ok, "map<string, string|integer|floating point|boolean|binary|timestamp>"
 
 
+def _typed_column(name: str, found: T.StructField, refuse: Callable[[str | None, str | None, str], Exception]
+                  ) -> str:
+    """The name of column ``found``, when its type suits message field ``name``; else ``refuse``'s error."""
+    ok, expected = _type_ok(name, found.dataType)
+    if not ok:
+        raise refuse(None, found.name, f"has type {found.dataType.simpleString()}, message field {name} "
+                     f"needs {expected}; nothing was sent")
+    return found.name
+
+
 def check_columns(sink: SinkConfig, schema: T.StructType,
                   refuse: Callable[[str | None, str | None, str], Exception]) -> dict[str, str]:
     """``{message field: column}`` for the fields ``schema`` carries under ``sink``'s column mapping, after
@@ -322,20 +332,12 @@ def check_columns(sink: SinkConfig, schema: T.StructType,
                 raise refuse(option, column, f"column not found for message field {name} (option); "
                              f"the batch has {', '.join(by_name) or 'no columns'}")
             continue
-        ok, expected = _type_ok(name, found.dataType)
-        if not ok:
-            raise refuse(None, found.name, f"has type {found.dataType.simpleString()}, message field {name} "
-                         f"needs {expected}; nothing was sent")
-        present[name] = found.name
+        present[name] = _typed_column(name, found, refuse)
     for name in _READ_FIELDS:
         found = by_name.get(name) or by_lower.get(name)
         if found is None or found.name in present.values():  # absent, or mapped to another field by sink.columns
             continue
-        ok, expected = _type_ok(name, found.dataType)
-        if not ok:
-            raise refuse(None, found.name, f"has type {found.dataType.simpleString()}, message field {name} "
-                         f"needs {expected}; nothing was sent")
-        present[name] = found.name
+        present[name] = _typed_column(name, found, refuse)
     if "time_to_live" in present and "time_to_live_ms" in present:
         raise refuse(None, present["time_to_live_ms"], f"and column {present['time_to_live']!r} both give the "
                      "message's TTL (time_to_live_ms in milliseconds, time_to_live in seconds or as an interval): "

@@ -4,7 +4,9 @@ and syphon tests (imported as ``pairing``: ``tests/`` is on ``sys.path`` through
 from __future__ import annotations
 
 import itertools
+import threading
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from azure.servicebus import ServiceBusClient, ServiceBusReceivedMessage
@@ -47,3 +49,24 @@ def peek_all(connection_string: str, queue: str, *, retry_total: int = 0,
                 return out
             out.extend(page)
             after, failures = page[-1].sequence_number + 1, 0
+
+
+def within(seconds: float, work: Callable[[], Any]) -> Any:
+    """``work()`` run in a thread: its value, or its error raised here; an ``AssertionError`` when it is still
+    running after ``seconds`` (the thread, a daemon, is left to end with the process). For "finishes or fails
+    within a bound" against an endpoint that never answers."""
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["value"] = work()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run, name="within", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still waiting after {seconds:g} s"
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome.get("value")

@@ -4,11 +4,8 @@ the administration client itself, against a silent endpoint beside the emulator'
 
 from __future__ import annotations
 
-import threading
-from typing import Any
-
 import pytest
-from pairing import pair_config
+from pairing import pair_config, within
 
 from spark_sb import bus
 from spark_sb.config import load_config
@@ -18,25 +15,6 @@ from spark_sb.paired import PairedSender
 #: what "within a minute" means here: the SDK's default would wait 300 s for each request
 MINUTE = 60.0
 
-
-def _within(seconds: float, work: Any) -> Any:
-    """``work()`` in a thread: its value, or its error raised here; the test fails when it is still running after
-    ``seconds`` (the thread is a daemon, left to end with the process)."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = work()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still waiting after {seconds:g} s"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
 
 
 def _silent(config: dict, side: str, endpoint: str, timeout: str = "1s") -> dict:
@@ -53,7 +31,7 @@ def test_an_administration_call_to_an_endpoint_that_never_answers_fails_within_i
             admin.get_queue("anything")
 
     with pytest.raises(Exception, match="(?i)timed? ?out"):
-        _within(MINUTE, ask)
+        within(MINUTE, ask)
 
 
 def test_pairing_with_a_secondary_management_endpoint_that_never_answers_fails_within_a_minute(
@@ -62,7 +40,7 @@ def test_pairing_with_a_secondary_management_endpoint_that_never_answers_fails_w
     config = _silent(pair_config(primary, secondary, "at", provision_retries=1,
                                  provision_retry_spacing="0s"), "secondary", silent_endpoint)
     with PairedSender.from_config(config) as sender, pytest.raises(PairingError):
-        _within(MINUTE, sender.pair)
+        within(MINUTE, sender.pair)
 
 
 def test_admin_timeout_is_checked_naming_the_option(primary, secondary) -> None:

@@ -45,6 +45,32 @@ def _create(emulator: Emulator, namespace: str, spec: QueueSpec) -> None:
     server.call(lambda: server.broker.create_entity(spec))
 
 
+def _expired_into_dead_letters(far: Emulator, queue: str, count: int, *, lock_duration: int) -> tuple[Any, Any]:
+    """``queue`` on the far namespace, with ``count`` messages (``m0``...) dead-lettered as their 1 s TTL runs
+    out; returns the namespace's info and its server."""
+    _create(far, "far", QueueSpec(name=queue, lock_duration=lock_duration, default_message_time_to_live=1,
+                                  dead_lettering_on_message_expiration=True))
+    info = far["far"]
+    with ServiceBusClient.from_connection_string(info.connection_string, retry_total=0) as client, \
+            client.get_queue_sender(queue) as sender:
+        batch = sender.create_message_batch()
+        for i in range(count):
+            message = ServiceBusMessage(f"m{i}", message_id=f"m{i}")
+            try:
+                batch.add_message(message)
+            except ValueError:  # full
+                sender.send_messages(batch)
+                batch = sender.create_message_batch()
+                batch.add_message(message)
+        sender.send_messages(batch)
+    server = far.server("far")
+    deadline = time.monotonic() + 30
+    while server.call(lambda: server.broker.runtime_counts(queue)).dead_letter < count:  # their TTL runs out
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    return info, server
+
+
 def _dead_letter(info: Any, queue: str, tag: str, count: int) -> None:
     """Send ``count`` messages (ids ``<tag>0``...) to ``queue`` and dead-letter them all."""
     with ServiceBusClient.from_connection_string(info.connection_string, retry_total=0) as client:
@@ -107,26 +133,7 @@ def test_a_dead_letter_queue_deeper_than_a_lock_duration_reaches_returns_and_lea
     far, secondary, caplog
 ) -> None:
     queue = "long-dlq"
-    _create(far, "far", QueueSpec(name=queue, lock_duration=5, default_message_time_to_live=1,
-                                  dead_lettering_on_message_expiration=True))
-    info = far["far"]
-    with ServiceBusClient.from_connection_string(info.connection_string, retry_total=0) as client, \
-            client.get_queue_sender(queue) as sender:
-        batch = sender.create_message_batch()
-        for i in range(LONG):
-            message = ServiceBusMessage(f"m{i}", message_id=f"m{i}")
-            try:
-                batch.add_message(message)
-            except ValueError:  # full
-                sender.send_messages(batch)
-                batch = sender.create_message_batch()
-                batch.add_message(message)
-        sender.send_messages(batch)
-    server = far.server("far")
-    deadline = time.monotonic() + 30
-    while server.call(lambda: server.broker.runtime_counts(queue)).dead_letter < LONG:  # their TTL runs out
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    info, server = _expired_into_dead_letters(far, queue, LONG, lock_duration=5)
 
     conf = pair_config(info, secondary, "dl")
     with caplog.at_level(logging.INFO):
@@ -147,17 +154,7 @@ def test_a_dead_letter_queue_deeper_than_a_lock_duration_reaches_returns_and_lea
 
 def test_the_timeout_bounds_a_pass_and_reports_what_it_left(far, secondary, caplog) -> None:
     queue = "long-lock-dlq"
-    _create(far, "far", QueueSpec(name=queue, lock_duration=300, default_message_time_to_live=1,
-                                  dead_lettering_on_message_expiration=True))
-    info = far["far"]
-    with ServiceBusClient.from_connection_string(info.connection_string, retry_total=0) as client, \
-            client.get_queue_sender(queue) as sender:
-        sender.send_messages([ServiceBusMessage(f"m{i}", message_id=f"m{i}") for i in range(2000)])
-    server = far.server("far")
-    deadline = time.monotonic() + 30
-    while server.call(lambda: server.broker.runtime_counts(queue)).dead_letter < 2000:
-        assert time.monotonic() < deadline
-        time.sleep(0.2)
+    info, server = _expired_into_dead_letters(far, queue, 2000, lock_duration=300)
 
     conf = pair_config(info, secondary, "dl")
     # opening the receiver takes several round trips: a first call (a number never there: a peek) opens it

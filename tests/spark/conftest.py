@@ -124,3 +124,34 @@ def conf(primary: Any, secondary: Any) -> Iterator[dict]:
     config.pop("sink")
     yield config
     close_all()
+
+
+@pytest.fixture
+def paired_conf(primary: Any, secondary: Any) -> Iterator[dict]:
+    """The emulator pair in paired mode: for the writers, which send through the paired sender."""
+    from spark_sb.bus import close_all
+
+    yield sink_config(primary, secondary)
+    close_all()
+
+
+@pytest.fixture
+def read(spark: Any, conf: dict) -> Any:
+    """A batch read of an entity (``read("q/$DeadLetterQueue", namespaces="primary,secondary")``) with the
+    module's ``conf``."""
+    from spark_sb.source import config_options, register
+
+    register(spark)
+
+    def load(entity: str, **options: str) -> Any:
+        return spark.read.format("servicebus").options(**config_options(conf), entity=entity, **options).load()
+
+    return load
+
+
+def write_json(folder: Any, name: str, rows: list[dict]) -> None:
+    """``rows`` as a JSON lines file ``name`` in ``folder`` (made when missing): a file source's next batch."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -11,28 +11,14 @@ from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusRece
 
 from spark_sb import dead_letters, messages
 from spark_sb.admin import admin_client
-from spark_sb.bus import close_all
 from spark_sb.emulator.model import QueueSpec
-from spark_sb.source import DEAD_LETTER_SCHEMA, SERVICEBUS_SCHEMA, config_options, register
-
-from .conftest import sink_config
+from spark_sb.source import DEAD_LETTER_SCHEMA, SERVICEBUS_SCHEMA, config_options
 
 
 @pytest.fixture
-def conf(primary: Any, secondary: Any) -> Any:
-    """The emulator pair in paired mode (the round trip sends back through the sink)."""
-    yield sink_config(primary, secondary)
-    close_all()
-
-
-@pytest.fixture
-def read(spark: Any, conf: dict) -> Any:
-    register(spark)
-
-    def load(entity: str, **options: str) -> Any:
-        return spark.read.format("servicebus").options(**config_options(conf), entity=entity, **options).load()
-
-    return load
+def conf(paired_conf: dict) -> dict:
+    """The emulator pair in paired mode (the round trip sends back through the paired sender)."""
+    return paired_conf
 
 
 def _send(info: Any, queue: str, items: list[ServiceBusMessage]) -> None:

@@ -5,7 +5,6 @@ detection; one-off batch writes; bad options refused before anything is sent."""
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import uuid
 from pathlib import Path
@@ -21,7 +20,7 @@ from spark_sb.source import ServiceBusDataSource, config_options, register
 from spark_sb.syphon import Syphon
 from spark_sb.writer import stream_writer
 
-from .conftest import receive_all, sink_config
+from .conftest import receive_all, sink_config, write_json
 
 #: the stream writer's tests run on every Spark version make test tries (Makefile, EVERY_SPARK): Spark 4.0 hands
 #: it rows, 4.1 and later Arrow batches; the batch writer takes Arrow batches everywhere (Spark 4.2 only)
@@ -64,10 +63,6 @@ def _formats(spark: Any) -> None:
     spark.dataSource.register(CrashingOnce)
 
 
-def _write_json(folder: Path, name: str, rows: list[dict]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-
 
 def _bodies(connection_string: str, queue: str) -> collections.Counter[str]:
     return collections.Counter(str(m) for m in receive_all(connection_string, queue))
@@ -85,7 +80,7 @@ def test_a_stream_through_an_outage_and_a_crash_before_its_commit_lands_every_ro
     def add_file(f: int) -> None:  # one file per batch; two identical rows, which must arrive as two messages
         rows = [f"row {f}-{i}" for i in range(23)] + [f"same {f}"] * 2
         produced.extend(rows)
-        _write_json(source, f"part-{f}.json", [{"body": b, "n": i} for i, b in enumerate(rows)])
+        write_json(source, f"part-{f}.json", [{"body": b, "n": i} for i, b in enumerate(rows)])
 
     def run() -> Any:
         return (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).json(str(source)).repartition(2)
@@ -166,7 +161,7 @@ def test_a_bad_row_fails_the_stream_naming_the_batch_entity_and_message(
 ) -> None:
     q = make_queue()
     source = tmp_path / "in"
-    _write_json(source, "part-0.json", [{"body": "fine", "n": 1}, {"body": None, "n": 2}])
+    write_json(source, "part-0.json", [{"body": "fine", "n": 1}, {"body": None, "n": 2}])
     query = (spark.readStream.schema(SCHEMA).json(str(source)).writeStream.format("servicebus")
              .options(**config_options(sink_config(primary, secondary)), entity=q, keyColumn="n")
              .option("checkpointLocation", str(tmp_path / "cp")).trigger(availableNow=True).start())
@@ -183,7 +178,7 @@ def test_with_a_reject_table_bad_rows_go_there_the_rest_is_sent_and_each_batch_h
     rejects, metrics = tmp_path / "rejects", tmp_path / "metrics"
     config = sink_config(primary, secondary, reject_table=str(rejects), metrics_table=str(metrics))
     for f in range(2):
-        _write_json(source, f"part-{f}.json", [{"body": f"fine {f}-{i}", "n": 10 * f + i} for i in range(5)]
+        write_json(source, f"part-{f}.json", [{"body": f"fine {f}-{i}", "n": 10 * f + i} for i in range(5)]
                     + [{"body": None, "n": 10 * f + 9}])
     query = (spark.readStream.schema(SCHEMA).option("maxFilesPerTrigger", 1).json(str(source))
              .writeStream.format("servicebus").options(**config_options(config), entity=q, keyColumn="n")
@@ -290,7 +285,7 @@ def test_a_replayed_batch_adds_no_second_copy_of_its_rejects_or_its_metrics_row(
     source, marker = tmp_path / "in", tmp_path / "crashed"
     rejects, metrics = tmp_path / "rejects", tmp_path / "metrics"
     config = sink_config(primary, secondary, reject_table=str(rejects), metrics_table=str(metrics))
-    _write_json(source, "part-0.json", [{"body": f"fine {i}", "n": i} for i in range(4)] + [{"body": None, "n": 9}])
+    write_json(source, "part-0.json", [{"body": f"fine {i}", "n": i} for i in range(4)] + [{"body": None, "n": 9}])
 
     def run() -> Any:
         return (spark.readStream.schema(SCHEMA).json(str(source)).repartition(2)

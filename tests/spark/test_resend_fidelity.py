@@ -17,33 +17,19 @@ from proton import Message, timestamp
 from proton.utils import BlockingConnection
 
 from spark_sb import messages
-from spark_sb.bus import close_all
 from spark_sb.emulator import NamespaceInfo, sas
 from spark_sb.emulator.model import RuleSpec
 from spark_sb.sink import PairedSink
 from spark_sb.source import config_options, register
-
-from .conftest import sink_config
 
 AT = dt.datetime(2024, 5, 1, 12, 30, 15, 123000, tzinfo=dt.UTC)
 TTL = dt.timedelta(seconds=90, milliseconds=500)
 
 
 @pytest.fixture
-def conf(primary: Any, secondary: Any) -> Any:
+def conf(paired_conf: dict) -> dict:
     """The emulator pair in paired mode (the writer sends through the paired sender)."""
-    yield sink_config(primary, secondary)
-    close_all()
-
-
-@pytest.fixture
-def read(spark: Any, conf: dict) -> Any:
-    register(spark)
-
-    def load(entity: str) -> Any:
-        return spark.read.format("servicebus").options(**config_options(conf), entity=entity).load()
-
-    return load
+    return paired_conf
 
 
 def _original() -> ServiceBusMessage:

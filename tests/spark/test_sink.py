@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import collections
 import datetime
-import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +17,7 @@ from spark_sb.config import load_config
 from spark_sb.errors import BadInputError
 from spark_sb.sink import PairedSink, sender_for
 
-from .conftest import backlog_ids, receive_all, sink_config
+from .conftest import backlog_ids, receive_all, sink_config, write_json
 
 #: run on every Spark version make test tries (Makefile, EVERY_SPARK)
 pytestmark = pytest.mark.every_spark
@@ -110,10 +108,6 @@ def test_during_a_primary_outage_every_row_lands_in_the_primary_or_a_backlog_que
     assert max(counted.values()) == 1  # none twice
 
 
-def _write_json(folder: Path, name: str, rows: list[dict]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-
 
 def test_a_batch_killed_mid_way_and_replayed_from_its_checkpoint(
     spark, primary, secondary, make_queue, tmp_path
@@ -124,7 +118,7 @@ def test_a_batch_killed_mid_way_and_replayed_from_its_checkpoint(
     for f in range(3):  # one file per batch; identical rows too, which must still arrive as two messages
         rows = [{"body": "same", "entity": e} for e in (deduplicated, plain) for _ in range(2)]
         rows += [{"body": f"row {f}-{i}", "entity": e} for e in (deduplicated, plain) for i in range(8)]
-        _write_json(source, f"part-{f}.json", rows)
+        write_json(source, f"part-{f}.json", rows)
     schema = T.StructType([T.StructField("body", T.StringType()), T.StructField("entity", T.StringType())])
     sink = PairedSink.from_config(sink_config(primary, secondary))
     crashed: list[int] = []
@@ -252,7 +246,7 @@ def test_a_batch_that_fails_part_way_is_replayed_without_duplicates_where_detect
     source = tmp_path / "in"
     for f in range(2):  # each batch: rows for both queues in two partitions (one file each)
         for half in range(2):
-            _write_json(source, f"part-{f}-{half}.json",
+            write_json(source, f"part-{f}-{half}.json",
                         [{"body": f"row {f}-{half}-{i}", "entity": e} for e in (deduplicated, other) for i in range(5)])
     schema = T.StructType([T.StructField("body", T.StringType()), T.StructField("entity", T.StringType())])
     sink = PairedSink.from_config(sink_config(primary, secondary))

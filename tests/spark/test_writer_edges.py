@@ -10,20 +10,18 @@ import logging
 import os
 import subprocess
 import sys
-import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
 from azure.servicebus.exceptions import MessagingEntityNotFoundError
-from pairing import peek_all
+from pairing import peek_all, within
 from pyspark.sql import types as T
 
 from spark_sb.config import load_config
 from spark_sb.source import config_options, register
 
-from .conftest import receive_all, sink_config
+from .conftest import receive_all, sink_config, write_json
 
 SCHEMA = T.StructType([T.StructField("body", T.StringType()), T.StructField("n", T.LongType())])
 #: what "within a minute" means for a hanging management endpoint: azure-core's default would wait 300 s
@@ -43,25 +41,6 @@ def _bodies(connection_string: str, queue: str) -> collections.Counter[str]:
     return collections.Counter(str(m) for m in receive_all(connection_string, queue))
 
 
-def _within(seconds: float, work: Any) -> Any:
-    """``work()`` run in a thread; fails the test when it has not finished after ``seconds`` (the thread is left
-    to end with the Spark session)."""
-    outcome: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            outcome["value"] = work()
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            outcome["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"still waiting after {seconds:g} s"
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome.get("value")
-
 
 def test_a_management_endpoint_that_never_answers_costs_the_writer_and_the_reader_seconds(
     spark, primary, secondary, make_queue, silent_endpoint, caplog
@@ -71,10 +50,10 @@ def test_a_management_endpoint_that_never_answers_costs_the_writer_and_the_reade
     config["primary"] = {**config["primary"], "admin_endpoint": silent_endpoint, "admin_timeout": "2s"}
     options = {**config_options(config), "entity": q}
     started = time.monotonic()
-    _within(MINUTE, lambda: _rows(spark, 20).write.format("servicebus").options(**options).mode("append").save())
+    within(MINUTE, lambda: _rows(spark, 20).write.format("servicebus").options(**options).mode("append").save())
     assert _bodies(primary.connection_string, q) == collections.Counter(f"row {i}" for i in range(20))
     _rows(spark, 5).write.format("servicebus").options(**options).mode("append").save()  # queued after the first
-    read = _within(MINUTE, lambda: spark.read.format("servicebus").options(**config_options(config))
+    read = within(MINUTE, lambda: spark.read.format("servicebus").options(**config_options(config))
                    .option("entity", q).load().collect())
     assert sorted(r.body.decode() for r in read) == [f"row {i}" for i in range(5)]
     assert time.monotonic() - started < 3 * MINUTE
@@ -101,17 +80,13 @@ def test_options_the_writer_does_not_take_are_refused_naming_them(spark, primary
     assert receive_all(primary.connection_string, other, wait=0.5) == []
 
 
-def _write_json(folder: Path, name: str, rows: list[dict]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
-
 
 def test_two_queries_writing_the_same_rows_both_land_under_duplicate_detection(
     spark, primary, secondary, make_queue, tmp_path
 ) -> None:
     q = make_queue(requires_duplicate_detection=True)
     source = tmp_path / "in"
-    _write_json(source, "part-0.json", [{"body": f"same {i}", "n": i} for i in range(10)])
+    write_json(source, "part-0.json", [{"body": f"same {i}", "n": i} for i in range(10)])
     for run in range(2):  # same rows, same batch 0, same partition: another query (a new checkpoint)
         query = (spark.readStream.schema(SCHEMA).json(str(source)).writeStream.format("servicebus")
                  .options(**config_options(sink_config(primary, secondary)), entity=q)
