@@ -126,8 +126,9 @@ def _paired_parsers(sub: argparse._SubParsersAction) -> None:
     provision = sub.add_parser("provision", help="create the missing backlog queues on the secondary and print "
                                                  "the usable count")
     provision.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
-    status = sub.add_parser("status", help="backlog queue message counts, and the health of the entities this "
-                                           "process has seen (none for a fresh process)")
+    status = sub.add_parser("status", help="backlog queue message counts (active, deferred, dead-letter), and "
+                                           "the health of the entities this process has seen (none for a fresh "
+                                           "process)")
     status.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
 
 
@@ -165,10 +166,15 @@ def _provision(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    """Per backlog queue: active and dead-letter counts from the secondary's runtime properties. Entity health
+    """Per backlog queue: active and dead-letter counts from the secondary's runtime properties, and how many
+    of the messages are deferred (a peek of each queue that holds any: the administration API does not count
+    them apart; the service and the emulator count them as active). A deferred backlog message was set aside by
+    a syphon job, which reads it back by sequence number; one that a job that died left is never delivered to a
+    receive and waits for a syphon (the job's next run, or ``Syphon.drain``) to take it back. Entity health
     lives in the memory of the process that sends; this command's own process has sent nothing, so it lists
     the entities this process knows for this pairing only (none, for a fresh process)."""
     from .paired import PairedSender
+    from .syphon import Syphon
 
     with PairedSender.from_config(args.conf) as sender:
         entities = sender.board.snapshot()
@@ -180,15 +186,25 @@ def _status(args: argparse.Namespace) -> int:
                      if props.name in wanted or props.name.startswith(f"{sa.backlog_prefix}/")}
         finally:
             client.close()
+        holding = [name for name in wanted if name in found
+                   and (found[name].total_message_count or 0) > (found[name].dead_letter_message_count or 0)]
+        with Syphon(sender.config) as syphon:
+            deferred = {name: len(numbers) for name, numbers in syphon.deferred(holding).items()}
     width = max(len(name) for name in [*wanted, *found, "backlog queue"])
-    print(f"{'backlog queue':<{width}}  {'active':>8}  {'dead-letter':>11}")
+    print(f"{'backlog queue':<{width}}  {'active':>8}  {'deferred':>8}  {'dead-letter':>11}")
     for name in wanted + sorted(set(found) - set(wanted)):
         props = found.get(name)
         if props is None:
-            print(f"{name:<{width}}  {'missing':>8}  {'-':>11}")
+            print(f"{name:<{width}}  {'missing':>8}  {'-':>8}  {'-':>11}")
+        elif name in wanted:
+            print(f"{name:<{width}}  {props.active_message_count:>8}  {deferred.get(name, 0):>8}  "
+                  f"{props.dead_letter_message_count:>11}")
         else:
-            note = "" if name in wanted else "  (not a backlog queue of this configuration: never used)"
-            print(f"{name:<{width}}  {props.active_message_count:>8}  {props.dead_letter_message_count:>11}{note}")
+            print(f"{name:<{width}}  {props.active_message_count:>8}  {'-':>8}  {props.dead_letter_message_count:>11}"
+                  "  (not a backlog queue of this configuration: never used)")
+    if any(deferred.values()):
+        print("deferred (counted in active): set aside by a syphon job, which reads them back by sequence number; "
+              "left by a job that died, they wait for its next run or Syphon.drain() to take them back")
     if not entities:
         print("entities: none seen by this process (health is kept per sending process)")
     for entity, state in sorted(entities.items()):

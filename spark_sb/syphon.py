@@ -36,7 +36,16 @@ Choices where behaviour.md is silent:
   ``reparked`` and the copy carries it on, so a replay adds no second copy and no second delivery. That
   search costs one peek per 250 messages after the batch's oldest (it stops early once every message of the
   batch has its copy); a batch that is not a replay pays nothing;
-* a message whose lock was lost before it could be settled is left to the broker (it comes back).
+* a message whose lock was lost before it could be settled is left to the broker (it comes back);
+* taking back (:meth:`Syphon.take_back`, which :meth:`Syphon.drain` runs first): a syphon job's source defers
+  the messages of each batch and reads them back by sequence number, so a job that died leaves them deferred,
+  and a deferred message is never delivered to a receive. ``drain`` finds them by peeking (their state says
+  deferred), receives them by sequence number in peek-lock and moves them as any received message, after
+  looking for their re-parked copies as a replay does (a message the job re-parked and did not complete is
+  completed, not sent). A message the job had sent already is sent again with its message id: duplicate
+  detection on the primary makes it a duplicate, not a second copy. Nothing tells a dead job's deferred
+  messages from a running job's (a deferred message has no owner and no lock), so ``drain`` does not guess:
+  run one mover per backlog at a time, and beside a running job ``drain(take_deferred=False)``.
 """
 
 from __future__ import annotations
@@ -55,7 +64,7 @@ from azure.servicebus import ServiceBusMessage
 
 from . import messages as msgs
 from .bus import Namespace, shared, shared_namespace
-from .bus.deferred import complete_deferred, peek_deferred, receive_deferred
+from .bus.deferred import complete_deferred, deferred_numbers, peek_deferred, receive_deferred
 from .config import SparkSbConfig, load_config
 from .errors import (
     ENCODING_ERRORS,
@@ -95,6 +104,10 @@ class MoveSummary:
     :ivar left: ``{destination: count}`` left in the backlog (abandoned: destination down or skipped).
     :ivar pings: pings dropped (completed).
     :ivar down: destinations found down (or still inside their retry interval).
+    :ivar taken_back: deferred messages received by sequence number (:meth:`Syphon.take_back`), counted in
+        ``received`` too.
+    :ivar deferred_locked: deferred messages not taken back because another receiver holds their lock; they
+        stay deferred (in a :meth:`Syphon.drain` summary: those still locked at its end).
     """
 
     backlog_queue: str
@@ -104,6 +117,8 @@ class MoveSummary:
     left: dict[str, int] = field(default_factory=dict)
     pings: int = 0
     down: list[str] = field(default_factory=list)
+    taken_back: int = 0
+    deferred_locked: int = 0
     #: one :class:`Outcome` per message settled (not pings), for the ledger
     outcomes: list[Outcome] = field(default_factory=list)
 
@@ -122,6 +137,8 @@ class MoveSummary:
     def merge(self, other: MoveSummary) -> None:
         self.received += other.received
         self.pings += other.pings
+        self.taken_back += other.taken_back
+        self.deferred_locked += other.deferred_locked
         for mine, theirs in ((self.moved, other.moved), (self.dead_lettered, other.dead_lettered),
                              (self.left, other.left)):
             for key, n in theirs.items():
@@ -228,15 +245,97 @@ class Syphon:
             total.merge(self.move(queue, max_messages, max_wait_time=max_wait_time))
         return total
 
-    def drain(self, max_wait_time: float = 1.0, max_rounds: int = 100) -> MoveSummary:
-        """:meth:`run_once` until a round moves and dead-letters nothing."""
+    def drain(self, max_wait_time: float = 1.0, max_rounds: int = 100, *, take_deferred: bool = True
+              ) -> MoveSummary:
+        """Move the whole backlog: rounds of :meth:`move` over every backlog queue until a round moves and
+        dead-letters nothing (at most ``max_rounds``).
+
+        ``take_deferred`` (default): the first round also takes back every deferred message of the backlog
+        queues (:meth:`take_back`), which a syphon job that died left behind; later rounds take again those left
+        (destination down) or locked by another receiver. Run it only when no syphon job runs: a running job's
+        batch is deferred too, and taking it races the job (each may send the message: a duplicate the primary
+        drops only with duplicate detection). ``take_deferred=False`` moves only what a receive gets, which
+        never races the job (a received message is locked to one receiver). What stays deferred is logged."""
         total = MoveSummary("*")
+        pending: dict[str, list[int] | None] = dict.fromkeys(self.backlog_queues) if take_deferred else {}
+        locked: dict[str, int] = {}  # per queue, as its last take found them
         for _ in range(max_rounds):
-            summary = self.run_once(max_wait_time=max_wait_time)
+            summary = MoveSummary("*")
+            for queue in self.backlog_queues:
+                if queue in pending:
+                    # the first round sweeps the queue; later ones take again what stayed (copies looked for once)
+                    numbers = pending[queue]
+                    taken, pending[queue] = self._take_back(queue, numbers, look_for_copies=numbers is None)
+                    locked[queue] = taken.deferred_locked
+                    summary.merge(taken)
+                    if not pending[queue]:
+                        del pending[queue]
+                summary.merge(self.move(queue, max_wait_time=max_wait_time))
             total.merge(summary)
             if not summary.total_moved and not summary.total_dead_lettered and not summary.pings:
                 break
+        total.deferred_locked = sum(locked.values())
+        if pending:
+            _LOGGER.warning("deferred backlog messages stay deferred (destination down, or locked by another "
+                            "receiver): %s; the next drain or syphon job run takes them back",
+                            {queue: len(numbers or ()) for queue, numbers in pending.items()})
         return total
+
+    def deferred(self, queues: Sequence[str] | None = None) -> dict[str, list[int]]:
+        """The sequence numbers of the deferred messages of each backlog queue (default: every one), found by
+        peeking the whole queue (one request per 250 messages; no lock taken, no delivery counted). A deferred
+        message is never delivered to a receive: a syphon job's source deferred it and reads it back by number,
+        or, if that job died, :meth:`take_back` does."""
+        found: dict[str, list[int]] = {}
+        for queue in self.backlog_queues if queues is None else queues:
+            with self._secondary.receiver(queue) as receiver:
+                found[queue] = deferred_numbers(receiver)
+        return found
+
+    def take_back(self, backlog_queue: str, sequence_numbers: Sequence[int] | None = None) -> MoveSummary:
+        """Receive deferred messages of ``backlog_queue`` by sequence number (default: every one there, found
+        by :meth:`deferred`) in peek-lock, a ``syphon.receive_batch`` at a time, and move them as :meth:`move`
+        moves what it receives. First, as a replayed batch of the job does, the queue is peeked for their
+        re-parked copies (:func:`reparked_copies`): a message the job re-parked and died before completing is
+        completed and not sent (outcome ``reparked``, its copy carries it on). A message the job had sent
+        already is sent again with its message id (duplicate detection on the primary makes it a duplicate).
+        One whose destination is down is abandoned: it stays deferred. One locked by another receiver is not
+        taken (``deferred_locked``). See :meth:`drain` on a syphon job that is running."""
+        return self._take_back(backlog_queue, sequence_numbers)[0]
+
+    def _take_back(self, queue: str, sequence_numbers: Sequence[int] | None, *, look_for_copies: bool = True
+                   ) -> tuple[MoveSummary, list[int]]:
+        """:meth:`take_back`, and the sequence numbers still deferred after it: abandoned, or locked.
+        ``look_for_copies`` False: these messages were looked for before (by this syphon, which re-parks none of
+        them without completing it)."""
+        summary = MoveSummary(queue)
+        with self._secondary.receiver(queue) as receiver:
+            if sequence_numbers is None:
+                numbers = deferred_numbers(receiver)
+                if numbers:
+                    _LOGGER.warning("taking back %d deferred messages of %r, left by a syphon job that died (or "
+                                    "held by one still running: run one mover per backlog at a time)",
+                                    len(numbers), queue)
+            else:
+                numbers = sorted({int(n) for n in sequence_numbers})
+            if not numbers:
+                return summary, []
+            copied = reparked_copies(receiver, queue, numbers) if look_for_copies else set()
+            step = self.config.syphon.receive_batch
+            for start in range(0, len(numbers), step):
+                received = receive_deferred(receiver, numbers[start:start + step])
+                summary.received += len(received)
+                summary.taken_back += len(received)
+                self.settle(receiver, received, summary, reparked=copied)
+            settled = {o.sequence_number for o in summary.outcomes if o.outcome != "left"}
+            rest = [n for n in numbers if n not in settled]
+            still = [int(m.sequence_number) for m in peek_deferred(receiver, rest)]  # gone: settled by another
+        taken = {o.sequence_number for o in summary.outcomes}
+        summary.deferred_locked = sum(1 for n in still if n not in taken)
+        if summary.taken_back:
+            _LOGGER.info("syphon %s: took back %d deferred, moved %s, dead-lettered %s, left %s", queue,
+                         summary.taken_back, summary.moved, summary.dead_lettered, summary.left)
+        return summary, still
 
     def move(self, backlog_queue: str, max_messages: int | None = None, *,
              max_wait_time: float = 1.0) -> MoveSummary:
@@ -560,7 +659,7 @@ def summary_dict(summary: MoveSummary) -> Mapping[str, Any]:
     """The summary as a plain dict (for logs and the CLI)."""
     return {"backlog_queue": summary.backlog_queue, "received": summary.received, "moved": dict(summary.moved),
             "dead_lettered": dict(summary.dead_lettered), "left": dict(summary.left), "pings": summary.pings,
-            "down": list(summary.down)}
+            "down": list(summary.down), "taken_back": summary.taken_back, "deferred_locked": summary.deferred_locked}
 
 
 # --- republishing what a Spark batch read, and settling it once its ledger recorded it ---------------------

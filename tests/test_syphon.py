@@ -569,3 +569,63 @@ def test_a_deferred_message_the_sdk_cannot_encode_is_dead_lettered_whether_its_d
     assert sorted(m.message_id for m in dead) == ["d-bad", "u-bad"]
     assert sorted(m.message_id for m in _receive(primary.connection_string, up, expected=2)) == ["u-0", "u-1"]
     assert sorted(m.message_id for m in peek_all(secondary.connection_string, queue)) == ["d-0", "d-1"]
+
+
+# --- taking back what a syphon job that died left deferred (issue 39) -----------------------------------------
+
+
+def test_drain_takes_back_what_a_dead_job_left_deferred_and_sends_nothing_a_re_parked_copy_carries(
+    emulator, config, primary, secondary, make_queue
+) -> None:
+    home, other = make_queue(), make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, _parked(home, [f"h-{i}" for i in range(4)]) + _parked(other, ["o-0", "o-1"]))
+    numbers = _defer_all(secondary, queue, 6)  # a syphon job deferred its batch...
+    cfg = load_config(_syphon_config(config))
+    emulator.fault("primary", "quota", entity=other)
+    try:  # ...re-parked a copy of the two for a destination that was down, and died before completing them
+        assert {o.outcome for o in republish_deferred(cfg, {queue: numbers[4:]})} == {"reparked"}
+    finally:
+        emulator.heal("primary", entity=other)
+    close_all()
+    backlog = peek_all(secondary.connection_string, queue)
+    assert sorted(m.state for m in backlog).count(ServiceBusMessageState.DEFERRED) == 6
+    with Syphon.from_config(_syphon_config(config)) as syphon:
+        summary = syphon.drain(max_wait_time=3.0)
+    assert peek_all(secondary.connection_string, queue) == []
+    assert sorted(m.message_id for m in _receive(primary.connection_string, home, expected=5)) == [
+        f"h-{i}" for i in range(4)]
+    assert sorted(m.message_id for m in _receive(primary.connection_string, other, expected=3)) == ["o-0", "o-1"]
+    assert sorted((o.message_id, o.outcome) for o in summary.outcomes) == [
+        *[(f"h-{i}", "delivered") for i in range(4)],
+        ("o-0", "delivered"), ("o-0", "reparked"), ("o-1", "delivered"), ("o-1", "reparked")]
+    assert summary.taken_back == 6 and summary.deferred_locked == 0
+
+
+def test_drain_leaves_deferred_messages_when_told_and_those_another_receiver_holds_locked(
+    config, primary, secondary, make_queue
+) -> None:
+    home = make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, _parked(home, ["d-0", "d-1"]))
+    deferred = _defer_all(secondary, queue, 2)
+    _to_backlog(secondary, queue, _parked(home, ["active"]))
+    cfg = _syphon_config(config)
+    with Syphon.from_config(cfg) as syphon:  # beside a running job: only what a receive gets
+        summary = syphon.drain(max_wait_time=3.0, take_deferred=False)
+    assert (summary.moved, summary.taken_back) == ({home: 1}, 0)
+    assert [m.sequence_number for m in peek_all(secondary.connection_string, queue)] == deferred
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client, \
+            client.get_queue_receiver(queue) as holder:
+        [held] = holder.receive_deferred_messages([deferred[1]])  # another receiver holds it locked
+        with Syphon.from_config(cfg) as syphon:
+            summary = syphon.drain(max_wait_time=0.5)
+        assert (summary.moved, summary.taken_back, summary.deferred_locked) == ({home: 1}, 1, 1)
+        holder.abandon_message(held)  # still deferred
+    [left] = peek_all(secondary.connection_string, queue)
+    assert (left.sequence_number, left.state) == (deferred[1], ServiceBusMessageState.DEFERRED)
+    with Syphon.from_config(cfg) as syphon:
+        assert syphon.drain(max_wait_time=0.5).moved == {home: 1}
+    assert peek_all(secondary.connection_string, queue) == []
+    assert sorted(m.message_id for m in _receive(primary.connection_string, home, expected=4)) == [
+        "active", "d-0", "d-1"]

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import yaml
+from azure.servicebus import ServiceBusClient, ServiceBusMessage
 
-from spark_sb import cli
+from spark_sb import cli, messages
 
 
 def _write(tmp_path, config: dict) -> str:
@@ -25,11 +26,37 @@ def test_provision_prints_the_usable_count_and_status_the_backlog(
     assert cli.main(["status", "--conf", conf]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].split() == ["backlog", "queue", "active", "dead-letter"]
+    assert lines[0].split() == ["backlog", "queue", "active", "deferred", "dead-letter"]
     for i in range(3):
-        assert any(line.split()[:3] == [f"{prefix}/x-servicebus-transfer/{i}", "0", "0"] for line in lines)
+        assert any(line.split() == [f"{prefix}/x-servicebus-transfer/{i}", "0", "0", "0"] for line in lines)
     assert any(line.startswith(f"{prefix}/extra") and "never used" in line for line in lines)
     assert "entities: none seen by this process" in out
+    assert "deferred (counted in active)" not in out
+
+
+def test_status_shows_the_deferred_messages_a_syphon_job_left(tmp_path, make_config, secondary, capsys) -> None:
+    """A syphon job that died leaves its batch deferred: never delivered to a receive, waiting to be taken
+    back (issue 39). status counts them beside the active count (which includes them)."""
+    config = make_config(backlog_queue_count=2)
+    conf = _write(tmp_path, config)
+    assert cli.main(["provision", "--conf", conf]) == 0
+    queue = f"{config['send_availability']['backlog_prefix']}/x-servicebus-transfer/1"
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_sender(queue) as sender:
+            sender.send_messages([messages.to_backlog(ServiceBusMessage(f"m{i}", message_id=f"m{i}"), "orders")
+                                  for i in range(3)])
+        with client.get_queue_receiver(queue, prefetch_count=0) as receiver:
+            got: list = []
+            while len(got) < 2:
+                got += receiver.receive_messages(max_message_count=2 - len(got), max_wait_time=2)
+            for message in got:
+                receiver.defer_message(message)
+    capsys.readouterr()
+    assert cli.main(["status", "--conf", conf]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[1:3]}
+    assert rows == {queue.replace("/1", "/0"): ["0", "0", "0"], queue: ["3", "2", "0"]}
+    assert "deferred (counted in active)" in out and "Syphon.drain()" in out
 
 
 def test_provision_fails_with_one_line_naming_the_option(tmp_path, make_config, capsys) -> None:
