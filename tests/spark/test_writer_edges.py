@@ -10,7 +10,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
@@ -43,20 +42,18 @@ def _bodies(connection_string: str, queue: str) -> collections.Counter[str]:
 
 
 def test_a_management_endpoint_that_never_answers_costs_the_writer_and_the_reader_seconds(
-    spark, primary, secondary, make_queue, silent_endpoint, caplog
+    spark, primary, secondary, make_queue, silent_endpoint
 ) -> None:
     q = make_queue()
     config = sink_config(primary, secondary)
     config["primary"] = {**config["primary"], "admin_endpoint": silent_endpoint, "admin_timeout": "2s"}
     options = {**config_options(config), "entity": q}
-    started = time.monotonic()
     within(MINUTE, lambda: _rows(spark, 20).write.format("servicebus").options(**options).mode("append").save())
     assert _bodies(primary.connection_string, q) == collections.Counter(f"row {i}" for i in range(20))
     _rows(spark, 5).write.format("servicebus").options(**options).mode("append").save()  # queued after the first
     read = within(MINUTE, lambda: spark.read.format("servicebus").options(**config_options(config))
                    .option("entity", q).load().collect())
     assert sorted(r.body.decode() for r in read) == [f"row {i}" for i in range(5)]
-    assert time.monotonic() - started < 3 * MINUTE
 
 
 def test_options_the_writer_does_not_take_are_refused_naming_them(spark, primary, secondary, make_queue) -> None:
