@@ -28,7 +28,14 @@ A queue is not replayable by itself, so both keep Service Bus as the only store 
   source owns its deferred messages;
 * a namespace that does not answer (an outage) is logged and left out of the batch, and tried again at the
   next one: with ``namespaces=primary,secondary`` the stream goes on from the namespace that is up. An entity
-  not found or a credential rejected fails the query with a clear error.
+  not found or a credential rejected fails the query with a clear error, and so does a namespace host name that
+  still does not resolve after ``readRetryTimeout`` (at most 30 s: a DNS blip passes). A backlog queue that does
+  not exist yet (the pairing provisions them at the first failover) reads as empty;
+* bounded runs end when they have read what was there, never before: ``trigger(availableNow=True)`` counts each
+  entity's active messages at the start (a count the administration API does not give is asked again for up
+  to ``readRetryTimeout``, then the run fails) and reads them, waiting as long for a namespace that stops
+  answering, then failing with :class:`SourceUnavailableError`; ``trigger(once=True)`` (Spark 4.2's
+  ``ReadAllAvailable``) reads what each entity holds when its one batch is planned.
 
 Options (case-insensitive): the configuration **by reference**, so that no secret is written into Spark's plan,
 progress or event log (:func:`config_options` builds these): ``conf`` (a YAML path) or ``config`` (JSON whose
@@ -61,8 +68,9 @@ Blips: a ``read`` runs a batch already planned (its sequence numbers are in the 
 a namespace that times out, drops the connection or is busy is retried with backoff for up to
 ``readRetryTimeout``, then the task fails with :class:`SourceUnavailableError` naming the namespace, the entity
 and how long it tried (in local mode that ends the query: Spark does not retry a task there). A ``commit`` whose
-completions fail that way fails nothing: they are retried by the next ``latestOffset`` (the messages stay
-deferred meanwhile), as ``latestOffset`` leaves out an entity whose namespace does not answer.
+completions fail that way fails nothing: they are retried by each later ``latestOffset`` until they succeed
+(:class:`_Completions`; the messages stay deferred meanwhile), as ``latestOffset`` leaves out an entity whose
+namespace does not answer.
 
 Receiving ahead: from the second batch on, the next batch is received and deferred in a background thread of
 the reader's process while Spark runs the current one (:class:`_Ahead`); ``latestOffset`` then only takes it.
@@ -84,7 +92,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -125,7 +133,9 @@ from .errors import (  # noqa: E402
     classify,
     is_blip,
     redact,
+    unreachable_reason,
 )
+from .lifeline import watch_parent  # noqa: E402
 from .options import config_options  # noqa: E402
 from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
@@ -212,6 +222,9 @@ _PARTITION = 1000
 #: receives in flight by default (option ``receivesInFlight``; the backlog source's default is
 #: ``syphon.receives_in_flight``): lanes, each a thread with its own connection, one per entity
 RECEIVES_IN_FLIGHT = 8
+
+#: the longest a namespace host name that does not resolve is taken for a DNS blip before it fails the query
+RESOLVE_RETRY_SECONDS = 30.0
 
 
 def register(spark: Any) -> None:
@@ -435,6 +448,11 @@ class _EntityAccess:
     read_retry_timeout: float
     #: what the log lines and errors call the reader
     WHAT = "servicebus"
+    #: whether an entity that does not exist is read as empty (a backlog queue not provisioned yet) rather than
+    #: failing the query (the entity a user named)
+    MISSING_IS_EMPTY = False
+    #: entity key -> when its namespace first failed to answer since it last answered
+    _failing: dict[str, float]
     #: time for the retries of a read (injectable: tests run the bound in milliseconds)
     _clock: Any = staticmethod(time.monotonic)
     _sleep: Any = staticmethod(time.sleep)
@@ -448,23 +466,52 @@ class _EntityAccess:
 
     def _unavailable(self, entity: Entity, what: str, exc: Exception) -> None:
         """An entity failed ``what``: a configuration error is raised; anything else (an outage) is logged and
-        the entity is left for the next batch."""
+        the entity is left for the next batch. A host name that does not resolve is an outage only for a short
+        while (DNS can blip): once its namespace has failed that way for :meth:`_resolve_bound` seconds since it
+        last answered, it is a configuration error naming the host."""
         converted = as_spark_sb_error(exc, namespace=self._where(entity), entity=entity.path)
         if converted is not None and classify(converted) is not ErrorClass.BAD_MESSAGE:
+            if self.MISSING_IS_EMPTY and classify(converted) is ErrorClass.CONFIGURATION_NOT_FOUND:
+                _LOGGER.debug("%s %r on the %s does not exist (yet): nothing to read there", self.WHAT, entity.path,
+                              entity.side)
+                return
             raise converted from exc
+        with _FOUND_LOCK:
+            since = self._failing.setdefault(entity.key, self._clock())
+        failed_for = self._clock() - since
+        if unreachable_reason(exc) == "host not found" and failed_for >= self._resolve_bound():
+            namespace = getattr(self.config, entity.side)
+            raise ConfigError(f"{entity.side}.fully_qualified_namespace", f"the host name does not resolve (tried "
+                              f"for {failed_for:.0f} s: {type(exc).__name__}: {redact(str(exc))[:200]}); check the "
+                              f"namespace's name (its connection string's Endpoint) and the cluster's DNS; nothing "
+                              f"was read from it", namespace.fully_qualified_namespace) from exc
         _LOGGER.warning("%s %r on the %s: %s failed (%s: %s); trying again next batch", self.WHAT, entity.path,
                         entity.side, what, type(exc).__name__, redact(str(exc))[:200])
 
+    def _answered(self, entity: Entity) -> None:
+        """The entity's namespace answered: it is failing no more."""
+        with _FOUND_LOCK:
+            self._failing.pop(entity.key, None)
+
+    def _resolve_bound(self) -> float:
+        """How long a host name that does not resolve is taken for a blip: ``readRetryTimeout``, at most 30 s."""
+        return min(self.read_retry_timeout, RESOLVE_RETRY_SECONDS)
+
     def _retrying(self, entity: Entity, what: str, attempt: Any) -> Any:
         """``attempt()``, again with backoff while it fails with a blip (a timeout, a lost connection, a busy
-        namespace) for up to ``readRetryTimeout``; then :class:`SourceUnavailableError`. Anything else (a
-        configuration error) is raised at once, converted as the sink converts it."""
+        namespace) for up to ``readRetryTimeout``; then :class:`SourceUnavailableError`, which says what it tried
+        for how long and that nothing was lost. Anything else (a configuration error) is raised at once,
+        converted as the sink converts it."""
+        started = self._clock()
 
         def give_up(exc: Exception, failures: int, elapsed: float) -> SourceUnavailableError:
             return SourceUnavailableError(
-                f"{self.WHAT} {entity.path!r} on the {self._where(entity)}: {what} failed for {elapsed:.0f} s "
-                f"({failures} attempts, readRetryTimeout {self.read_retry_timeout:g} s); the last error: "
-                f"{type(exc).__name__}: {redact(str(exc))[:300]}")
+                f"{self.WHAT} {entity.path!r} on the {self._where(entity)}: {what} failed for "
+                f"{self._clock() - started:.0f} s ({failures} attempts, within readRetryTimeout "
+                f"{self.read_retry_timeout:g} s); the last error: {type(exc).__name__}: {redact(str(exc))[:300]}. "
+                "Nothing was lost: the batch's messages stay deferred in their entity, and a restarted query reads "
+                "the same batch again from its checkpoint (raise the readRetryTimeout option to ride out longer "
+                "outages)")
 
         retry = RetryFor(self.read_retry_timeout, self._read_backoff, clock=self._clock, sleep=self._sleep)
         try:
@@ -510,6 +557,63 @@ class _EntityAccess:
                               "holder of each session's lock)", entity.path)
 
 
+class _CountUnknown(Exception):
+    """The administration API gave no active message count for some entities (retried, then a
+    :class:`SourceUnavailableError`)."""
+
+
+class _Completions:
+    """The completions a reader owes. A batch's messages are completed once its sink finished (``commit``, or
+    the next ``latestOffset``); a batch whose completion failed (a namespace's blip) stays pending and is tried
+    again at each later ``latestOffset`` until it succeeds, whatever batches complete after it. Completing a
+    batch twice is harmless (its messages are gone), so the batches done are remembered only to spare a second
+    attempt's requests."""
+
+    #: how many completed batch numbers are remembered
+    REMEMBERED = 1024
+
+    def __init__(self, complete: Callable[[dict], None], field: str, what: str) -> None:
+        self._complete = complete
+        self._field = field
+        self._what = what
+        self.pending: list[dict] = []
+        self._done: dict[int, None] = {}  # insertion-ordered: the oldest is forgotten first
+
+    def numbers(self) -> dict[str, set[int]]:
+        """The sequence numbers of the batches whose completion is pending, by entity key."""
+        numbers: dict[str, set[int]] = {}
+        for offset in self.pending:
+            for key, batch in (offset.get(self._field) or {}).items():
+                numbers.setdefault(key, set()).update(batch)
+        return numbers
+
+    def complete(self, offset: dict) -> None:
+        """Complete ``offset``'s batch unless done already; when that fails, it is pending and the error raised."""
+        number = int(offset.get("batch", 0))
+        if number in self._done or not offset.get(self._field):
+            return
+        try:
+            self._complete(offset)
+        except Exception:
+            if offset not in self.pending:
+                self.pending.append(offset)
+            raise
+        if offset in self.pending:
+            self.pending.remove(offset)
+        self._done[number] = None
+        while len(self._done) > self.REMEMBERED:
+            del self._done[next(iter(self._done))]
+
+    def retry(self, latest: dict) -> None:
+        """Complete every pending batch, then ``latest``; a failure is logged and its batch stays pending."""
+        for offset in [*self.pending, latest]:
+            try:
+                self.complete(offset)
+            except Exception as exc:  # its messages stay deferred meanwhile (out of every batch)
+                _LOGGER.warning("completing %s batch %s failed (%s: %s); trying again with the next batch",
+                                self._what, offset.get("batch"), type(exc).__name__, redact(str(exc))[:200])
+
+
 class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_NOW):
     """The machinery both sources share (see the module docstring): deferring in ``latestOffset``, peeking by
     sequence number in ``read``, completing in ``commit``, taking back what a dead run left deferred, receiving
@@ -537,6 +641,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
 
     def __init__(self, options: Mapping[str, str], config: SparkSbConfig, entities: Sequence[Entity],
                  default_max: int, default_lanes: int = 0) -> None:
+        watch_parent()  # a Spark-started reader process ends with its driver (spark_sb.lifeline)
         self.options = dict(options)
         self.config = config
         self.entities = tuple(entities)
@@ -551,8 +656,9 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         self.report_depth = depth in ("true", "1", "yes")
         self._taken_back: dict[str, list[int]] = {}
         self._unswept = [e.key for e in self.entities]  # not received from until swept (see _sweep)
-        self._completed_batch = -1
-        self._uncompleted: list[dict] = []  # batches whose completion failed: retried on the next call
+        self._completions = _Completions(self._complete, self.OFFSET_FIELD, self.WHAT)
+        #: entity key -> when its namespace first failed to answer, since it last answered (see _unavailable)
+        self._failing: dict[str, float] = {}
         self._depth: int | None = None
         self._ahead: _Ahead | None = None
         self._started_ahead = False  # batches after the first are received ahead, in the background
@@ -576,9 +682,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         a receive of this reader that failed part way (a message deferred at the broker whose answer was lost).
         An entity is received from only once swept, so that a sweep never races a receive of this reader."""
         exclude: dict[str, set[int]] = {key: set(numbers) for key, numbers in self._taken_back.items()}
-        for pending in self._uncompleted:
-            for key, numbers in (pending.get(self.OFFSET_FIELD) or {}).items():
-                exclude.setdefault(key, set()).update(numbers)
+        for key, numbers in self._completions.numbers().items():
+            exclude.setdefault(key, set()).update(numbers)
         taken: dict[str, int] = {}
         for key in list(self._unswept):
             entity = self._by_key[key]
@@ -588,6 +693,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
             except Exception as exc:
                 self._unavailable(entity, "taking back what an earlier run left deferred", exc)
                 continue
+            self._answered(entity)
             self._unswept.remove(key)
             if numbers:
                 self._taken_back.setdefault(key, []).extend(numbers)
@@ -602,12 +708,36 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
     def prepareForTriggerAvailableNow(self) -> None:
         """``trigger(availableNow=True)``: read the messages the entities hold now (their active message count,
         from the administration API, plus what earlier runs left deferred) and stop; messages sent after this
-        wait for the next run. Messages another receiver holds locked (a run that died) are waited for, up to
-        the entity's lock duration. An entity whose namespace does not answer is read until it is empty."""
-        counts = self._active_counts()
-        self._available_now = {e.key: counts.get(e.key, -1) for e in self.entities}
-        _LOGGER.info("%s: Trigger.AvailableNow: reading the messages there now: %s", self.WHAT,
-                     {k: ("until empty" if v < 0 else v) for k, v in self._available_now.items()})
+        wait for the next run. A count the administration API does not give is asked again for up to
+        ``readRetryTimeout``, then the run fails (:class:`SourceUnavailableError`): it never ends short and
+        calls it done. What happens when an entity still owes messages but gives none: :meth:`_await_owed`."""
+        self._available_now = self._known_counts(self.entities, "Trigger.AvailableNow")
+        _LOGGER.info("%s: Trigger.AvailableNow: reading the messages there now: %s", self.WHAT, self._available_now)
+
+    def _known_counts(self, entities: Sequence[Entity], doing: str) -> dict[str, int]:
+        """The active message count of each of ``entities`` (by key); an entity whose administration API does not
+        answer is asked again with backoff for up to ``readRetryTimeout``, then :class:`SourceUnavailableError`
+        names it."""
+        counts: dict[str, int] = {}
+        started = self._clock()
+
+        def attempt() -> dict[str, int]:
+            counts.update(self._active_counts([e for e in entities if e.key not in counts]))
+            unknown = [e.key for e in entities if e.key not in counts]
+            if unknown:
+                raise _CountUnknown(f"no active message count for {', '.join(unknown)}")
+            return counts
+
+        def give_up(exc: Exception, failures: int, elapsed: float) -> SourceUnavailableError:
+            return SourceUnavailableError(
+                f"{self.WHAT}: {doing}: {exc} from the administration API for {self._clock() - started:.0f} s "
+                f"({failures} attempts, within readRetryTimeout {self.read_retry_timeout:g} s), so what to read "
+                "is not known: the run stops here rather than end short. Nothing was read or lost; run it again "
+                "once the namespace's administration endpoint answers")
+
+        retry = RetryFor(self.read_retry_timeout, self._read_backoff, clock=self._clock, sleep=self._sleep)
+        return retry.call(attempt, lambda exc: isinstance(exc, _CountUnknown), what=f"{self.WHAT}: {doing}",
+                          give_up=give_up)
 
     def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
         if start is None:  # Spark 4.0 and 4.1: no admission control, the reader keeps its start and its cap
@@ -617,51 +747,29 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         return offset
 
     def _next_offset(self, start: dict, limit: ReadLimit | None) -> dict:
-        # the batch ending at ``start`` finished: complete what its sink left deferred (and retry earlier
-        # completions that failed)
-        for pending in [*self._uncompleted, start]:
-            try:
-                self._complete(pending)
-            except Exception as exc:  # retried on the next call; they stay deferred meanwhile
-                _LOGGER.warning("completing %s batch %s failed (%s); retrying later", self.WHAT, pending.get("batch"),
-                                type(exc).__name__)
-                if pending not in self._uncompleted:
-                    self._uncompleted.append(pending)
-            else:
-                if pending in self._uncompleted:
-                    self._uncompleted.remove(pending)
+        # the batch ending at ``start`` finished: complete what its sink left deferred, and every earlier batch
+        # whose completion failed
+        self._completions.retry(start)
         if self._ahead is not None:  # what the background receive deferred while the last batch ran
             ahead, self._ahead = self._ahead, None
             for key, numbers in ahead.take().items():
                 self._taken_back.setdefault(key, []).extend(numbers)
-        if self._unswept:  # the first call of this reader, an entity unreachable until now, or a receive failed
-            self._sweep()
+        once: dict[str, int] | None = None
         if limit is None:
-            cap: int | None = self.max_per_trigger
+            cap = self.max_per_trigger
+        elif isinstance(limit, ReadAllAvailable):  # Trigger.Once: what is there now, not what keeps arriving
+            once = self._read_all_available()
+            cap = sum(len(v) for v in self._taken_back.values()) + sum(once.values())
         else:
-            cap = None if isinstance(limit, ReadAllAvailable) else getattr(limit, "max_rows", self.max_per_trigger)
-        batch: dict[str, list[int]] = {}
-        count = 0
-        for key in list(self._taken_back):
-            numbers = self._taken_back.pop(key)
-            room = len(numbers) if cap is None else max(0, cap - count)
-            batch[key] = numbers[:room]
-            count += len(batch[key])
-            if numbers[room:]:
-                self._taken_back[key] = numbers[room:]
-        if cap is None or (count < cap and not self._started_ahead):
-            for key, numbers in self._defer(None if cap is None else cap - count).items():
-                batch.setdefault(key, []).extend(numbers)
-                count += len(numbers)
+            cap = int(getattr(limit, "max_rows", self.max_per_trigger))
+        batch, count = self._gather(cap, once)
         if self._available_now is not None and not count:
-            for key, numbers in self._await_locked(cap).items():
-                batch.setdefault(key, []).extend(numbers)
-                count += len(numbers)
+            batch, count = self._await_owed(cap)
         left = sum(len(v) for v in self._taken_back.values())
         if self.report_depth:
             counts = self._active_counts()
             self._depth = sum(counts.values()) + left if counts else None
-        if cap is not None and cap > left and self._available_now is None:  # receive the next batch meanwhile
+        if cap > left and self._available_now is None and once is None:  # receive the next batch meanwhile
             self._ahead = _Ahead(self._defer, cap - left, self.WHAT)
             self._started_ahead = True
         batch = {k: sorted(v) for k, v in batch.items() if v}
@@ -671,9 +779,42 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         _LOGGER.info("%s batch %d: %d messages deferred (depth %s)", self.WHAT, offset["batch"], count, self._depth)
         return offset
 
-    def _defer(self, cap: int | None, found: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
-        """Receive up to ``cap`` messages (None: all there are) from the swept entities in peek-lock and defer
-        them; pings are completed. Returns (and records in ``found``) the deferred sequence numbers by entity key.
+    def _read_all_available(self) -> dict[str, int]:
+        """``ReadAllAvailable`` (``trigger(once=True)``): per entity key, the messages it holds now (its active
+        count; ``maxMessagesPerTrigger`` for an entity whose administration API does not answer), so that a run
+        reads what was there when it started and ends, however fast messages keep arriving."""
+        counts = self._active_counts()
+        unknown = [e.key for e in self.entities if e.key not in counts]
+        if unknown:
+            _LOGGER.warning("%s: no active message count for %s: reading at most maxMessagesPerTrigger (%d) of each",
+                            self.WHAT, unknown, self.max_per_trigger)
+        return {e.key: counts.get(e.key, self.max_per_trigger) for e in self.entities}
+
+    def _gather(self, cap: int, owed: dict[str, int] | None = None) -> tuple[dict[str, list[int]], int]:
+        """Up to ``cap`` messages for the next batch: first those taken back (left deferred by an earlier run or
+        received ahead), then received and deferred now (but once receiving ahead took over)."""
+        if self._unswept:  # the first call of this reader, an entity unreachable until now, or a receive failed
+            self._sweep()
+        batch: dict[str, list[int]] = {}
+        count = 0
+        for key in list(self._taken_back):
+            numbers = self._taken_back.pop(key)
+            room = max(0, cap - count)
+            batch[key] = numbers[:room]
+            count += len(batch[key])
+            if numbers[room:]:
+                self._taken_back[key] = numbers[room:]
+        if count < cap and not self._started_ahead:
+            for key, numbers in self._defer(cap - count, owed=owed).items():
+                batch.setdefault(key, []).extend(numbers)
+                count += len(numbers)
+        return batch, count
+
+    def _defer(self, cap: int, found: dict[str, list[int]] | None = None, owed: dict[str, int] | None = None
+               ) -> dict[str, list[int]]:
+        """Receive up to ``cap`` messages from the swept entities in peek-lock and defer them; pings are
+        completed. Returns (and records in ``found``) the deferred sequence numbers by entity key. ``owed`` (by
+        default Trigger.AvailableNow's) bounds what each entity gives, and is decremented by what it gave.
 
         Deferring costs a round trip per message (the SDK settles one message at a time), so against a far
         namespace one receiver defers at most one message per round trip. The receives therefore run on up to
@@ -684,13 +825,9 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         from 1: lane 0 is the reader's own (sweeps, completions), so that no two threads ever pump one
         receiver."""
         found = {} if found is None else found
-        owed = self._available_now
-        ready = [e for e in self.entities if e.key not in self._unswept and (owed is None or owed[e.key] != 0)]
-        if cap is None:
-            for entity in ready:
-                self._defer_entity(entity, None, found, lane=1)
-            return found
-        if not ready:
+        owed = self._available_now if owed is None else owed
+        ready = [e for e in self.entities if e.key not in self._unswept and (owed is None or owed[e.key] > 0)]
+        if not ready or cap <= 0:
             return found
         open_work = self._lanes(ready)
         count = 0
@@ -740,7 +877,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         """One connection's part of a round of :meth:`_defer`: its entities one after the other."""
         return [(unit, self._defer_entity(unit[0], shares[unit], found, unit[1])) for unit in units if shares[unit] > 0]
 
-    def _defer_entity(self, entity: Entity, cap: int | None, found: dict[str, list[int]], lane: int = 0) -> int:
+    def _defer_entity(self, entity: Entity, cap: int, found: dict[str, list[int]], lane: int = 0) -> int:
         """Receive and defer up to ``cap`` messages of one entity through the connection ``lane``; returns how
         many were deferred (those deferred before a failure are kept in ``found``)."""
         count = 0
@@ -748,8 +885,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         try:
             with self._namespace(entity, lane=lane).receiver(entity.path) as receiver:
                 wait = self.receive_timeout
-                while cap is None or count < cap:
-                    want = PAGE if cap is None else min(PAGE, cap - count)
+                while count < cap:
+                    want = min(PAGE, cap - count)
                     page = receiver.receive_messages(max_message_count=want, max_wait_time=wait)
                     if not page:
                         break
@@ -771,6 +908,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
                             continue
                         numbers.append(int(message.sequence_number or 0))
                         count += 1
+            self._answered(entity)
         except Exception as exc:
             self._resweep(entity)
             self._unavailable(entity, "receiving", exc)
@@ -794,38 +932,62 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
     def _active_counts(self, entities: Sequence[Entity] | None = None) -> dict[str, int]:
         """Active messages per entity key (including the batch in flight), from the administration API of each
         namespace that answers (an entity of a namespace that does not is left out)."""
-        return active_counts(self.config, self.entities if entities is None else entities, self.WHAT)
+        return active_counts(self.config, self.entities if entities is None else entities, self.WHAT,
+                             missing_is_empty=self.MISSING_IS_EMPTY)
 
-    def _await_locked(self, cap: int | None) -> dict[str, list[int]]:
-        """Trigger.AvailableNow, and no receive gave anything: an entity that still owes messages it held at the
-        start has them locked by another receiver (a run that died); they come back when the lock expires. Wait
-        for them (receiving again each ``receiveTimeout``) up to the entity's lock duration; an entity whose
-        active count is 0 owes nothing more (its messages expired, or another receiver completed them)."""
+    def _await_owed(self, cap: int) -> tuple[dict[str, list[int]], int]:
+        """Trigger.AvailableNow, and a batch found nothing while entities still owe messages they held at the
+        start; returns the next batch (and its size) once one gives, or an empty one when nothing is owed.
+
+        * An entity whose active count is now 0 owes nothing more (its messages expired, or another receiver
+          completed them).
+        * An entity whose namespace does not answer (its count or its receive fails) is waited for, receiving
+          again each ``receiveTimeout``, up to ``readRetryTimeout``; then the run fails with
+          :class:`SourceUnavailableError` naming what it still owed, rather than end short and call it done.
+        * An entity that answers with messages it does not give has them locked by another receiver (a run that
+          died): they come back when the lock expires, so they are waited for up to the entity's lock duration,
+          then left for the next run with a warning naming them."""
         owed = self._available_now or {}
-        deadline: float | None = None
+        locked_until: float | None = None
+        unanswered_since: float | None = None
         while True:
             owing = [e for e in self.entities if owed.get(e.key, 0) > 0]
             counts = self._active_counts(owing) if owing else {}
             for entity in owing:
-                if counts.get(entity.key, 0) == 0:
+                if counts.get(entity.key) == 0 and entity.key not in self._failing:
                     owed[entity.key] = 0
             owing = [e for e in owing if owed[e.key] > 0]
             if not owing:
-                return {}
-            if deadline is None:
-                deadline = time.monotonic() + max(self._lock_duration(e) for e in owing) + self.receive_timeout
-                _LOGGER.info("%s: Trigger.AvailableNow: waiting up to %.0f s for %s, locked by another receiver",
-                             self.WHAT, deadline - time.monotonic(), {e.key: owed[e.key] for e in owing})
-            if time.monotonic() > deadline:
-                _LOGGER.warning("%s: Trigger.AvailableNow: %s still locked by another receiver; left for the next "
-                                "run", self.WHAT, {e.key: owed[e.key] for e in owing})
-                for entity in owing:
-                    owed[entity.key] = 0
-                return {}
-            time.sleep(self.receive_timeout)
-            found = {key: numbers for key, numbers in self._defer(cap).items() if numbers}
-            if found:
-                return found
+                return {}, 0
+            now = self._clock()
+            unanswered = {e.key: owed[e.key] for e in owing if e.key not in counts or e.key in self._failing}
+            if unanswered:
+                unanswered_since = now if unanswered_since is None else unanswered_since
+                if now - unanswered_since >= self.read_retry_timeout:
+                    raise SourceUnavailableError(
+                        f"{self.WHAT}: Trigger.AvailableNow: {unanswered} of the messages there at the start are "
+                        f"still to read, and their namespace has not answered for {now - unanswered_since:.0f} s "
+                        f"(readRetryTimeout {self.read_retry_timeout:g} s): the run stops here rather than end "
+                        "short. Nothing was lost: what it read is committed, the rest is still in its entity for "
+                        "the next run")
+                _LOGGER.info("%s: Trigger.AvailableNow: waiting for %s, whose namespace does not answer",
+                             self.WHAT, unanswered)
+            else:
+                unanswered_since = None
+                if locked_until is None:
+                    locked_until = now + max(self._lock_duration(e) for e in owing) + self.receive_timeout
+                    _LOGGER.info("%s: Trigger.AvailableNow: waiting up to %.0f s for %s, locked by another receiver",
+                                 self.WHAT, locked_until - now, {e.key: owed[e.key] for e in owing})
+                elif now > locked_until:
+                    _LOGGER.warning("%s: Trigger.AvailableNow: %s still locked by another receiver; left for the "
+                                    "next run", self.WHAT, {e.key: owed[e.key] for e in owing})
+                    for entity in owing:
+                        owed[entity.key] = 0
+                    return {}, 0
+            self._sleep(self.receive_timeout)
+            batch, count = self._gather(cap)
+            if count:
+                return batch, count
 
     def _lock_duration(self, entity: Entity) -> float:
         """The entity's lock duration in seconds (60 s, Service Bus's default, when the API does not answer)."""
@@ -859,25 +1021,20 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
 
     def commit(self, end: dict) -> None:
         """Complete what the batch's sink left deferred (the syphon's sink leaves nothing). A namespace that does
-        not answer fails nothing: the completion is retried by the next ``latestOffset``."""
+        not answer fails nothing: the completion is retried by each later ``latestOffset`` until it succeeds."""
         try:
-            self._complete(end)
+            self._completions.complete(end)
         except Exception as exc:
             if not is_blip(exc):
                 raise
-            _LOGGER.warning("completing %s batch %s failed (%s: %s); retrying with the next batch", self.WHAT,
+            _LOGGER.warning("completing %s batch %s failed (%s: %s); trying again with the next batch", self.WHAT,
                             end.get("batch"), type(exc).__name__, redact(str(exc))[:200])
-            if end not in self._uncompleted:
-                self._uncompleted.append(end)
 
     def _complete(self, offset: dict) -> None:
-        """Complete the messages of the batch ending at ``offset`` that are still deferred (once)."""
+        """Complete the messages of the batch ending at ``offset`` that are still deferred."""
         number = int(offset.get("batch", 0))
-        entities = offset.get(self.OFFSET_FIELD) or {}
-        if number <= self._completed_batch or not entities:
-            return
         done = 0
-        for key, numbers in entities.items():
+        for key, numbers in (offset.get(self.OFFSET_FIELD) or {}).items():
             entity = self._by_key.get(key)
             if entity is None:  # the checkpoint names an entity this query no longer reads
                 _LOGGER.warning("%s batch %d names %r, which this query does not read: left deferred", self.WHAT,
@@ -885,7 +1042,6 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
                 continue
             done += len(complete_deferred(self._namespace(entity, retries=False), entity.path, numbers,
                                           bulk_first=not self.SINK_SETTLES))
-        self._completed_batch = max(self._completed_batch, number)
         _LOGGER.log(logging.INFO if done else logging.DEBUG, "%s batch %d committed: %d messages its sink left "
                     "deferred completed", self.WHAT, number, done)
 
@@ -896,24 +1052,38 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         _LOGGER.debug("%s source stopped", self.WHAT)
 
 
-def active_counts(config: SparkSbConfig, entities: Sequence[Entity], what: str = "servicebus") -> dict[str, int]:
-    """Active messages per entity key, from the administration API of each namespace that answers (an entity of
-    a namespace that does not is left out, with a warning): monitoring, which no batch depends on."""
+def active_counts(config: SparkSbConfig, entities: Sequence[Entity], what: str = "servicebus", *,
+                  missing_is_empty: bool = False) -> dict[str, int]:
+    """Active messages per entity key, from the administration API of each namespace that answers (each request
+    bounded by the namespace's ``admin_timeout``). An entity is left out, with a warning, when its namespace
+    does not answer (the rest of that namespace too: its endpoint is not tried again for each) or when it does
+    not exist, unless ``missing_is_empty`` (a backlog queue not provisioned yet holds nothing)."""
     counts: dict[str, int] = {}
     for side in dict.fromkeys(e.side for e in entities):
         try:
             with admin_client(getattr(config, side), retry_total=0) as admin:
-                counts.update({e.key: _active_messages(admin, e.path) for e in entities if e.side == side})
-        except Exception as exc:  # monitoring only: the batch does not depend on it
-            _LOGGER.warning("%s depth on the %s unavailable: %s", what, side, redact(str(exc))[:200])
+                for entity in (e for e in entities if e.side == side):
+                    try:
+                        counts[entity.key] = _active_messages(admin, entity.path)
+                    except Exception as exc:
+                        if classify(exc) is not ErrorClass.CONFIGURATION_NOT_FOUND:
+                            raise
+                        if missing_is_empty:
+                            counts[entity.key] = 0
+                        else:
+                            _LOGGER.warning("%s depth: %r not found on the %s", what, entity.path, side)
+        except Exception as exc:  # the callers say what an unknown count means to them
+            _LOGGER.warning("%s depth on the %s unavailable: %s: %s", what, side, type(exc).__name__,
+                            redact(str(exc))[:200])
     return counts
 
 
 def backlog_depth(config: SparkSbConfig) -> int | None:
-    """Active messages over the backlog queues of ``config``'s pairing (None when the secondary's administration
-    API does not answer): what ``--until-empty`` waits to see at 0 where Spark has no ``reportLatestOffset``."""
+    """Active messages over the backlog queues of ``config``'s pairing (a queue not provisioned yet holds 0;
+    None when the secondary's administration API does not answer): what ``--until-empty`` waits to see at 0
+    where Spark has no ``reportLatestOffset``."""
     queues = config.send_availability.backlog_queue_names()
-    counts = active_counts(config, [Entity(q, "secondary", q) for q in queues], "backlog")
+    counts = active_counts(config, [Entity(q, "secondary", q) for q in queues], "backlog", missing_is_empty=True)
     return sum(counts.values()) if len(counts) == len(queues) else None
 
 
@@ -926,7 +1096,10 @@ def _active_messages(admin: Any, path: str) -> int:
 
 class BacklogStreamReader(DeferringStreamReader):
     """The ``servicebus-backlog`` reader: every backlog queue of the secondary; rows restored by
-    :func:`backlog_row`. Offsets: ``{"batch": n, "queues": {backlog queue: [sequence numbers]}}``."""
+    :func:`backlog_row`. Offsets: ``{"batch": n, "queues": {backlog queue: [sequence numbers]}}``. A backlog
+    queue that does not exist yet (the pairing provisions them at the first failover) is read as empty."""
+
+    MISSING_IS_EMPTY = True
 
     def __init__(self, options: Mapping[str, str]) -> None:
         config = _options_config(options)
@@ -1042,6 +1215,7 @@ class ServiceBusBatchReader(_EntityAccess, DataSourceReader):
         self.config = _options_config(self.options)
         self.entities = tuple(Entity(f"{side}:{path}", side, path) for side in _namespaces_option(self.options))
         self.read_retry_timeout = float(_positive(self.options, "readRetryTimeout", 120.0, float, most=3600))
+        self._failing = {}
         self.first = _sequence_option(self.options, "fromSequenceNumber") or 0
         self.last = _sequence_option(self.options, "toSequenceNumber")
         if self.last is not None and self.last < self.first:
