@@ -9,7 +9,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
+from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode, ServiceBusReceiver
+from azure.servicebus.exceptions import ServiceBusError
 from pairing import pair_config
 
 from spark_sb import bus
@@ -198,10 +199,11 @@ def test_a_new_object_replaces_an_outdated_one_and_closes_it() -> None:
 
 def _listens_on_receiver_connections(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Record, for every pyamqp connection, how many threads are inside ``listen`` at once (each call held 20 ms
-    longer, to widen a window two threads could share) and which threads called it."""
+    longer, to widen a window two threads could share), which threads called it, and the connections the SDK's
+    keep-alive thread listened on (the objects: kept alive, their ids are never reused)."""
     from azure.servicebus._pyamqp._connection import Connection
 
-    seen: dict[str, Any] = {"most": 0, "threads": set(), "keep_alive": 0}
+    seen: dict[str, Any] = {"most": 0, "threads": set(), "keep_alive": []}
     inside: dict[int, int] = {}
     guard = threading.Lock()
     listen = Connection.listen
@@ -211,7 +213,8 @@ def _listens_on_receiver_connections(monkeypatch: pytest.MonkeyPatch) -> dict[st
             inside[id(self)] = inside.get(id(self), 0) + 1
             seen["most"] = max(seen["most"], inside[id(self)])
             seen["threads"].add(threading.current_thread().name)
-            seen["keep_alive"] += "_keep_alive" in threading.current_thread().name
+            if "_keep_alive" in threading.current_thread().name:
+                seen["keep_alive"].append(self)
         try:
             time.sleep(0.02)
             return listen(self, *args, **kwargs)
@@ -223,24 +226,56 @@ def _listens_on_receiver_connections(monkeypatch: pytest.MonkeyPatch) -> dict[st
     return seen
 
 
-def test_one_thread_at_a_time_listens_on_a_receivers_connection(namespace, make_queue, primary,
+def test_one_thread_at_a_time_listens_on_a_receivers_connection(namespace, make_queue, emulator, primary,
                                                                   monkeypatch) -> None:
     """With prefetch 0 the SDK's keep-alive thread listens on a receiver's connection every 5 s beside the
     thread that receives; two threads processing one link's transfers built messages with each other's delivery
     tags, and a message whose own delivery was never settled came back a lock's duration late (README, "A
     straggler"). The namespace's receivers keep the thread (it releases messages that reach an idle receiver)
-    but never let it listen at the same time as the receiving thread, also on a connection the SDK reopens."""
+    but never let it listen at the same time as the receiving thread, also on the connection the same SDK
+    receiver opens again after its connection dropped."""
     queue = make_queue()
     seen = _listens_on_receiver_connections(monkeypatch)
-    for _ in range(2):  # a new SDK receiver the second time (the exception drops the first)
-        with pytest.raises(RuntimeError), namespace.receiver(queue) as receiver:
-            heard = seen["keep_alive"]
-            deadline = time.monotonic() + 60  # the keep-alive thread listens 5 s after opening, on a quiet machine
-            while seen["keep_alive"] == heard and time.monotonic() < deadline:
+
+    def connection(receiver: ServiceBusReceiver) -> Any:
+        return receiver._handler._connection  # the pyamqp Connection the SDK receiver listens on now
+
+    def receive_until_the_keep_alive_listens_on(receiver: ServiceBusReceiver, conn: Any) -> None:
+        deadline = time.monotonic() + 60  # the keep-alive thread listens 5 s after opening, on a quiet machine
+        while not any(c is conn for c in seen["keep_alive"]) and time.monotonic() < deadline:
+            assert receiver.receive_messages(max_message_count=1, max_wait_time=0.3) == []
+        assert any(c is conn for c in seen["keep_alive"])  # the SDK's thread listened on this connection...
+
+    with namespace.receiver(queue) as receiver:
+        first = connection(receiver)
+        receive_until_the_keep_alive_listens_on(receiver, first)
+        emulator.fault("primary", "down")  # the namespace drops every connection...
+        emulator.heal("primary")  # ...and takes new ones at once
+        failed = False
+        deadline = time.monotonic() + 60
+        while not failed and time.monotonic() < deadline:
+            try:  # caught inside the block: the namespace keeps this SDK receiver
                 assert receiver.receive_messages(max_message_count=1, max_wait_time=0.3) == []
-            assert seen["keep_alive"] > heard  # the SDK's thread listened on this receiver's connection...
-            raise RuntimeError("drop this receiver")
-    assert seen["most"] == 1  # ...never beside the receiving thread
+            except ServiceBusError:  # retry_total=0: the SDK closed its handler and gives up this once
+                failed = True
+        assert failed
+        # a next receive reopens it: the SDK calls _create_handler again, on a new connection (a receive whose
+        # max_wait_time ran out while opening closes what it opened, and the next one opens anew)
+        reopened = False
+        deadline = time.monotonic() + 60
+        while not reopened and time.monotonic() < deadline:
+            try:
+                assert receiver.receive_messages(max_message_count=1, max_wait_time=1) == []
+                reopened = True
+            except ServiceBusError:
+                pass
+        assert reopened
+        second = connection(receiver)
+        assert second is not first
+        receive_until_the_keep_alive_listens_on(receiver, second)
+    with namespace.receiver(queue) as again:
+        assert again is receiver  # one SDK receiver throughout
+    assert seen["most"] == 1  # ...never beside the receiving thread, on either connection
 
 
 def test_a_message_reaching_an_idle_receiver_is_released_for_others(namespace, make_queue, primary) -> None:
