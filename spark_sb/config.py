@@ -16,6 +16,7 @@ gave. Shape (defaults shown)::
       backlog_cooldown: 30s
       provision_retries: 3
       provision_retry_spacing: 1s
+      pairing_timeout: 30s            # one pairing (and all of one send's attempts) ends within it: PairingError
       primary_retry_total: 0
       primary_retry_backoff: 800ms
       primary_retry_backoff_max: 5s
@@ -936,6 +937,12 @@ class SendAvailabilityConfig(_Frozen):
     #: how many times each backlog queue creation is tried (1 = no retry); behaviour.md: up to 3 times
     provision_retries: Count = Field(default=3, ge=1, le=10)
     provision_retry_spacing: Duration = Field(default=SECOND, ge=0 * SECOND, le=5 * MINUTE)
+    #: the deadline of pairing (listing and creating the backlog queues on the secondary): one attempt, and all the
+    #: attempts one send makes together (the last wait before a failover, then the failover itself), stop within
+    #: it with :class:`~spark_sb.errors.PairingError`; each administration request waits at most the secondary's
+    #: ``admin_timeout`` or what is left of it, none (and no retry) starts past it, and a request the endpoint did
+    #: not answer (refused, host not found, timed out) ends the attempt instead of trying the next queue
+    pairing_timeout: Duration = Field(default=30 * SECOND, ge=SECOND, le=10 * MINUTE)
     #: SDK ``retry_total`` of the primary's clients
     primary_retry_total: Count = Field(default=0, ge=0, le=10)
     #: SDK ``retry_backoff_factor`` of the primary's clients

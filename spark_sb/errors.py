@@ -7,8 +7,19 @@ acts on the flags, never on message text.
 :func:`classify` implements the "Error classes" table of ``behaviour.md``: it maps an exception raised by
 azure-servicebus (after the SDK's own retry policy has run) to an :class:`ErrorClass`. Its predicates
 (:func:`is_connection_lost`, :func:`needs_session`, :func:`already_exists`, :func:`unreachable_reason`,
-:func:`is_message_not_found`, :func:`is_lock_lost`, :func:`is_too_large`) answer the other questions callers
-ask about an exception. No other module inspects SDK exception types or their message text.
+:func:`is_unanswered`, :func:`is_message_not_found`, :func:`is_lock_lost`, :func:`is_link_gone`,
+:func:`is_too_large`) answer the other questions callers ask about an exception. No other module inspects SDK
+exception types or their message text.
+
+A settlement on a receiver whose handler the SDK shut down
+----------------------------------------------------------
+When a receiver's connection is lost, the SDK shuts its handler down (``_close_handler``; the next receive opens
+a new one), and settling a message it delivered before (``complete``, ``abandon``, ``defer``, ``dead-letter``,
+renewing its lock) raises a plain ``ValueError("Failed to abandon the message as the handler has already been
+shutdown.Please use ServiceBusClient to create a new instance.")``. Nothing is lost: the message's lock went with
+the connection, it lapses, and the broker delivers the message again. That exact text (and only it) is an
+``OUTAGE`` and :func:`is_link_gone`; any other ``ValueError`` (a sender used after close, an encoding error)
+stays ``OTHER``.
 
 Credential rejected versus connection broken
 --------------------------------------------
@@ -93,10 +104,12 @@ __all__ = [
     "already_exists",
     "is_blip",
     "is_connection_lost",
+    "is_link_gone",
     "is_lock_lost",
     "is_message_not_found",
     "is_too_large",
     "needs_session",
+    "is_unanswered",
     "unreachable_reason",
 ]
 
@@ -200,9 +213,40 @@ class UnsupportedSparkError(SparkSbError, ImportError):
     missing and what to install or where it runs."""
 
 
+#: what every :class:`PairingError` message ends with: what happened to the data, and what to check
+PAIRING_ADVICE = (
+    " What happened to the data: the send that needed the backlog is not acknowledged (none of its messages went to "
+    "a backlog queue), so the Spark sink fails the batch and Spark replays it from its checkpoint: nothing is lost "
+    "(a message the primary took before the failover may arrive twice; duplicate detection drops it). Check on the "
+    "secondary: its administration endpoint is reachable from the workers (admin_endpoint, DNS, firewall; "
+    "admin_timeout and send_availability.pairing_timeout bound the wait), the credential gets a token and has "
+    "Manage rights, the "
+    "namespace's queue quota leaves room for send_availability.backlog_queue_count backlog queues, and "
+    "send_availability.backlog_prefix names the backlog queues you mean.")
+
+
 class PairingError(SparkSbError):
-    """Pairing (provisioning the backlog queues on the secondary) failed: zero usable backlog queues, or an
-    authorisation failure while provisioning. Raised when pairing, never later at send time."""
+    """Pairing (listing and creating the backlog queues on the secondary) failed: no usable backlog queue, a
+    rejected credential, or an administration endpoint that did not answer (refused, host not found, timed out)
+    or not within ``send_availability.pairing_timeout``.
+
+    Pairing is lazy: a :class:`~spark_sb.paired.PairedSender` pairs when the backlog is first needed (the last
+    wait before a failover, or the failover itself), so a send raises this error, within
+    ``send_availability.pairing_timeout``; :meth:`~spark_sb.paired.PairedSender.pair` pairs at once. A send that
+    raised it is not acknowledged: the Spark sink fails the batch, Spark replays it from its checkpoint, and
+    nothing is lost. The message says what failed (the endpoint, the deadline) and ends with
+    :data:`PAIRING_ADVICE`: what to check on the secondary.
+
+    :ivar detail: what failed (the message without the advice).
+    """
+
+    def __init__(self, detail: str) -> None:
+        # given a whole message (a copy of another PairingError's, or an unpickled one): the advice once
+        if detail.endswith(PAIRING_ADVICE):
+            detail = detail[: -len(PAIRING_ADVICE)].removesuffix(".")
+        self.detail = redact(detail)
+        ending = "" if self.detail.endswith((".", "!", "?")) else "."
+        super().__init__(f"{self.detail}{ending}{PAIRING_ADVICE}")
 
 
 class CredentialRejectedError(SparkSbError):
@@ -324,6 +368,9 @@ _REJECTING_STATUS = frozenset({401, 403})
 # cannot help, the message must be fixed
 _MESSAGE_REJECTING_CONDITIONS = frozenset({"amqp:invalid-field", "amqp:decode-error"})
 _NOT_FOUND_STATUS = 404
+#: the SDK's words for a settlement (complete, abandon, defer, dead-letter, renew) on a receiver whose handler it
+#: shut down after losing the connection (``receiver_mixins._check_message_alive``; see the module docstring)
+_SETTLED_AFTER_SHUTDOWN = re.compile(r"^Failed to [a-z -]+ the message as the handler has already been shutdown")
 
 
 def _causes(exc: BaseException) -> Iterator[BaseException]:
@@ -389,6 +436,11 @@ def _entity_not_found(exc: BaseException) -> bool:
     return any(_status(link) == _NOT_FOUND_STATUS for link in _causes(exc))
 
 
+def _settled_after_shutdown(exc: BaseException) -> bool:
+    """A plain ``ValueError`` the SDK raised settling a message after it shut the receiver's handler down."""
+    return type(exc) is ValueError and _SETTLED_AFTER_SHUTDOWN.match(str(exc)) is not None
+
+
 def classify(exc: BaseException) -> ErrorClass:
     """Map an exception to its :class:`ErrorClass` (behaviour.md, "Error classes").
 
@@ -414,7 +466,10 @@ def classify(exc: BaseException) -> ErrorClass:
     ``ServiceResponseError`` -> ``OUTAGE``.
 
     spark-sb's own errors return their ``error_class``. Builtin ``ConnectionError`` and ``TimeoutError`` are
-    ``OUTAGE``. Anything else (``ValueError`` from a closed handler, ``TypeError``, ...) is ``OTHER``.
+    ``OUTAGE``; so is the SDK's ``ValueError("Failed to <settle> the message as the handler has already been
+    shutdown...")``, a settlement after the SDK shut a receiver's handler down for a lost connection (its lock
+    lapses, the message comes back). Anything else (another ``ValueError``, such as a sender used after close or
+    an encoding error, ``TypeError``, ...) is ``OTHER``.
     """
     if isinstance(exc, SparkSbError):
         return exc.error_class
@@ -454,13 +509,16 @@ def classify(exc: BaseException) -> ErrorClass:
         return ErrorClass.OTHER
     if isinstance(exc, ServiceRequestError | ServiceResponseError | ConnectionError | TimeoutError):
         return ErrorClass.OUTAGE
+    if _settled_after_shutdown(exc):
+        return ErrorClass.OUTAGE
     return ErrorClass.OTHER
 
 
 #: what the SDK's encoder raises for a message it cannot encode (an int property over its range, a TTL out of
 #: the AMQP range, non-UTF-8 text, an unsupported type); ``UnicodeError`` is a ``ValueError``. These are bad
 #: messages only where they come from encoding: the sender converts them at that call site
-#: (:func:`encoding_error`), so a ``ValueError`` from anywhere else (a closed handler) stays ``OTHER``.
+#: (:func:`encoding_error`), so a ``ValueError`` from anywhere else (a sender used after close) stays ``OTHER``
+#: (but for a settlement on a receiver the SDK shut down, an ``OUTAGE``: see :func:`classify`).
 ENCODING_ERRORS: tuple[type[Exception], ...] = (ValueError, TypeError, OverflowError)
 
 
@@ -508,8 +566,9 @@ def is_lock_lost(exc: BaseException) -> bool:
 def is_link_gone(exc: BaseException) -> bool:
     """A settlement failed because the link that delivered the message is gone: the service detached it (idle
     for 10 minutes, or forced in an upgrade: ``amqp:link:detach-forced``) or the connection dropped. The
-    message's lock went with its link; the broker delivers the message again."""
-    if is_connection_lost(exc):
+    message's lock went with its link; the broker delivers the message again. Also the SDK's ``ValueError`` for a
+    settlement on a receiver whose handler it shut down after a lost connection (see the module docstring)."""
+    if is_connection_lost(exc) or _settled_after_shutdown(exc):
         return True
     for cause in _causes(exc):
         text = str(cause).lower()
@@ -549,13 +608,29 @@ def already_exists(exc: BaseException) -> bool:
 
 
 def unreachable_reason(exc: BaseException) -> str | None:
-    """"connection refused", "host not found" or "connection timed out" when ``exc`` (or a cause in its chain:
-    ``inner_exception``, ``__cause__``, ``__context__``) shows the endpoint could not be reached; else None."""
+    """"connection refused", "host not found", "connection timed out" or, for an HTTP request whose answer did
+    not come in time (azure-core's ``ServiceResponseError`` over a timeout), "no answer in time (read timed
+    out)" when ``exc`` (or a cause in its chain: ``inner_exception``, ``__cause__``, ``__context__``) shows the
+    endpoint could not be reached; else None."""
+    waiting_for_answer = False
     for link in _causes(exc):
+        if isinstance(link, ServiceResponseError):
+            waiting_for_answer = True
         if isinstance(link, ConnectionRefusedError):
             return "connection refused"
         if isinstance(link, socket.gaierror):
             return "host not found"
         if isinstance(link, TimeoutError):
-            return "connection timed out"
+            return "no answer in time (read timed out)" if waiting_for_answer else "connection timed out"
     return None
+
+
+def is_unanswered(exc: BaseException) -> bool:
+    """An administration (HTTP) request got no answer at all: the connection was refused, the host name did not
+    resolve, the connect or the read timed out, or the connection broke before a response came (azure-core's
+    ``ServiceRequestError`` or ``ServiceResponseError``, or a socket error in the chain). An HTTP error status is
+    an answer (False): the endpoint is there, and another request may be answered otherwise."""
+    if isinstance(exc, HttpResponseError):
+        return False
+    return any(isinstance(link, ServiceRequestError | ServiceResponseError | ConnectionError | TimeoutError
+                          | socket.gaierror) for link in _causes(exc))

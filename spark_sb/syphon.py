@@ -288,8 +288,13 @@ class Syphon:
         or, if that job died, :meth:`take_back` does."""
         found: dict[str, list[int]] = {}
         for queue in self.backlog_queues if queues is None else queues:
-            with self._secondary.receiver(queue) as receiver:
-                found[queue] = deferred_numbers(receiver)
+            try:
+                with self._secondary.receiver(queue) as receiver:
+                    found[queue] = deferred_numbers(receiver)
+            except Exception as exc:
+                if not _missing(queue, exc):
+                    raise
+                found[queue] = []
         return found
 
     def take_back(self, backlog_queue: str, sequence_numbers: Sequence[int] | None = None) -> MoveSummary:
@@ -309,6 +314,16 @@ class Syphon:
         ``look_for_copies`` False: these messages were looked for before (by this syphon, which re-parks none of
         them without completing it)."""
         summary = MoveSummary(queue)
+        try:
+            return self._take_back_from(queue, sequence_numbers, look_for_copies, summary)
+        except Exception as exc:
+            if summary.received or not _missing(queue, exc):
+                raise
+            return summary, []
+
+    def _take_back_from(self, queue: str, sequence_numbers: Sequence[int] | None, look_for_copies: bool,
+                        summary: MoveSummary) -> tuple[MoveSummary, list[int]]:
+        """:meth:`_take_back` on the queue's receiver (what it takes back is counted in ``summary`` as it goes)."""
         with self._secondary.receiver(queue) as receiver:
             if sequence_numbers is None:
                 numbers = deferred_numbers(receiver)
@@ -343,10 +358,15 @@ class Syphon:
         peek-lock and move them home (see the module docstring). Returns what happened to them."""
         limit = max_messages or self.config.syphon.receive_batch
         summary = MoveSummary(backlog_queue)
-        with self._secondary.receiver(backlog_queue) as receiver:  # an error drops it: rebuilt on next use
-            received = list(receiver.receive_messages(max_message_count=limit, max_wait_time=max_wait_time))
-            summary.received = len(received)
-            self.settle(receiver, received, summary)
+        try:
+            with self._secondary.receiver(backlog_queue) as receiver:  # an error drops it: rebuilt on next use
+                received = list(receiver.receive_messages(max_message_count=limit, max_wait_time=max_wait_time))
+                summary.received = len(received)
+                self.settle(receiver, received, summary)
+        except Exception as exc:
+            if summary.received or not _missing(backlog_queue, exc):
+                raise
+            return summary
         if summary.received:
             _LOGGER.info("syphon %s: received %d, moved %s, dead-lettered %s, left %s", backlog_queue,
                          summary.received, summary.moved, summary.dead_lettered, summary.left)
@@ -632,17 +652,32 @@ def reparked_copies(receiver: Any, queue: str, sequence_numbers: Collection[int]
 
 
 def _settle(receiver: Any | None, action: str, message: Any, **kwargs: Any) -> None:
-    """Settle one message (``receiver`` None: leave it to the caller); a lost lock leaves it to the broker
-    (it comes back), anything else raises."""
+    """Settle one message (``receiver`` None: leave it to the caller). A lost lock, or a link or connection gone
+    with the message's lock (the connection was lost, and the SDK shut the receiver's handler down: its
+    ``ValueError`` "Failed to abandon the message as the handler has already been shutdown", see
+    :func:`~spark_sb.errors.is_link_gone`) leaves it to the broker: its lock lapses and it comes back (sent
+    again with its message id if it was delivered). Anything else raises."""
     if receiver is None:
         return
     try:
         getattr(receiver, action)(message, **kwargs)
     except Exception as exc:
-        if not is_lock_lost(exc):
+        if not (is_lock_lost(exc) or is_link_gone(exc)):
             raise
-        _LOGGER.warning("backlog message %s was not settled (%s); it stays in the backlog",
-                        getattr(message, "message_id", None), type(exc).__name__)
+        _LOGGER.warning("backlog message %s was not settled (%s: %s); it stays in the backlog and comes back when "
+                        "its lock lapses", getattr(message, "message_id", None), type(exc).__name__,
+                        redact(str(exc))[:200])
+
+
+def _missing(queue: str, exc: BaseException) -> bool:
+    """Whether ``exc`` (met opening or receiving from backlog queue ``queue``) says the queue does not exist: the
+    sender pairs (creates the backlog queues) at its first failover only, so before it nothing was parked and
+    there is nothing to move. Logged; a missing queue is an empty one."""
+    if classify(exc) is not ErrorClass.CONFIGURATION_NOT_FOUND:
+        return False
+    _LOGGER.info("backlog queue %r does not exist (yet: a sender creates the backlog queues at its first failover); "
+                 "nothing to move there", queue)
+    return True
 
 
 @contextlib.contextmanager

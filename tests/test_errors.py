@@ -57,7 +57,9 @@ from spark_sb.errors import (
     as_spark_sb_error,
     classify,
     encoding_error,
+    is_blip,
     is_connection_lost,
+    is_link_gone,
     needs_session,
     redact,
     unreachable_reason,
@@ -347,3 +349,51 @@ def test_an_unreachable_endpoint_is_named_with_its_reason() -> None:
     except ConnectionError as wrapped:
         assert unreachable_reason(wrapped) == "connection timed out"
     assert unreachable_reason(_http_error(503)) is None
+
+
+def test_a_settlement_on_a_receiver_the_sdk_shut_down_is_a_blip_and_other_value_errors_are_not(
+        primary, make_queue) -> None:
+    """The SDK's own ValueError for a settlement after it shut the receiver's handler down (what it does when the
+    connection is lost: ``_close_handler``): an outage whose message comes back (its lock lapses), not a bug."""
+    q = make_queue()
+    with ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) as emulator_client, \
+            emulator_client.get_queue_sender(q) as sender:
+        sender.send_messages([ServiceBusMessage("a"), ServiceBusMessage("b")])
+    with ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) as emulator_client, \
+            emulator_client.get_queue_receiver(q, max_wait_time=5) as receiver:
+        received = receiver.receive_messages(max_message_count=2, max_wait_time=5)
+        assert len(received) == 2
+        receiver._close_handler()  # as the SDK's _handle_exception does for a lost connection
+        raised = []
+        for settle in (receiver.abandon_message, receiver.complete_message):
+            with pytest.raises(ValueError, match="handler has already been shutdown") as caught:
+                settle(received[0])
+            raised.append(caught.value)
+    for error in raised:
+        assert type(error) is ValueError
+        assert classify(error) is ErrorClass.OUTAGE
+        assert is_blip(error) and is_link_gone(error)
+        assert as_spark_sb_error(error) is None  # handled as an outage, never a configuration error
+    # not every ValueError: the words of an encoder, of a sender used after close, or of a bug stay OTHER
+    for other in (ValueError("The handler has already been shutdown. Please use ServiceBusClient to create a new "
+                             "instance."), ValueError("Failed to abandon"), ValueError("invalid literal"),
+                  UnicodeEncodeError("utf-8", "x", 0, 1, "surrogates not allowed")):
+        assert classify(other) is ErrorClass.OTHER and not is_blip(other) and not is_link_gone(other)
+
+
+def test_a_pairing_error_says_what_happened_to_the_data_and_what_to_check() -> None:
+    error = PairingError("secondary contoso-dr.servicebus.windows.net: no usable backlog queue under 'contoso'")
+    text = str(error)
+    assert text.startswith("secondary contoso-dr.servicebus.windows.net: no usable backlog queue under 'contoso'. ")
+    assert "not acknowledged" in text and "replays it from its checkpoint" in text and "nothing is lost" in text
+    for check in ("administration endpoint is reachable", "Manage rights", "queue quota",
+                  "send_availability.backlog_prefix"):
+        assert check in text, check
+    assert error.detail == "secondary contoso-dr.servicebus.windows.net: no usable backlog queue under 'contoso'"
+    # copied (a send that waited for another's attempt) or pickled (a Spark task's error): the advice once
+    import pickle
+
+    for again in (PairingError(text), pickle.loads(pickle.dumps(error))):
+        assert str(again) == text and again.detail == error.detail
+    assert "never" not in (PairingError.__doc__ or "")  # pairing is lazy: a send raises it
+    assert "SharedAccessKey=***" in str(PairingError("Endpoint=sb://x/;SharedAccessKey=secret"))

@@ -3,6 +3,7 @@ what cannot be delivered yet."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections.abc import Iterator
@@ -629,3 +630,54 @@ def test_drain_leaves_deferred_messages_when_told_and_those_another_receiver_hol
     assert peek_all(secondary.connection_string, queue) == []
     assert sorted(m.message_id for m in _receive(primary.connection_string, home, expected=4)) == [
         "active", "d-0", "d-1"]
+
+
+def test_a_syphon_before_any_backlog_queue_exists_moves_nothing_and_raises_nothing(primary, secondary) -> None:
+    """A sender creates the backlog queues at its first failover: before it, the syphon (drain, run_once, take_back,
+    the deferred count) finds no queue, which holds nothing (MessagingEntityNotFoundError escaped before)."""
+    cfg = _config(primary, secondary, backlog_queue_count=2)
+    with Syphon.from_config(cfg) as syphon:
+        queues = syphon.backlog_queues
+        total = syphon.drain(max_wait_time=0.2)
+        assert (total.received, total.total_moved, total.total_dead_lettered, total.taken_back) == (0, 0, 0, 0)
+        assert syphon.run_once(max_wait_time=0.2).received == 0
+        assert syphon.take_back(queues[0]).received == 0
+        assert syphon.deferred() == {queue: [] for queue in queues}
+
+
+def test_a_connection_lost_while_settling_leaves_the_messages_in_the_backlog_to_come_back(
+        emulator, config, primary, secondary, make_queue, monkeypatch) -> None:
+    """The secondary's connection is lost at the first completion (the SDK shuts the receiver's handler down), while
+    another destination is down: every later settlement meets the SDK's ValueError "Failed to complete/abandon the
+    message as the handler has already been shutdown", which escaped the syphon before. Now those messages are left
+    to the broker (their locks lapse, they come back): the move ends, nothing is lost, nothing is sent twice."""
+    up, down = make_queue(), make_queue()
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(f"{e}-{i}", message_id=f"{e}-{i}"), e)
+                                   for e in (up, down) for i in range(3)])
+    emulator.fault("primary", "quota", entity=down)
+    try:
+        with Syphon.from_config(_syphon_config(config)) as syphon:
+            receiver_of = syphon._secondary.receiver
+
+            @contextlib.contextmanager
+            def losing_the_connection(name: str, **kwargs: Any) -> Iterator[Any]:
+                with receiver_of(name, **kwargs) as sdk_receiver:
+                    def lost(message: Any, **_: Any) -> None:
+                        del sdk_receiver.complete_message  # once: the next settlements meet the shut handler
+                        sdk_receiver._close_handler()  # what the SDK does when it loses the connection
+                        raise ServiceBusConnectionError(message="connection lost (injected)")
+
+                    sdk_receiver.complete_message = lost
+                    yield sdk_receiver
+
+            monkeypatch.setattr(syphon._secondary, "receiver", losing_the_connection)
+            summary = syphon.move(queue)
+            assert summary.received == 6 and summary.left == {down: 3}
+    finally:
+        emulator.heal("primary", entity=down)
+    # each copy reached its healthy destination once; every original is still in the backlog (locked until its
+    # lock lapses, then delivered again)
+    assert sorted(m.message_id for m in _receive(primary.connection_string, up, expected=4)) == [
+        f"{up}-{i}" for i in range(3)]
+    assert len(peek_all(secondary.connection_string, queue)) == 6

@@ -91,16 +91,22 @@ class ExponentialBackoff:
 
 class Retry:
     """Call a function up to ``retries`` times in all, waiting ``backoff`` between failed attempts, as long
-    as ``retryable(exc)`` says the failure may pass."""
+    as ``retryable(exc)`` says the failure may pass (and, given a ``deadline`` on ``clock``, as long as the wait
+    ends before it)."""
 
-    def __init__(self, backoff: Backoff, retries: int, *, sleep: Sleep = default_sleep) -> None:
+    def __init__(self, backoff: Backoff, retries: int, *, sleep: Sleep = default_sleep,
+                 clock: Clock = default_clock) -> None:
         if retries < 1:
             raise ValueError(f"retries must be at least 1 (the first attempt), got {retries}")
         self.backoff = backoff
         self.retries = retries
         self._sleep = sleep
+        self._clock = clock
 
-    def call(self, func: Callable[[], T], retryable: Callable[[BaseException], bool]) -> T:
+    def call(self, func: Callable[[], T], retryable: Callable[[BaseException], bool], *,
+             deadline: float | None = None) -> T:
+        """``func()``, tried again after a retryable failure. With ``deadline`` (a time on ``clock``) no try
+        starts at or after it: when the wait before the next try would reach it, the last failure is raised."""
         failures = 0
         while True:
             try:
@@ -110,6 +116,8 @@ class Retry:
                 if failures >= self.retries or not retryable(exc):
                     raise
                 delay = self.backoff.compute(failures)
+                if deadline is not None and self._clock() + delay >= deadline:
+                    raise
                 _LOGGER.debug("attempt %d failed (%s); retrying in %.3f s", failures, type(exc).__name__, delay)
                 self._sleep(delay)
 

@@ -21,6 +21,14 @@ Choices where behaviour.md is silent (also in the report):
   last wait before a failover (:meth:`PairedSender._prepare_backlog`) or the failover itself, unless
   :meth:`PairedSender.pair` was called. A send to a healthy primary never needs the secondary; a secondary that
   cannot be reached when the backlog is needed is that send's :class:`~spark_sb.errors.PairingError`;
+* pairing has a deadline, ``send_availability.pairing_timeout`` (30 s by default), for one attempt and for all
+  the attempts of one send together (its last wait before the failover, then the failover): each administration
+  request waits at most the secondary's ``admin_timeout`` or what is left, none starts past the deadline, and a
+  request the endpoint did not answer at all (refused, host not found, timed out, retries included) ends the
+  attempt instead of trying the next backlog queues one by one against it. An endpoint that answers with an
+  error for one queue is still asked for the others. So a secondary whose administration endpoint hangs costs a
+  failing-over send at most ``pairing_timeout`` before its ``PairingError`` (not acknowledged: the batch is
+  replayed);
 * a ``ServiceBusConnectionError`` (the SDK shut its connection down) on either side closes both sides'
   clients (in a helper thread, within 5 s) and both are rebuilt on next use;
 * a rejected credential on the secondary raises :class:`~spark_sb.errors.CredentialRejectedError` naming it
@@ -54,6 +62,7 @@ from ..bus.batches import PartialSend, call_messages, send_batches
 from ..bus.inflight import SendPool
 from ..bus.pings import Wait
 from ..config import NamespaceConfig, SparkSbConfig, load_config
+from ..durations import format_duration
 from ..errors import (
     BacklogUnavailableError,
     BadMessageError,
@@ -67,6 +76,7 @@ from ..errors import (
     classify,
     is_blip,
     is_connection_lost,
+    is_unanswered,
     redact,
     unreachable_reason,
 )
@@ -148,6 +158,26 @@ def _token_refused(exc: BaseException) -> bool:
             return True
         seen = seen.__cause__ or seen.__context__
     return False
+
+
+class _PairingTime:
+    """What a send may still spend pairing, in seconds on the sender's clock: ``send_availability.pairing_timeout``
+    at first, shared by every attempt the send makes (the last wait before a failover, then the failover itself)
+    and used up by each as it goes."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+
+class _OutOfTime(Exception):
+    """No time is left before the pairing attempt's deadline for another administration request."""
+
+
+def _one_line(error: BaseException, limit: int = 300) -> str:
+    """``error``'s text on one line, cut at ``limit`` characters (an HTTP error carries its response body on the
+    next lines)."""
+    text = " ".join(str(error).split())
+    return f"{text[:limit]}{'...' if len(text) > limit else ''}"
 
 
 def pairing_key(config: SparkSbConfig) -> tuple[str, str, str]:
@@ -258,31 +288,53 @@ class PairedSender:
 
     def pair(self) -> int:
         """Provision the backlog queues on the secondary (behaviour.md, "Backlog queue provisioning") and
-        return the usable count. Raises :class:`PairingError` on zero usable queues or a rejected
-        credential."""
+        return the usable count. Raises :class:`PairingError` on zero usable queues, a rejected credential, or
+        an administration endpoint that does not answer, within ``send_availability.pairing_timeout``."""
         self._check_open()
         with self._pair_lock:
-            return self._pair_locked()
+            return self._pair_locked(_PairingTime(self._sa.pairing_timeout.total_seconds()))
 
-    def _pair_locked(self) -> int:
-        """:meth:`pair` under ``_pair_lock``: one attempt, its answer kept for the calls that waited for it."""
+    def _pair_locked(self, time_left: _PairingTime) -> int:
+        """:meth:`pair` under ``_pair_lock``: one attempt within ``time_left`` (which it uses up as it goes), its
+        answer kept for the calls that waited for it."""
+        started = self._clock()
         try:
-            usable = self._provision()
+            usable = self._provision(started + time_left.seconds)
         except PairingError as exc:
             self._pair_error = exc
             raise
         finally:
+            time_left.seconds -= self._clock() - started
             self._pair_attempts += 1  # counted when it ends: a call that read the count before waits for it
         self._pair_error = None
         self._usable = tuple(usable)
         return len(usable)
 
-    def _provision(self) -> list[str]:
+    def _provision(self, deadline: float) -> list[str]:
+        """List the backlog queues on the secondary and create the missing ones; returns the usable ones.
+
+        Bounded by ``deadline`` (on the sender's clock): each administration request waits at most the
+        secondary's ``admin_timeout`` or what is left before it, no request or retry starts past it, and
+        reaching it with queues still to create ends the attempt. A request the endpoint did not answer at all,
+        retries included (refused, host not found, timed out: :func:`~spark_sb.errors.is_unanswered`), ends it
+        too: the next queues would only wait on the same dead endpoint, one after the other. Queues that exist or
+        were created by then are used; none is :class:`PairingError` naming the endpoint and the deadline. An
+        endpoint that answers with an error for one queue (e.g. over quota) still gets asked for the others."""
         sa = self._sa
         secondary = self.config.secondary.fully_qualified_namespace
         wanted = sa.backlog_queue_names()
+        admin_timeout = self.config.secondary.admin_timeout_seconds
         retry = Retry(ConstantBackoff(sa.provision_retry_spacing.total_seconds()), sa.provision_retries,
-                      sleep=self._sleep)
+                      sleep=self._sleep, clock=self._clock)
+
+        def bounded() -> dict[str, float]:
+            """The next request's connect and read timeouts: ``admin_timeout``, or what is left before the
+            deadline; :class:`_OutOfTime` when nothing is."""
+            left = deadline - self._clock()
+            if left <= 0:
+                raise _OutOfTime
+            timeout = min(admin_timeout, left)
+            return {"connection_timeout": timeout, "read_timeout": timeout}
 
         def credential_error(exc: BaseException, doing: str) -> PairingError:
             hint = ("the secondary's credential could not get a token" if _token_refused(exc)
@@ -290,6 +342,7 @@ class PairedSender:
             return PairingError(redact(f"secondary {secondary}: credential rejected while {doing} ({hint}): {exc}"))
 
         last_error: BaseException | None = None
+        stopped: str | None = None  # why the attempt ended before every missing queue was tried
         try:
             client = self.admin_client()
         except ValueError as exc:
@@ -298,86 +351,136 @@ class PairedSender:
             existing: dict[str, Any] = {}
             prefix = f"{sa.backlog_prefix}/"
             try:
-                for props in retry.call(lambda: list(client.list_queues()), is_blip):
+                for props in retry.call(lambda: list(client.list_queues(**bounded())), is_blip, deadline=deadline):
                     if props.name in wanted or props.name.startswith(prefix):
                         existing[props.name] = props
+            except _OutOfTime:
+                stopped = "listing the queues"
             except Exception as exc:
                 if classify(exc) is ErrorClass.CONFIGURATION_CREDENTIAL:
                     raise credential_error(exc, "listing queues") from exc
                 last_error = exc
-                _LOGGER.warning("listing the queues of the secondary failed (%s); creating every backlog queue",
-                                redact(str(exc)))
-            usable: list[str] = []
+                if is_unanswered(exc):
+                    stopped = "listing the queues"
+                else:
+                    _LOGGER.warning("listing the queues of the secondary failed (%s); creating every backlog queue",
+                                    redact(str(exc)))
+            usable: set[str] = set()
             for name in wanted:
-                if name in existing:
-                    status = str(getattr(existing[name], "status", "Active") or "Active")
-                    if status.lower() == "active":
-                        usable.append(name)
-                    else:
-                        _LOGGER.warning("backlog queue %r exists with status %s; left out (never modified)",
-                                        name, status)
+                if name not in existing:
                     continue
+                status = str(getattr(existing[name], "status", "Active") or "Active")
+                if status.lower() == "active":
+                    usable.add(name)
+                else:
+                    _LOGGER.warning("backlog queue %r exists with status %s; left out (never modified)", name, status)
+            for name in (name for name in wanted if name not in existing):
+                if stopped is not None:
+                    break
 
                 def create(name: str = name) -> bool:
                     try:
-                        client.create_queue(name, **BACKLOG_QUEUE_PROPERTIES)
+                        client.create_queue(name, **BACKLOG_QUEUE_PROPERTIES, **bounded())
                     except Exception as exc:
                         if not already_exists(exc):
                             raise
                     return True
 
                 try:
-                    retry.call(create, is_blip)
+                    retry.call(create, is_blip, deadline=deadline)
+                except _OutOfTime:
+                    stopped = f"creating backlog queue {name!r}"
+                    continue
                 except Exception as exc:
                     if classify(exc) is ErrorClass.CONFIGURATION_CREDENTIAL:
                         raise credential_error(exc, f"creating backlog queue {name!r}") from exc
                     last_error = exc
-                    _LOGGER.warning("backlog queue %r could not be created after %d tries: %s", name,
-                                    sa.provision_retries, redact(str(exc)))
+                    if is_unanswered(exc):
+                        stopped = f"creating backlog queue {name!r}"
+                        continue
+                    _LOGGER.warning("backlog queue %r could not be created: %s", name, redact(str(exc)))
                     continue
                 _LOGGER.info("created backlog queue %r", name)
-                usable.append(name)
+                usable.add(name)
         finally:
             client.close()
-        if not usable:
+        usable_names = [name for name in wanted if name in usable]
+        if stopped is not None:
+            why = self._stopped_cause(stopped, last_error, deadline)
+            if not usable_names:
+                raise PairingError(redact(f"secondary {secondary}: no usable backlog queue under "
+                                          f"{sa.backlog_prefix!r}: {why}")) from last_error
+            _LOGGER.warning("pairing stopped with %d of %d backlog queues usable (%s); using those", len(usable_names),
+                            len(wanted), redact(why))
+            return usable_names
+        if not usable_names:
             raise PairingError(redact(
                 f"secondary {secondary}: no usable backlog queue under {sa.backlog_prefix!r} "
                 f"(wanted send_availability.backlog_queue_count={sa.backlog_queue_count})"
                 + self._provision_cause(last_error))) from last_error
-        if len(usable) < len(wanted):
-            _LOGGER.warning("%d of %d backlog queues usable", len(usable), len(wanted))
-        return usable
+        if len(usable_names) < len(wanted):
+            _LOGGER.warning("%d of %d backlog queues usable", len(usable_names), len(wanted))
+        return usable_names
+
+    def _admin_endpoint(self) -> str:
+        """Where the secondary's administration requests go (for messages; no secret)."""
+        from ..admin import admin_endpoint_of
+
+        ns = self.config.secondary
+        return admin_endpoint_of(ns.connection_string.reveal() if ns.connection_string is not None else None,
+                                 ns.fully_qualified_namespace, ns.admin_endpoint, use_tls=not ns.is_emulator)
+
+    def _stopped_cause(self, doing: str, error: BaseException | None, deadline: float) -> str:
+        """Why an attempt ended while ``doing``: the administration endpoint did not answer ``error`` (its
+        reason), or the deadline came first."""
+        limits = (f"send_availability.pairing_timeout {format_duration(self._sa.pairing_timeout)}, at most "
+                  f"{self.config.secondary.admin_timeout_seconds:g} s (admin_timeout) per request")
+        endpoint = self._admin_endpoint()
+        if error is not None and self._clock() < deadline:
+            reason = unreachable_reason(error) or "no answer"
+            return (f"the administration endpoint {endpoint} did not answer while {doing} ({reason}: "
+                    f"{type(error).__name__}: {_one_line(error)}); pairing stopped there instead of trying each "
+                    f"backlog queue against it ({limits})")
+        detail = f"; the last error: {type(error).__name__}: {_one_line(error)}" if error is not None else ""
+        return (f"the pairing deadline passed while {doing} at the administration endpoint {endpoint} "
+                f"({limits}){detail}")
 
     def _provision_cause(self, error: BaseException | None) -> str:
         """``: <why>`` for the last provisioning error, naming the administration endpoint when it could not be
         reached (e.g. a wrong ``admin_endpoint``); no secret."""
         if error is None:
             return ""
-        from ..admin import admin_endpoint_of
-
-        ns = self.config.secondary
-        endpoint = admin_endpoint_of(ns.connection_string.reveal() if ns.connection_string is not None else None,
-                                     ns.fully_qualified_namespace, ns.admin_endpoint,
-                                     use_tls=not ns.is_emulator)
+        endpoint = self._admin_endpoint()
         reason = unreachable_reason(error)
-        text = " ".join(str(error).split())  # one line (an HTTP error carries its response body on the next)
-        detail = f"{type(error).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+        detail = f"{type(error).__name__}: {_one_line(error)}"
         if reason is not None:
             return f": the administration endpoint {endpoint} cannot be reached: {reason} ({detail})"
         return f": the last request to the administration endpoint {endpoint} failed: {detail}"
 
-    def _ensure_paired(self) -> tuple[str, ...]:
+    def _ensure_paired(self, time_left: _PairingTime | None = None) -> tuple[str, ...]:
         """The usable backlog queues, pairing first when not paired yet. One pairing at a time: a call that
         waited for another thread's attempt takes that attempt's answer (its queues, or its error) instead of
-        trying again, so sends in flight at once wait out one pairing, not one each."""
+        trying again, so sends in flight at once wait out one pairing, not one each.
+
+        ``time_left``: what the calling send may still spend pairing (``send_availability.pairing_timeout`` in
+        all, over its attempts: the last wait before a failover, then the failover itself); with nothing left,
+        the last attempt's error is raised again instead of trying once more. Default: a whole
+        ``pairing_timeout``."""
         usable, attempts = self._usable, self._pair_attempts
         if usable is not None:
             return usable
+        if time_left is None:
+            time_left = _PairingTime(self._sa.pairing_timeout.total_seconds())
         with self._pair_lock:
             if self._usable is None and self._pair_attempts != attempts and self._pair_error is not None:
-                raise PairingError(str(self._pair_error)) from self._pair_error
+                raise PairingError(self._pair_error.detail) from self._pair_error
             if self._usable is None:
-                self._pair_locked()
+                if time_left.seconds <= 0 and self._pair_error is not None:
+                    raise PairingError(
+                        f"{self._pair_error.detail.rstrip('.')}; not tried again: this send spent "
+                        f"send_availability.pairing_timeout ({format_duration(self._sa.pairing_timeout)}) on "
+                        f"pairing already") from self._pair_error
+                self._pair_locked(time_left)
             return self._usable or ()
 
     # --- sending -------------------------------------------------------------------------------------------
@@ -419,13 +522,15 @@ class PairedSender:
         counts: dict[str, int] = {}
         pending = batch
         failures = 0
+        # what this send may spend pairing, over the last wait before a failover and the failover itself
+        pairing_time = _PairingTime(self._sa.pairing_timeout.total_seconds())
         while pending:
             self.ping_if_due(entity)
             refused = self.board.refused(entity)
             if refused is not None:
                 raise self._refused(refused, entity) from refused
             if self.board.state(entity) is EntityState.FAILED_OVER:
-                for queue, n in self._send_backlog(entity, pending).items():
+                for queue, n in self._send_backlog(entity, pending, pairing_time).items():
                     counts[queue] = counts.get(queue, 0) + n
                 break
             stale = failures == 0 and self._primary.stale()
@@ -459,7 +564,8 @@ class PairedSender:
                              entity, type(error).__name__, failures, delay)
                 started = self._clock()
                 if delay >= remaining:
-                    self._prepare_backlog(entity)  # the last wait before failing over: open the way there now
+                    # the last wait before failing over: open the way there now
+                    self._prepare_backlog(entity, pairing_time)
                 self._sleep(max(0.0, delay - (self._clock() - started)))
             elif error_class is ErrorClass.THROTTLED:
                 with self._state_lock:
@@ -483,8 +589,9 @@ class PairedSender:
         counters.update(self.board.stats())
         return counters
 
-    def _send_backlog(self, entity: str, items: Sequence[ServiceBusMessage]) -> dict[str, int]:
-        usable = self._ensure_paired()
+    def _send_backlog(self, entity: str, items: Sequence[ServiceBusMessage],
+                      pairing_time: _PairingTime | None = None) -> dict[str, int]:
+        usable = self._ensure_paired(pairing_time)
         # One encode per message, the batch's own (``add_message``), as a plain batch send pays: the rewrite is not
         # encoded to check it. What the primary could never accept is a bad message here too: a TTL out of range
         # (the rewrite would carry it in an int64 property) is checked without an encode, and a message the batch
@@ -524,11 +631,12 @@ class PairedSender:
             break
         return counts
 
-    def _prepare_backlog(self, entity: str) -> None:
+    def _prepare_backlog(self, entity: str, pairing_time: _PairingTime | None = None) -> None:
         """Open the sender of the backlog queue this entity will use, so that the first backlog send after
-        failover does not pay for a new connection. Best effort: a failure here is met again at send time."""
+        failover does not pay for a new connection. Best effort: a failure here is met again at send time (a
+        pairing that failed here is tried again there only with what is left of the send's ``pairing_time``)."""
         try:
-            usable = self._ensure_paired()
+            usable = self._ensure_paired(pairing_time)
             queue = self.board.backlog_queue(entity, usable, self._rng)
             if queue is None:
                 return

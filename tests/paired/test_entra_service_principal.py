@@ -135,7 +135,8 @@ def test_a_wrong_secret_is_a_clear_error_naming_the_credential(sp_emulator, capl
         assert "credential rejected" in text and "AADSTS7000215: Invalid client secret" in text, text
         assert f"'{OWNER_APP}'" in text
     # the app got no token at all: no hint about the rights a token would need
-    assert "could not get a token" in str(paired.value) and "Manage rights" not in str(paired.value)
+    # the cause names the token, not the rights (the advice every PairingError ends with lists both)
+    assert "could not get a token" in paired.value.detail and "Manage rights" not in paired.value.detail
     assert f"localhost:{emu['primary'].amqp_port}" in str(sent.value)
     shown = " ".join([str(paired.value), str(sent.value), caplog.text, *(repr(r.args) for r in caplog.records)])
     assert wrong not in shown and OWNER_SECRET not in shown

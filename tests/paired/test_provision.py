@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusMessage
@@ -120,18 +121,18 @@ def test_sends_in_flight_wait_out_one_pairing_not_one_each(emulator, make_sender
     attempts: list[int] = []
     ensure, provision = sender._ensure_paired, sender._provision
 
-    def counted_ensure() -> tuple[str, ...]:
+    def counted_ensure(*args: Any) -> tuple[str, ...]:
         with everyone:
             arrived.add(threading.get_ident())
             everyone.notify_all()
-        return ensure()
+        return ensure(*args)
 
-    def held_provision() -> list[str]:
+    def held_provision(*args: Any) -> list[str]:
         attempts.append(1)
         if len(attempts) == 1:  # the first attempt answers once every send is waiting for the backlog
             with everyone:
                 assert everyone.wait_for(lambda: len(arrived) == threads, timeout=30)
-        return provision()
+        return provision(*args)
 
     monkeypatch.setattr(sender, "_ensure_paired", counted_ensure)
     monkeypatch.setattr(sender, "_provision", held_provision)
