@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime
+import functools
 import importlib.util
 import json
 import logging
@@ -308,12 +309,16 @@ class Stage:
     def run_syphon(self, attempts: int = 3) -> None:
         """The syphon job in this process until the backlog is empty (restarted from its checkpoint when it
         fails)."""
+        from spark_sb.config import load_config
+        from spark_sb.source import backlog_depth
+
         spark, job = self.bench.spark, self.bench.syphon_job
         deadline = time.monotonic() + SYPHON_TIMEOUT
         for attempt in range(1, attempts + 1):
             query, republisher = job.start(spark, self.config, max_per_trigger=200, receive_timeout=0.5)
             try:
-                job.await_until_empty(query, idle_batches=2, timeout=max(1.0, deadline - time.monotonic()))
+                job.await_until_empty(query, idle_batches=2, timeout=max(1.0, deadline - time.monotonic()),
+                                      depth=functools.partial(backlog_depth, load_config(self.config)))
             except Exception as err:  # the query failed: awaitTermination raises its error
                 self.note(f"syphon attempt {attempt} failed: {_first_line(err)}")
                 _stop(query, self)

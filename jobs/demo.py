@@ -173,8 +173,10 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
     import contextlib
     import secrets
 
+    from spark_sb.config import load_config
     from spark_sb.jobs import await_until_empty, build_session, start_syphon, starting_line
     from spark_sb.report import write_report
+    from spark_sb.source import backlog_depth
 
     with contextlib.ExitStack() as stack:
         emu = stack.enter_context(_emulator(work, free_ports, websockets=through_proxy))
@@ -237,7 +239,8 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         _say("")
         _say("running the syphon job: servicebus-backlog -> foreachBatch(Republisher) -> primary, Delta ledger")
         syphon_query, _ = start_syphon(spark, config, max_per_trigger=500, receive_timeout=0.5)
-        await_until_empty(syphon_query, idle_batches=1)
+        # the depth from the administration API where the query's progress has none (Spark 4.0, 4.1)
+        await_until_empty(syphon_query, idle_batches=1, depth=lambda: backlog_depth(load_config(config)))
         ledger = spark.read.format("delta").load(config["syphon"]["ledger"])
         outcomes = {r["outcome"]: r["count"] for r in ledger.groupBy("outcome").count().collect()}
         _say(f"syphon: batches {ledger.select('batch_id').distinct().count()}; ledger rows by outcome: "

@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib
 import json
 import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -329,60 +331,147 @@ def _backlog_depth(progress: Any) -> int | None:
         return None
 
 
-def await_until_empty(query: Any, idle_batches: int = 2, timeout: float = 300.0, poll: float = 0.5,
-                      depth: Callable[[], int | None] | None = None) -> None:
-    """Stop the query once ``idle_batches`` consecutive triggers found nothing and the backlog depth is 0 (or
-    after ``timeout``). The depth counts messages still locked by a run that died (they come back when their
-    lock expires, up to the queue's lock duration later), which a trigger alone does not see. It is the one the
-    source reports in the query progress (Spark 4.2), else ``depth()`` (e.g. ``lambda:
-    spark_sb.source.backlog_depth(config)``, from the administration API) where Spark has no
-    ``reportLatestOffset`` (4.0, 4.1)."""
-    deadline = time.monotonic() + timeout
-    idle, last = 0, None
-    while query.isActive and time.monotonic() < deadline:
+#: ``spark-sb-syphon``'s exit status when its syphon query failed (the error is printed)
+EXIT_QUERY_FAILED = 1
+#: ``spark-sb-syphon --until-empty``'s exit status when it stopped with messages left in the backlog, or without
+#: knowing the backlog's depth (what it left is printed): the job works, the backlog is not empty yet
+EXIT_BACKLOG_LEFT = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class UntilEmpty:
+    """How ``--until-empty`` ended. ``empty``: the backlog depth was seen at 0 (never when it was unknown).
+    ``depth``: the depth when it stopped (0 when empty; None when the administration API gave none). ``why``:
+    one sentence for the log and the job's output."""
+
+    empty: bool
+    depth: int | None
+    why: str
+
+
+def _left(depth: int | None) -> str:
+    if depth is None:
+        return ("the backlog depth unknown (the secondary's administration API gave no count), so the backlog "
+                "may still hold messages")
+    return f"{depth} message{'' if depth == 1 else 's'} left in the backlog"
+
+
+def _bound(timeout: float | None) -> float | None:
+    """The monotonic deadline of ``timeout`` seconds from now; None for no bound (``timeout`` 0 or None)."""
+    return time.monotonic() + timeout if timeout else None
+
+
+def await_until_empty(query: Any, idle_batches: int = 2, timeout: float | None = 300.0, poll: float = 0.5,
+                      depth: Callable[[], int | None] | None = None, settle: float = 30.0) -> UntilEmpty:
+    """Stop the query once ``idle_batches`` consecutive triggers found nothing and the backlog depth is 0, or after
+    ``timeout`` seconds (0 or None: no bound, until the backlog is empty); returns how it ended
+    (:class:`UntilEmpty`) and logs a warning naming what it left when the backlog was not seen empty. The depth
+    counts messages still locked by a run that died (they come back when their lock expires, up to the queue's
+    lock duration later), which a trigger alone does not see. It is the one the source reports in the query
+    progress (Spark 4.2), else ``depth()`` (e.g. ``lambda: spark_sb.source.backlog_depth(config)``, from the
+    administration API) where Spark has no ``reportLatestOffset`` (4.0, 4.1). An unknown depth (neither gives
+    one, e.g. the administration API does not answer) is never taken for an empty backlog: the loop goes on
+    asking, within ``timeout``. At the timeout the batch in flight may finish first (up to ``settle`` seconds,
+    as :func:`await_batches` does), so that the depth it reports is counted between two batches. A query that
+    failed raises its error (``StreamingQueryException``), as ``awaitTermination`` does."""
+    started, deadline = time.monotonic(), _bound(timeout)
+    idle, last, seen = 0, None, None
+    while query.isActive and (deadline is None or time.monotonic() < deadline):
         progress = query.lastProgress
         if progress is not None and progress.get("timestamp") != last:
             last = progress.get("timestamp")
-            reported = _backlog_depth(progress)
-            if reported is None and depth is not None and progress.get("numInputRows", 0) == 0:
-                reported = depth()
-            empty = progress.get("numInputRows", 0) == 0 and reported in (None, 0)
-            idle = idle + 1 if empty else 0
+            rows = progress.get("numInputRows", 0)
+            seen = _backlog_depth(progress)
+            if seen is None and depth is not None and rows == 0:
+                seen = depth()
+            idle = idle + 1 if rows == 0 and seen == 0 else 0
             if idle >= idle_batches:
                 break
         query.awaitTermination(poll)
+    active = query.isActive
+    settled = time.monotonic() + settle
+    while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < settled:
+        time.sleep(0.05)  # the batch in flight, so that what is left is counted between two batches
     query.stop()
-    query.awaitTermination()
+    query.awaitTermination()  # raises the error of a query that failed
+    if idle >= idle_batches:
+        return UntilEmpty(True, 0, "the backlog is empty")
+    if depth is not None:  # the depth now, not the last idle trigger's
+        seen = depth()
+    elapsed = time.monotonic() - started
+    if active:
+        why = f"stopped after {elapsed:.0f} s (the --until-empty timeout, {timeout:g} s) with {_left(seen)}"
+    else:
+        why = f"the query stopped after {elapsed:.0f} s before the backlog was seen empty, with {_left(seen)}"
+    _LOGGER.warning("syphon --until-empty: %s", why)
+    return UntilEmpty(False, seen, why)
 
 
-def run_available_now(spark: Any, conf: Any, timeout: float = 300.0) -> Any:
+def run_available_now(spark: Any, conf: Any, timeout: float | None = 300.0) -> tuple[Any, UntilEmpty]:
     """The syphon's ``--until-empty`` where Spark offers ``Trigger.AvailableNow`` (4.2): a run moves what the
-    backlog held when it started, then stops. Messages that run re-parked (their destination was down) are
-    new messages in the backlog, so another run follows after ``syphon.retry_interval`` until a run re-parks
-    nothing or ``timeout`` seconds passed; messages the sink parks meanwhile wait for the next scheduled run.
-    Returns the last run's republisher."""
+    backlog held when it started, then stops. Then it asks the backlog's depth
+    (:func:`spark_sb.source.backlog_depth`): messages that run re-parked (their destination was down) and
+    messages the sink parked while it ran are new messages in the backlog, so another run follows after
+    ``syphon.retry_interval`` until the depth is 0, or until ``timeout`` seconds passed (0 or None: no bound;
+    checked between runs, a run is never cut short). An unknown depth (the administration API gave none) is not
+    an empty backlog. Returns the last run's republisher and how it ended (:class:`UntilEmpty`), having logged a
+    warning naming what it left when the backlog is not empty. A run that failed raises its error
+    (``StreamingQueryException``: e.g. the source's ``SourceUnavailableError``)."""
+    from .source import backlog_depth
+
     config = load_config(conf)
-    deadline = time.monotonic() + timeout
+    started, deadline = time.monotonic(), _bound(timeout)
     while True:
         query, republisher = start_syphon(spark, config, available_now=True)
-        query.awaitTermination()
+        query.awaitTermination()  # raises the error of a run that failed
+        left = backlog_depth(config)
+        if left == 0:
+            return republisher, UntilEmpty(True, 0, "the backlog is empty")
         reparked = republisher.totals.get("reparked", 0)
-        if not reparked or time.monotonic() > deadline:
-            return republisher
-        _LOGGER.info("the run re-parked %d messages (their destination was down): another run in %s", reparked,
-                     config.syphon.retry_interval)
+        what = _left(left) + (f" ({reparked} re-parked by the last run: their destination was down)"
+                              if reparked else "")
+        if deadline is not None and time.monotonic() >= deadline:
+            why = (f"stopped after {time.monotonic() - started:.0f} s (the --until-empty timeout, {timeout:g} s) "
+                   f"with {what}; messages parked while it ran wait for the next run")
+            _LOGGER.warning("syphon --until-empty: %s", why)
+            return republisher, UntilEmpty(False, left, why)
+        _LOGGER.info("the run left %s: another run in %s", what, config.syphon.retry_interval)
         time.sleep(config.syphon.retry_interval.total_seconds())
 
 
+def _failure(err: BaseException) -> str:
+    """The line of a query's error that names what failed: the last ``...Error: ...`` or ``...Exception: ...``
+    line of the Python traceback it carries, else its first line."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)
+             and not line.startswith(("py4j.", "org.apache.spark.", "java."))]
+    return (named[-1] if named else lines[0] if lines else type(err).__name__)[:1000]
+
+
 def syphon_main(argv: Sequence[str] | None = None) -> int:
-    """``spark-sb-syphon --conf FILE [--until-empty]``: the syphon job."""
+    """``spark-sb-syphon --conf FILE [--until-empty [--timeout SECONDS]]``: the syphon job.
+
+    Exit status: 0 when it stopped with the backlog empty (``--until-empty``); :data:`EXIT_QUERY_FAILED` (1) when
+    the syphon query failed, its error printed (nothing is lost: the next run replays the batch from the
+    checkpoint); :data:`EXIT_BACKLOG_LEFT` (3) when ``--until-empty`` stopped at its ``--timeout`` with messages
+    left in the backlog, or with its depth unknown (the administration API gave no count): it prints what it
+    left. Messages parked or re-parked while it ran count as left: the next run moves them, but a scheduled run
+    that ends with the backlog not empty does not report success. 2: a configuration or a Spark it cannot run
+    on."""
     parser = _parser("spark-sb-syphon", "The syphon: moves the messages parked in the backlog queues back to "
                      "the primary (servicebus-backlog source -> foreachBatch(Republisher)), recording each in "
                      "the Delta ledger syphon.ledger; its checkpoint is syphon.checkpoint_location.")
     parser.add_argument("--until-empty", action="store_true",
-                        help="move what the backlog holds now and stop (trigger(availableNow=True) on Spark 4.2 "
-                        "and later; earlier, stop once the backlog is empty)")
+                        help="move what the backlog holds and stop once it is empty (trigger(availableNow=True) "
+                        "runs on Spark 4.2 and later, run again while the backlog is not empty; earlier, stop once "
+                        f"a trigger found nothing and the backlog depth is 0); exit {EXIT_BACKLOG_LEFT}, saying "
+                        "what it left, when the backlog is not empty (or its depth unknown) at --timeout")
+    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                        help="how long --until-empty goes on (default 300; 0: until the backlog is empty, "
+                        "without bound)")
     args = parser.parse_args(argv)
+    if args.timeout < 0:
+        parser.error(f"--timeout: must be 0 (no bound) or more seconds, got {args.timeout:g}")
     require_spark(parser.prog)
     try:
         require_python_data_sources(parser.prog)
@@ -392,16 +481,28 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
     _logging()
     config = _load(parser.prog, args.conf, lambda config: config.syphon.require_job_locations())
     spark = build_session("spark-sb-syphon")
-    if args.until_empty and trigger_available_now():
-        republisher = run_available_now(spark, config)
-    elif args.until_empty:  # an idle stream reports progress every second (not 10 s), and the loop stops it
-        from .source import backlog_depth
+    from pyspark.errors import StreamingQueryException
 
-        spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
-        query, republisher = start_syphon(spark, config)
-        await_until_empty(query, depth=lambda: backlog_depth(config))
-    else:
-        query, republisher = start_syphon(spark, config)
-        query.awaitTermination()
+    outcome = None
+    try:
+        if args.until_empty and trigger_available_now():
+            republisher, outcome = run_available_now(spark, config, timeout=args.timeout)
+        elif args.until_empty:  # an idle stream reports progress every second (not 10 s), and the loop stops it
+            from .source import backlog_depth
+
+            spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
+            query, republisher = start_syphon(spark, config)
+            outcome = await_until_empty(query, timeout=args.timeout, depth=lambda: backlog_depth(config))
+        else:
+            query, republisher = start_syphon(spark, config)
+            query.awaitTermination()
+    except StreamingQueryException as err:
+        _LOGGER.error("the syphon query failed: %s", err)
+        print(f"{parser.prog}: the syphon query failed (nothing is lost: the next run replays its batch from the "
+              f"checkpoint): {_failure(err)}", file=sys.stderr)
+        raise SystemExit(EXIT_QUERY_FAILED) from None
     _LOGGER.info("syphon stopped: %s", republisher.totals)
+    if outcome is not None and not outcome.empty:
+        print(f"{parser.prog}: --until-empty {outcome.why}", file=sys.stderr)
+        raise SystemExit(EXIT_BACKLOG_LEFT)
     return 0

@@ -22,12 +22,29 @@ pytestmark = pytest.mark.every_spark
 CONF = Path(__file__).resolve().parents[2] / "conf" / "local.yaml"
 
 
-def test_what_the_capabilities_say_is_what_pyspark_ships() -> None:
-    import importlib.util
+#: what each Spark offers a Python data source (python_data_sources, admission_control, trigger_available_now),
+#: read from its released pyspark: 4.0 and 4.1 ship pyspark.sql.datasource but not
+#: pyspark.sql.streaming.datasource, and their JVM's PythonMicroBatchStream implements neither
+#: SupportsAdmissionControl nor SupportsTriggerAvailableNow; 4.2 ships both; 3.5 has no Python data sources
+WHAT_EACH_SPARK_OFFERS = {"3.5": (False, False, False), "4.0": (True, False, False), "4.1": (True, False, False),
+                          "4.2": (True, True, True)}
 
-    assert python_data_sources() == (importlib.util.find_spec("pyspark.sql.datasource") is not None)
-    assert admission_control() == (importlib.util.find_spec("pyspark.sql.streaming.datasource") is not None)
-    assert trigger_available_now() <= admission_control()
+
+def test_the_capabilities_are_what_this_spark_version_offers() -> None:
+    minor = ".".join(pyspark.__version__.split(".")[:2])
+    assert minor in WHAT_EACH_SPARK_OFFERS, f"Spark {pyspark.__version__}: add what it offers to the table"
+    assert (python_data_sources(), admission_control(), trigger_available_now()) == WHAT_EACH_SPARK_OFFERS[minor]
+
+
+@pytest.mark.skipif(not python_data_sources(), reason="Spark 3.5 has no Python data sources")
+def test_the_streaming_readers_latest_offset_takes_a_start_and_a_limit_exactly_with_admission_control() -> None:
+    import inspect
+
+    from pyspark.sql.datasource import DataSourceStreamReader
+
+    # what Spark calls: latestOffset(start, limit) on 4.2, latestOffset() on 4.0 and 4.1
+    parameters = list(inspect.signature(DataSourceStreamReader.latestOffset).parameters)
+    assert parameters == (["self", "start", "limit"] if admission_control() else ["self"]), parameters
 
 
 @pytest.mark.skipif(not python_data_sources(), reason="Spark 3.5 has no Python data sources")
