@@ -33,9 +33,11 @@ def test_runs_without_a_checkpoint_never_reuse_message_ids(spark, primary, secon
     first = _run(spark, config, 30)
     second = _run(spark, config, 30)
     assert first > 0 and second > 0
-    received = receive_all(primary.connection_string, q, expected=first + second)
-    ids = [str(m.message_id) for m in received]
-    assert len(ids) == first + second == len(set(ids))
+    # at least what each run counted: stopping a run races a trigger that starts just then, whose rows are sent
+    # but never counted (the query is stopped inside its foreachBatch; without a checkpoint nothing replays it)
+    ids = [str(m.message_id) for m in receive_all(primary.connection_string, q)]
+    assert len(ids) >= first + second  # a reused id would have been dropped by duplicate detection
+    assert len(ids) == len(set(ids))
 
 
 def test_a_replayed_batch_keeps_its_message_ids(spark, primary, secondary, make_queue, tmp_path) -> None:
