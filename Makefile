@@ -61,7 +61,7 @@ test: $(VENV)/.installed $(SPARK_VENVS:%=%/.installed) $(JAVA_SDK)/target/.insta
 test-spark-versions: $(SPARK_VENVS:%=%/.installed)
 	@$(MAKE) --no-print-directory -j2 --output-sync=target $(SPARK_VERSIONS:%=test-spark-%)
 
-test-spark-%: .venv-spark%/.installed
+$(SPARK_VERSIONS:%=test-spark-%): test-spark-%: .venv-spark%/.installed
 	@echo "== Spark $* (.venv-spark$*): the Spark tests of the sink, the sources, the syphon job and dedupe"
 	.venv-spark$*/bin/python -m pytest -q -n 2 --dist loadfile $(EVERY_SPARK) tests/spark
 
