@@ -27,6 +27,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -185,28 +186,126 @@ def start_writer(spark: Any, conf: Any, foreach_batch: Callable[[Any, int], Any]
     if location is None:
         location = tempfile.mkdtemp(prefix="spark-sb-checkpoint-")
         _LOGGER.warning("sink.checkpoint_location is not set; using %s (a fresh one each run)", location)
-    writer = read_source(spark, config).writeStream.foreachBatch(foreach_batch or sink)
+    gate = _gated(foreach_batch or sink)
+    writer = read_source(spark, config).writeStream.foreachBatch(gate)
     writer = writer.option("checkpointLocation", location).queryName("spark-sb-paired-writer")
     if config.sink.trigger is not None:
         writer = writer.trigger(processingTime=f"{config.sink.trigger.total_seconds()} seconds")
-    return writer.start(), sink
+    return _started(writer.start(), gate), sink
+
+
+class BatchGate:
+    """A query's ``foreachBatch`` function behind a gate, so that the query can be stopped between two batches.
+
+    Spark has no "stop after this batch": ``query.stop()`` interrupts the batch in flight, and a trigger can
+    start between any check of ``isTriggerActive`` and the stop. An interrupted syphon batch has re-parked or
+    moved some of its messages without completing them (the next run moves them again: duplicates), and an
+    interrupted Python batch makes Spark's stream thread die of a StackOverflowError while it matches the long
+    error text. :meth:`close` waits for the batch in flight (bounded) and refuses every batch after it: a
+    refused batch raises :class:`StoppedBetweenBatches` before it does anything, so it is not committed and the
+    next run on the checkpoint replays it. :func:`stop_between_batches` closes the gate of a query this module
+    started, stops it and awaits its end. The gate lives in the driver's Python process (classic Spark, where
+    ``foreachBatch`` runs there); on Spark Connect, where the function is pickled to the server, the copy has an
+    open gate of its own and the stop is Spark's."""
+
+    def __init__(self, fn: Callable[[Any, int], Any]) -> None:
+        self._fn = fn
+        self._cond = threading.Condition()
+        self._running = 0
+        self._closed = False
+        #: the batch ids refused after :meth:`close` (replayed by the next run)
+        self.refused: list[int] = []
+        #: the last batch whose function returned (Spark commits it next)
+        self.last: int | None = None
+
+    def __call__(self, df: Any, batch_id: int) -> Any:
+        with self._cond:
+            if self._closed:
+                self.refused.append(batch_id)
+                raise StoppedBetweenBatches(f"batch {batch_id} not run: the query is stopping (the next run on "
+                                            "this checkpoint replays it)")
+            self._running += 1
+        try:
+            result = self._fn(df, batch_id)
+        finally:
+            with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+        self.last = batch_id
+        return result
+
+    def close(self, settle: float) -> bool:
+        """Refuse every batch from now on and wait up to ``settle`` seconds for the one in flight; whether no batch
+        is running now."""
+        with self._cond:
+            self._closed = True
+            return self._cond.wait_for(lambda: self._running == 0, settle)
+
+    def __getstate__(self) -> dict[str, Any]:  # Spark Connect pickles the function: the copy's gate is open
+        return {"fn": self._fn}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["fn"])  # type: ignore[misc]
+
+
+class StoppedBetweenBatches(RuntimeError):
+    """Raised by a :class:`BatchGate` for a batch that started while its query was being stopped: the batch did
+    nothing, and the next run on the checkpoint replays it."""
+
+
+#: the gates of the queries this module started, by query id (:func:`stop_between_batches`)
+_GATES: dict[str, BatchGate] = {}
+
+
+def _gated(fn: Callable[[Any, int], Any]) -> BatchGate:
+    return fn if isinstance(fn, BatchGate) else BatchGate(fn)
+
+
+def _started(query: Any, gate: BatchGate) -> Any:
+    _GATES[str(query.id)] = gate
+    return query
+
+
+def stop_between_batches(query: Any, settle: float = 30.0) -> None:
+    """Stop ``query`` between two batches and await its end: a query :func:`start_writer` or :func:`start_syphon`
+    started closes its :class:`BatchGate` (the batch in flight finishes, up to ``settle`` seconds; a batch that
+    starts after is refused before it does anything); another query is stopped once no trigger is active (up to
+    ``settle`` seconds). Raises the query's error (``StreamingQueryException``) when it failed, not for a batch
+    the gate refused."""
+    gate = _GATES.pop(str(query.id), None)
+    deadline = time.monotonic() + settle
+    if gate is not None:
+        if not gate.close(settle):
+            _LOGGER.warning("the batch in flight did not end within %g s: stopping the query interrupts it (the "
+                            "next run on the checkpoint replays it)", settle)
+        # the batch that ran last is committed (its progress follows its commit) before the stop can interrupt it
+        while gate.last is not None and query.isActive and time.monotonic() < deadline and (
+                query.lastProgress is None or query.lastProgress["batchId"] < gate.last):
+            time.sleep(0.05)
+    else:
+        while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    query.stop()
+    try:
+        query.awaitTermination()
+    except Exception:
+        if gate is None or not gate.refused:
+            raise
+        _LOGGER.info("stopped between batches: batch %s was not run (the next run on the checkpoint replays it)",
+                     ", ".join(map(str, gate.refused)))
 
 
 def await_batches(query: Any, max_batches: int | None, poll: float = 0.2, settle: float = 30.0) -> None:
     """Wait until ``max_batches`` batches completed, or until the query terminates. The query is then stopped
-    between two batches (waiting up to ``settle`` seconds for the batch in flight), so that no batch is
-    interrupted half-sent: it would be replayed by the next run on the same checkpoint anyway, but an
-    interrupted Python batch also makes Spark 4.2's stream thread die of a StackOverflowError while it
-    matches the long error text."""
+    between two batches (:func:`stop_between_batches`, waiting up to ``settle`` seconds for the batch in
+    flight), so that no batch is interrupted half-sent."""
     while query.isActive:
         progress = query.lastProgress
         if max_batches is not None and progress is not None and progress["batchId"] >= max_batches - 1:
-            deadline = time.monotonic() + settle
-            while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
-                time.sleep(0.05)
-            query.stop()
-            break
+            stop_between_batches(query, settle)
+            return
         query.awaitTermination(poll)
+    _GATES.pop(str(query.id), None)
     query.awaitTermination()
 
 
@@ -273,7 +372,8 @@ def start_syphon(spark: Any, conf: Any, *, max_per_trigger: int | None = None,
               .option("receiveTimeout", str(receive_timeout))
               .load())
     log_batch_steps(spark, "spark-sb-syphon")
-    writer = stream.writeStream.foreachBatch(republisher).option("checkpointLocation",
+    gate = _gated(republisher)
+    writer = stream.writeStream.foreachBatch(gate).option("checkpointLocation",
                                                                   config.syphon.checkpoint_location)
     if available_now:
         if not trigger_available_now():
@@ -283,7 +383,7 @@ def start_syphon(spark: Any, conf: Any, *, max_per_trigger: int | None = None,
         writer = writer.trigger(availableNow=True)
     else:
         writer = writer.trigger(processingTime=f"{config.syphon.retry_interval.total_seconds()} seconds")
-    return writer.queryName("spark-sb-syphon").start(), republisher
+    return _started(writer.queryName("spark-sb-syphon").start(), gate), republisher
 
 
 _STEPS = ("latestOffset", "addBatch", "walCommit", "commitOffsets")
@@ -389,11 +489,9 @@ def await_until_empty(query: Any, idle_batches: int = 2, timeout: float | None =
                 break
         query.awaitTermination(poll)
     active = query.isActive
-    settled = time.monotonic() + settle
-    while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < settled:
-        time.sleep(0.05)  # the batch in flight, so that what is left is counted between two batches
-    query.stop()
-    query.awaitTermination()  # raises the error of a query that failed
+    # the batch in flight finishes, so that what is left is counted between two batches; raises the error of a
+    # query that failed
+    stop_between_batches(query, settle)
     if idle >= idle_batches:
         return UntilEmpty(True, 0, "the backlog is empty")
     if depth is not None:  # the depth now, not the last idle trigger's
@@ -423,6 +521,7 @@ def run_available_now(spark: Any, conf: Any, timeout: float | None = 300.0) -> t
     started, deadline = time.monotonic(), _bound(timeout)
     while True:
         query, republisher = start_syphon(spark, config, available_now=True)
+        _GATES.pop(str(query.id), None)  # the run ends itself, between two batches
         query.awaitTermination()  # raises the error of a run that failed
         left = backlog_depth(config)
         if left == 0:
