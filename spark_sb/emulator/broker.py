@@ -331,8 +331,10 @@ def _compile_filter(label: str, rule: RuleSpec) -> _Rule:
     def sql_match(m: Incoming) -> bool:
         try:
             return predicate(_context(m))
-        except Exception:  # noqa: BLE001 - a filter that fails on a message does not match it
-            _LOGGER.debug("%s rule %s: the filter failed on message %s", label, rule.name, m.message_id, exc_info=True)
+        except Exception as err:  # noqa: BLE001 - as on the service: a filter that fails does not match
+            _LOGGER.warning("%s rule %r: the SQL filter failed on message %s (%s: %s); the rule does not "
+                            "match it", label, rule.name, m.message_id, type(err).__name__, err)
+            _LOGGER.debug("%s rule %r: the filter's failure", label, rule.name, exc_info=True)
             return False
 
     return _Rule(sql_match, action)
@@ -488,7 +490,12 @@ class Broker:
             self._boxes[dlq] = _Box(dlq, path, True, topic, False)
             if topic is not None:
                 self._subscriptions[topic][spec.name] = path
-                self._filters[path] = _compile_rules(path, spec.rules)
+                try:
+                    self._filters[path] = _compile_rules(path, spec.rules)
+                except BrokerError as err:  # stored by an emulator before its filter limits: kept, not loaded
+                    _LOGGER.error("%s: its rules do not load (%s); the subscription takes no message until the "
+                                  "rule is deleted and created again within the limits", path, err.description)
+                    self._filters[path] = lambda _m: None
         if spec.kind != SUBSCRIPTION:
             self._history[path] = OrderedDict()
             self._seqs[path] = 0

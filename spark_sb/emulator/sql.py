@@ -15,6 +15,14 @@ matches only when its value is TRUE. Not understood (refused with a clear error)
 ``EXISTS(...)`` and ``newid()``, and the system properties not listed in ``SYS_PROPERTIES``.
 
 Errors are ``SqlError`` naming the text and the position; the broker turns them into the service's 400.
+
+Limits (what the parser refuses, so that whatever it accepts can be evaluated): an expression of more
+than ``MAX_EXPRESSION_LENGTH`` characters (Service Bus's quota for a SQL filter and for a rule action), an
+action of more than ``MAX_ACTION_STATEMENTS`` statements (the service's 32 expressions per action), nesting
+(parentheses, NOT, unary signs) deeper than ``MAX_NESTING``, and a number literal longer than
+``MAX_NUMBER_LENGTH`` characters. Chains of AND, OR and of arithmetic are evaluated in a loop, not by
+recursion, and LIKE is matched without backtracking (a regular expression with ``.*`` for ``%`` took
+exponential time on a crafted pattern, holding the GIL, and froze every namespace of the process).
 """
 
 from __future__ import annotations
@@ -39,6 +47,15 @@ SYS_PROPERTIES = {
     "replytosessionid": "reply_to_session_id",
     "contenttype": "content_type",
 }
+
+#: Service Bus's quota: "Maximum length of filter condition string: 1,024" (the same for a rule action)
+MAX_EXPRESSION_LENGTH = 1024
+#: Service Bus's quota: "Maximum number of expressions per rule action: 32"
+MAX_ACTION_STATEMENTS = 32
+#: parentheses, NOT and unary signs inside one another (the parser and the evaluator recurse on them)
+MAX_NESTING = 32
+#: characters of a number literal (the longest double has 309 digits; Python's int() refuses over 4,300)
+MAX_NUMBER_LENGTH = 309
 
 _KEYWORDS = {"AND", "OR", "NOT", "IN", "LIKE", "ESCAPE", "IS", "NULL", "TRUE", "FALSE", "SET", "REMOVE"}
 _NAME = r"(?:\[[^\]]+\]|[A-Za-z_][A-Za-z0-9_$]*)"
@@ -72,7 +89,7 @@ def _tokens(text: str, what: str) -> list[_Tok]:
         m = _TOKEN.match(stripped, pos)
         if m is None or m.end() == pos:
             at = pos + (len(stripped[pos:]) - len(stripped[pos:].lstrip()))
-            raise SqlError(f"{what} {text!r}: unexpected {stripped[at:at + 20]!r} at position {at}")
+            raise SqlError(f"{what} {_shown(text)}: unexpected {stripped[at:at + 20]!r} at position {at}")
         kind = m.lastgroup or ""
         raw = m.group(kind)
         start = m.start(kind)
@@ -81,12 +98,29 @@ def _tokens(text: str, what: str) -> list[_Tok]:
         if kind == "str":
             value = raw[1:-1].replace("''", "'")
         elif kind == "num":
-            value = float(raw) if any(c in raw for c in ".eE") else int(raw)
+            value = _number(raw, text, start, what)
         elif kind == "ident" and raw.upper() in _KEYWORDS:
             kind, value = "kw", raw.upper()
         out.append(_Tok(kind, value, start))
     out.append(_Tok("end", None, len(stripped)))
     return out
+
+
+def _number(raw: str, text: str, pos: int, what: str) -> int | float:
+    shown = raw if len(raw) <= 40 else f"{raw[:20]}...{raw[-10:]}"
+    if len(raw) > MAX_NUMBER_LENGTH:
+        raise SqlError(f"{what} {_shown(text)}: the number literal {shown!r} at position {pos} has "
+                       f"{len(raw)} characters; the emulator reads at most {MAX_NUMBER_LENGTH}")
+    try:
+        return float(raw) if any(c in raw for c in ".eE") else int(raw)
+    except ValueError as err:  # out of Python's range: refused, not a crash
+        raise SqlError(f"{what} {_shown(text)}: the number literal {shown!r} at position {pos} "
+                       f"cannot be read ({err})") from err
+
+
+def _shown(text: str) -> str:
+    """The expression for an error message: all of it when it is short, else its start and its length."""
+    return repr(text) if len(text) <= 200 else f"{text[:100]!r}... ({len(text)} characters)"
 
 
 @dataclass
@@ -136,17 +170,73 @@ def _compare(op: str, a: Any, b: Any) -> bool | None:
     return bool(a >= b)
 
 
-def _like(pattern: str, escape: str | None) -> re.Pattern[str]:
-    out, i = [], 0
-    while i < len(pattern):
-        c = pattern[i]
-        if escape is not None and c == escape and i + 1 < len(pattern):
-            out.append(re.escape(pattern[i + 1]))
-            i += 2
-            continue
-        out.append(".*" if c == "%" else "." if c == "_" else re.escape(c))
-        i += 1
-    return re.compile("".join(out), re.DOTALL)
+#: a LIKE segment: the characters between two ``%``, None standing for ``_`` (any one character)
+_Segment = tuple["str | None", ...]
+
+
+class _Like:
+    """``text LIKE pattern``: ``%`` any run of characters, ``_`` any one, the ESCAPE character makes the next
+    one literal (at the pattern's end it is itself literal).
+
+    The pattern is split on ``%`` into fixed-length segments; the first must start the text, the last must end
+    it, and each one between is placed at its leftmost occurrence after the previous one (leftmost is never
+    worse for what follows: the classic greedy glob match). Nothing backtracks, so a match costs at most
+    O(len(text) * len(pattern)), in C: ``str.find`` for a segment without ``_``, a regular expression of
+    literals and ``.`` only (no repetition, so no backtracking) for one with it.
+    """
+
+    def __init__(self, pattern: str, escape: str | None) -> None:
+        segments: list[list[str | None]] = [[]]
+        i = 0
+        while i < len(pattern):
+            c = pattern[i]
+            if escape is not None and c == escape and i + 1 < len(pattern):
+                segments[-1].append(pattern[i + 1])
+                i += 2
+                continue
+            if c == "%":
+                segments.append([])
+            else:
+                segments[-1].append(None if c == "_" else c)
+            i += 1
+        self.segments: list[_Segment] = [tuple(s) for s in segments]
+        self.finders = [self._finder(s) for s in self.segments[1:-1]]
+
+    @staticmethod
+    def _finder(seg: _Segment) -> Callable[[str, int, int], int]:
+        """The leftmost start of ``seg`` in ``text[pos:end]``, or -1."""
+        if None not in seg:
+            literal = "".join(c for c in seg if c is not None)
+            return lambda text, pos, end: text.find(literal, pos, end)
+        regex = re.compile("".join("." if c is None else re.escape(c) for c in seg), re.DOTALL)
+
+        def find(text: str, pos: int, end: int) -> int:
+            m = regex.search(text, pos, end)
+            return -1 if m is None else m.start()
+
+        return find
+
+    @staticmethod
+    def _at(seg: _Segment, text: str, pos: int) -> bool:
+        return all(c is None or text[pos + k] == c for k, c in enumerate(seg))
+
+    def __call__(self, text: str) -> bool:
+        segs = self.segments
+        first, last = segs[0], segs[-1]
+        if len(segs) == 1:  # no %: the text is exactly as long as the pattern
+            return len(text) == len(first) and self._at(first, text, 0)
+        end = len(text) - len(last)
+        if end < len(first) or not self._at(first, text, 0) or not self._at(last, text, end):
+            return False
+        pos = len(first)
+        for seg, find in zip(segs[1:-1], self.finders, strict=True):
+            if not seg:
+                continue
+            at = find(text, pos, end)
+            if at < 0:
+                return False
+            pos = at + len(seg)
+        return True
 
 
 def _arith(op: str, a: Any, b: Any) -> Any:
@@ -175,13 +265,14 @@ class _Parser:
         self.what = what
         self.toks = _tokens(text, what)
         self.i = 0
+        self.depth = 0
         self.parameters = {str(k).lstrip("@").lower(): v for k, v in (parameters or {}).items()}
 
     # -- helpers
     def fail(self, why: str, tok: _Tok | None = None) -> SqlError:
         tok = tok or self.toks[self.i]
         where = "the end" if tok.kind == "end" else f"{tok.value!r} at position {tok.pos}"
-        return SqlError(f"{self.what} {self.text!r}: {why} (at {where})")
+        return SqlError(f"{self.what} {_shown(self.text)}: {why} (at {where})")
 
     def peek(self) -> _Tok:
         return self.toks[self.i]
@@ -203,19 +294,41 @@ class _Parser:
         if not self.accept(kind, value):
             raise self.fail(why)
 
+    def nested(self, inner: Callable[[], Expr], tok: _Tok) -> Expr:
+        """``inner()`` one level deeper; past ``MAX_NESTING``, a refusal (the parser recurses on nesting)."""
+        if self.depth >= MAX_NESTING:
+            raise self.fail(f"the expression nests parentheses, NOT and signs more than {MAX_NESTING} "
+                            "levels deep", tok)
+        self.depth += 1
+        out = inner()
+        self.depth -= 1
+        return out
+
     def done(self) -> None:
         if self.peek().kind != "end":
             raise self.fail("unexpected text")
 
     # -- expressions
     def _chain(self, operand: Callable[[], Expr], kind: str, ops: tuple[str, ...],
-               combine: Callable[[str, Expr, Expr], Expr]) -> Expr:
-        """``operand (op operand)*``, left-associative: every binary level of the grammar."""
-        left = operand()
+               fold: Callable[[str, Any, Any], Any]) -> Expr:
+        """``operand (op operand)*``, left-associative: every binary level of the grammar. Every operand is
+        evaluated, then folded from the left in a loop (a nested closure per operator recursed as deep as the
+        chain was long: a long OR chain was stored, then failed on every message)."""
+        first = operand()
+        rest: list[tuple[str, Expr]] = []
         while self.peek().kind == kind and self.peek().value in ops:
             op = str(self.take().value)
-            left = combine(op, left, operand())
-        return left
+            rest.append((op, operand()))
+        if not rest:
+            return first
+
+        def chain(c: Context) -> Any:
+            value = first(c)
+            for op, right in rest:
+                value = fold(op, value, right(c))
+            return value
+
+        return chain
 
     def expression(self) -> Expr:
         return self._chain(self.conjunction, "kw", ("OR",), lambda _op, a, b: _or(a, b))
@@ -224,8 +337,9 @@ class _Parser:
         return self._chain(self.negation, "kw", ("AND",), lambda _op, a, b: _and(a, b))
 
     def negation(self) -> Expr:
+        tok = self.peek()
         if self.accept("kw", "NOT"):
-            inner = self.negation()
+            inner = self.nested(self.negation, tok)
 
             def neg(c: Context) -> Any:
                 v = inner(c)
@@ -272,13 +386,13 @@ class _Parser:
                 if esc.kind != "str" or len(esc.value) != 1:
                     raise self.fail("ESCAPE needs a one-character string", esc)
                 escape = esc.value
-            regex = _like(pat.value, escape)
+            matches = _Like(pat.value, escape)
 
             def like(c: Context) -> Any:
                 v = _text(left(c))
                 if v is None or not isinstance(v, str):
                     return None
-                return (regex.fullmatch(v) is not None) != negate
+                return matches(v) != negate
 
             return like
         if negate:
@@ -290,17 +404,18 @@ class _Parser:
         return left
 
     def additive(self) -> Expr:
-        return self._chain(self.multiplicative, "op", ("+", "-"), _binary)
+        return self._chain(self.multiplicative, "op", ("+", "-"), _arith)
 
     def multiplicative(self) -> Expr:
-        return self._chain(self.unary, "op", ("*", "/", "%"), _binary)
+        return self._chain(self.unary, "op", ("*", "/", "%"), _arith)
 
     def unary(self) -> Expr:
+        tok = self.peek()
         if self.accept("op", "-"):
-            inner = self.unary()
+            inner = self.nested(self.unary, tok)
             return lambda c: -v if _is_num(v := inner(c)) else None
         if self.accept("op", "+"):
-            return self.unary()
+            return self.nested(self.unary, tok)
         return self.primary()
 
     def primary(self) -> Expr:
@@ -321,7 +436,7 @@ class _Parser:
             value = self.parameters[key]
             return lambda _c: value
         if tok.kind == "op" and tok.value == "(":
-            inner = self.expression()
+            inner = self.nested(self.expression, tok)
             self.expect("op", ")", "missing ')'")
             return inner
         if tok.kind == "ident":
@@ -363,44 +478,52 @@ def _truth(v: Any) -> bool:
     return v is True
 
 
-def _and(left: Expr, right: Expr) -> Expr:
-    def conj(c: Context) -> Any:
-        a, b = left(c), right(c)
-        if a is False or b is False:
-            return False
-        if a is None or b is None:
-            return None
-        return _truth(a) and _truth(b)
-
-    return conj
-
-
-def _or(left: Expr, right: Expr) -> Expr:
-    def disj(c: Context) -> Any:
-        a, b = left(c), right(c)
-        if a is True or b is True:
-            return True
-        if a is None or b is None:
-            return None
+def _and(a: Any, b: Any) -> Any:
+    if a is False or b is False:
         return False
+    if a is None or b is None:
+        return None
+    return _truth(a) and _truth(b)
 
-    return disj
 
-
-def _binary(op: str, left: Expr, right: Expr) -> Expr:
-    return lambda c: _arith(op, left(c), right(c))
+def _or(a: Any, b: Any) -> Any:
+    if a is True or b is True:
+        return True
+    if a is None or b is None:
+        return None
+    return False
 
 
 # --------------------------------------------------------------------------- the public API
 
 
-def compile_filter(expression: str, parameters: Mapping[str, Any] | None = None) -> Callable[[Context], bool]:
-    """A predicate that is True only when the expression is TRUE for the context. SqlError if unparsable."""
+def _within_limits(expression: Any, what: str) -> None:
     if not isinstance(expression, str) or not expression.strip():
-        raise SqlError(f"SQL filter {expression!r}: the expression is empty")
-    p = _Parser(expression, "SQL filter", parameters or {})
-    expr = p.expression()
-    p.done()
+        raise SqlError(f"{what} {expression!r}: the expression is empty")
+    if len(expression) > MAX_EXPRESSION_LENGTH:
+        raise SqlError(f"{what} {expression[:60]!r}...: the expression is {len(expression)} characters long; "
+                       f"Service Bus allows at most {MAX_EXPRESSION_LENGTH}")
+
+
+def _parsed(what: str, expression: str, parse: Callable[[], Any]) -> Any:
+    try:
+        return parse()
+    except RecursionError as err:  # the limits should make this unreachable: still a refusal, not a crash
+        raise SqlError(f"{what} {_shown(expression)}: the expression nests too deeply") from err
+
+
+def compile_filter(expression: str, parameters: Mapping[str, Any] | None = None) -> Callable[[Context], bool]:
+    """A predicate that is True only when the expression is TRUE for the context. SqlError if unparsable or
+    past a limit (see the module's docstring)."""
+    _within_limits(expression, "SQL filter")
+
+    def parse() -> Expr:
+        p = _Parser(expression, "SQL filter", parameters or {})
+        expr = p.expression()
+        p.done()
+        return expr
+
+    expr = _parsed("SQL filter", expression, parse)
     return lambda c: expr(c) is True
 
 
@@ -418,9 +541,13 @@ class Change:
 
 
 def compile_action(expression: str, parameters: Mapping[str, Any] | None = None) -> list[Change]:
-    """The statements of a rule action (``SET a = expr; REMOVE b``). SqlError if unparsable."""
-    if not isinstance(expression, str) or not expression.strip():
-        raise SqlError(f"SQL action {expression!r}: the action is empty")
+    """The statements of a rule action (``SET a = expr; REMOVE b``). SqlError if unparsable or past a
+    limit."""
+    _within_limits(expression, "SQL action")
+    return list(_parsed("SQL action", expression, lambda: _statements(expression, parameters)))
+
+
+def _statements(expression: str, parameters: Mapping[str, Any] | None) -> list[Change]:
     p = _Parser(expression, "SQL action", parameters or {})
     changes: list[Change] = []
     while True:
@@ -443,6 +570,8 @@ def compile_action(expression: str, parameters: Mapping[str, Any] | None = None)
             changes.append(Change("sys" if scope == "sys" else "user", name, p.expression()))
         else:
             changes.append(Change("user", name, None))
+        if len(changes) > MAX_ACTION_STATEMENTS:
+            raise p.fail(f"an action has at most {MAX_ACTION_STATEMENTS} statements", tok)
         if not p.accept("op", ";") or p.peek().kind == "end":
             break
     p.done()
@@ -471,4 +600,6 @@ def apply_action(changes: list[Change], context: Context) -> tuple[dict[str, Any
     return props, fields
 
 
-__all__ = ["SqlError", "Context", "Change", "compile_filter", "compile_action", "apply_action", "SYS_PROPERTIES"]
+__all__ = ["SqlError", "Context", "Change", "compile_filter", "compile_action", "apply_action",
+           "SYS_PROPERTIES", "MAX_EXPRESSION_LENGTH", "MAX_ACTION_STATEMENTS", "MAX_NESTING",
+           "MAX_NUMBER_LENGTH"]

@@ -1,0 +1,307 @@
+"""SQL filters at and past Service Bus's limits (issue 35, items 2 and 7), through the unmodified SDK.
+
+A LIKE pattern that made the former regular expression backtrack froze the whole emulator process (every
+namespace, SIGTERM included); expressions past the service's 1,024 characters were stored, and nesting or a
+long number literal got a 500. The parser now refuses what it could not evaluate, with a 400 naming the limit,
+over the admin API and over ``$management add-rule`` alike, and a filter that fails on a message is logged at
+WARNING and does not match it, as on the service."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from azure.core.exceptions import HttpResponseError
+from azure.servicebus import ServiceBusClient, ServiceBusMessage
+from azure.servicebus.management import ServiceBusAdministrationClient, SqlRuleAction, SqlRuleFilter
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from proton import Message
+from proton.utils import BlockingConnection
+
+from spark_sb.admin import admin_client
+from spark_sb.emulator import EmulatorProcess, NamespaceInfo, NamespaceOptions, sas
+from spark_sb.emulator.sql import Context, SqlError, compile_filter
+
+#: the pattern of the report: 11 '%' before a 'b' the text does not have
+BACKTRACKING_LIKE = "p LIKE '%a%a%a%a%a%a%a%a%a%a%b'"
+
+
+@pytest.fixture
+def admin(primary: NamespaceInfo) -> Iterator[ServiceBusAdministrationClient]:
+    with admin_client(primary.connection_string, admin_endpoint=primary.admin_url, retry_total=0) as c:
+        yield c
+
+
+def _received(client: ServiceBusClient, topic: str, sub: str) -> list[str]:
+    with client.get_subscription_receiver(topic, sub, max_wait_time=2) as r:
+        got = r.receive_messages(max_message_count=50, max_wait_time=1)
+        for m in got:
+            r.complete_message(m)
+    return [str(m) for m in got]
+
+
+def _refused(admin: ServiceBusAdministrationClient, topic: str, sub: str, **rule: Any) -> str:
+    """The admin API's answer to a rule it must refuse: a 400, whose text is returned."""
+    with pytest.raises(HttpResponseError) as err:
+        admin.create_rule(topic, sub, "bad", **rule)
+    assert err.value.status_code == 400, str(err.value)
+    return str(err.value)
+
+
+# --------------------------------------------------------------------------- item 2: LIKE in linear time
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_backtracking_like_pattern_neither_freezes_the_process_nor_loses_the_match(tmp_path) -> None:
+    # in a child process: before the fix the regular expression held the GIL for good, in any process
+    entities = tmp_path / "entities.yaml"
+    entities.write_text("topics:\n  - name: t\n    subscriptions:\n      - name: s\n")
+    emu = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("a"), NamespaceOptions("b")],
+                                entities=entities)
+    try:
+        a, b = emu["a"], emu["b"]
+        with admin_client(a.connection_string, admin_endpoint=a.admin_url, retry_total=0,
+                          connection_timeout=5, read_timeout=5) as admin_a:
+            admin_a.delete_rule("t", "s", "$Default")
+            admin_a.create_rule("t", "s", "like", filter=SqlRuleFilter(BACKTRACKING_LIKE))
+        with ServiceBusClient.from_connection_string(a.connection_string, retry_total=0) as client:
+            with client.get_topic_sender("t") as sender:
+                started = time.monotonic()
+                sender.send_messages([
+                    ServiceBusMessage("sixty-a", application_properties={"p": "a" * 60}),
+                    ServiceBusMessage("ends-in-b", application_properties={"p": "a" * 59 + "b"}),
+                ], timeout=10)
+                assert time.monotonic() - started < 5
+            # the other namespace's admin API answers meanwhile, and promptly
+            with admin_client(b.connection_string, admin_endpoint=b.admin_url, retry_total=0,
+                              connection_timeout=5, read_timeout=5) as admin_b:
+                started = time.monotonic()
+                assert admin_b.get_topic("t").name == "t"
+                assert time.monotonic() - started < 5
+            assert _received(client, "t", "s") == ["ends-in-b"]
+    finally:
+        emu.stop()
+    assert emu.proc.returncode == 0  # it stopped on SIGTERM, not on the kill that follows an ignored one
+
+
+def _like_regex(pattern: str, escape: str | None) -> re.Pattern[str]:
+    """The emulator's former LIKE (a regular expression, ``.*`` for ``%``): the reference of the semantics."""
+    out, i = [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if escape is not None and c == escape and i + 1 < len(pattern):
+            out.append(re.escape(pattern[i + 1]))
+            i += 2
+            continue
+        out.append(".*" if c == "%" else "." if c == "_" else re.escape(c))
+        i += 1
+    return re.compile("".join(out), re.DOTALL)
+
+
+def _quoted(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+@settings(max_examples=600, deadline=None)
+@given(pattern=st.text("ab%_!'", max_size=10), text=st.text("ab%_!'\n", max_size=14),
+       escape=st.sampled_from([None, "!", "%", "_", "a"]))
+def test_like_agrees_with_the_regular_expression_it_replaced(pattern: str, text: str,
+                                                             escape: str | None) -> None:
+    expr = f"p LIKE {_quoted(pattern)}" + ("" if escape is None else f" ESCAPE {_quoted(escape)}")
+    expected = _like_regex(pattern, escape).fullmatch(text) is not None
+    assert compile_filter(expr)(Context({}, {"p": text}, {})) is expected
+    negated = compile_filter(expr.replace(" LIKE ", " NOT LIKE ", 1))
+    assert negated(Context({}, {"p": text}, {})) is not expected
+
+
+@pytest.mark.timeout(20)
+def test_like_patterns_that_made_the_regex_backtrack_match_in_milliseconds() -> None:
+    big = "a" * 256 * 1024  # a property as large as a message may be
+    cases = [
+        (BACKTRACKING_LIKE, "a" * 60, False),
+        (BACKTRACKING_LIKE, "a" * 59 + "b", True),
+        ("p LIKE '" + "%a" * 300 + "%b'", big, False),
+        ("p LIKE '%" + "a_" * 250 + "b%'", big, False),
+        ("p LIKE '" + "%_" * 300 + "'", big, True),
+        ("p LIKE '" + "%_" * 300 + "'", "a" * 299, False),
+    ]
+    for expr, text, expected in cases:
+        started = time.perf_counter()
+        assert compile_filter(expr)(Context({}, {"p": text}, {})) is expected, expr[:40]
+        assert time.perf_counter() - started < 2, expr[:40]
+
+
+# --------------------------------------------------------------------------- item 7: Service Bus's limits
+
+
+def test_filters_and_actions_past_1024_characters_get_400_naming_the_limit(
+    client: ServiceBusClient, admin: ServiceBusAdministrationClient, make_topic: Callable[..., str]
+) -> None:
+    topic = make_topic({"s": {}})
+    huge = "p = '" + "x" * 145_000 + "'"
+    assert "1024" in _refused(admin, topic, "s", filter=SqlRuleFilter(huge))
+    or_chain = " OR ".join(f"p = {i}" for i in range(1500))  # the report's 16,886 characters
+    assert len(or_chain) == 16_886
+    assert "1024" in _refused(admin, topic, "s", filter=SqlRuleFilter(or_chain))
+    long_action = "SET q = '" + "y" * 1020 + "'"
+    assert "1024" in _refused(admin, topic, "s", filter=SqlRuleFilter("1=1"),
+                              action=SqlRuleAction(long_action))
+    assert [r.name for r in admin.list_rules(topic, "s")] == ["$Default"]
+    # 1,024 characters are allowed, and a long chain of them is evaluated on every message
+    longest = "p IN (" + ", ".join(f"{i:03d}" for i in range(190)) + ") OR p = 997 OR r = '"
+    longest += "x" * (1023 - len(longest)) + "'"
+    assert len(longest) == 1024
+    admin.delete_rule(topic, "s", "$Default")
+    admin.create_rule(topic, "s", "longest", filter=SqlRuleFilter(longest))
+    sum_chain = "q = " + "+".join(["1"] * 510)  # 1,023 characters of one left-associative chain
+    admin.create_rule(topic, "s", "sum", filter=SqlRuleFilter(sum_chain))
+    with client.get_topic_sender(topic) as s:
+        s.send_messages([ServiceBusMessage(body, application_properties=props) for body, props in
+                         [("p-997", {"p": 997}), ("p-500", {"p": 500}), ("q-510", {"q": 510})]])
+    assert sorted(_received(client, topic, "s")) == ["p-997", "q-510"]
+
+
+def test_deep_nesting_and_long_numbers_get_400_naming_the_problem_not_500(
+    admin: ServiceBusAdministrationClient, make_topic: Callable[..., str]
+) -> None:
+    topic = make_topic({"s": {}})
+    nested = "(" * 200 + "p = 1" + ")" * 200
+    assert "32 levels" in _refused(admin, topic, "s", filter=SqlRuleFilter(nested))
+    assert "32 levels" in _refused(admin, topic, "s", filter=SqlRuleFilter("NOT " * 40 + "p = 1"))
+    assert "1024" in _refused(admin, topic, "s", filter=SqlRuleFilter("p = " + "1" * 4301))
+    text = _refused(admin, topic, "s", filter=SqlRuleFilter("p = " + "7" * 400))
+    assert "number literal '77777" in text and "400 characters" in text
+    assert "number literal" in _refused(admin, topic, "s", filter=SqlRuleFilter("1=1"),
+                                        action=SqlRuleAction("SET q = " + "7" * 400))
+    # 32 levels are allowed
+    admin.create_rule(topic, "s", "deep", filter=SqlRuleFilter("(" * 31 + "p = 1" + ")" * 31))
+    assert sorted(r.name for r in admin.list_rules(topic, "s")) == ["$Default", "deep"]
+
+
+def test_an_action_of_more_than_32_statements_gets_400(
+    admin: ServiceBusAdministrationClient, make_topic: Callable[..., str]
+) -> None:
+    topic = make_topic({"s": {}})
+    statements = "; ".join(f"SET p{i} = {i}" for i in range(33))
+    assert "at most 32 statements" in _refused(admin, topic, "s", filter=SqlRuleFilter("1=1"),
+                                               action=SqlRuleAction(statements))
+    admin.create_rule(topic, "s", "ok", filter=SqlRuleFilter("1=1"),
+                      action=SqlRuleAction("; ".join(f"SET p{i} = {i}" for i in range(32))))
+
+
+def _management(ns: NamespaceInfo, node: str, operation: str, body: dict[str, Any]) -> Message:
+    """One $management request by a bare Proton client (the Python SDK has no rule manager; the Java, .NET and
+    JavaScript ones send add-rule)."""
+    conn = BlockingConnection(f"amqp://localhost:{ns.amqp_port}", allowed_mechs="ANONYMOUS", timeout=10)
+    try:
+        audience = f"sb://localhost:{ns.amqp_port}"
+        cbs = (conn.create_sender("$cbs"), conn.create_receiver("$cbs", credit=1))
+        cbs[0].send(Message(reply_to="$cbs-client", body=sas.make_token(audience, ns.key_name, ns.key),
+                            properties={"operation": "put-token", "type": "servicebus.windows.net:sastoken",
+                                        "name": audience}))
+        cbs[1].receive(timeout=10)
+        cbs[1].accept()
+        sender = conn.create_sender(f"{node}/$management")
+        receiver = conn.create_receiver(f"{node}/$management", credit=1)
+        request_id = uuid.uuid4()
+        sender.send(Message(id=request_id, reply_to="mgmt-client", body=body,
+                            properties={"operation": f"com.microsoft:{operation}"}))
+        reply = receiver.receive(timeout=10)
+        receiver.accept()
+        assert reply.correlation_id == request_id
+        return reply
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(120)
+def test_management_add_rule_refuses_what_the_admin_api_refuses_with_status_400(
+    primary: NamespaceInfo, make_topic: Callable[..., str]
+) -> None:
+    topic = make_topic({"s": {}})
+    node = f"{topic}/Subscriptions/s"
+    cases = {
+        "p = '" + "x" * 2000 + "'": "1024",
+        "(" * 200 + "p = 1" + ")" * 200: "32 levels",
+        "p = " + "7" * 400: "number literal",
+    }
+    for expression, named in cases.items():
+        rule = {"sql-filter": {"expression": expression}, "sql-rule-action": None, "rule-name": "bad"}
+        reply = _management(primary, node, "add-rule", {"rule-name": "bad", "rule-description": rule})
+        status = reply.properties.get("statusCode")
+        assert status == 400, (expression[:30], status, reply.properties.get("statusDescription"))
+        assert named in reply.properties["statusDescription"]
+        assert reply.properties.get("errorCondition") is not None
+    ok = {"sql-filter": {"expression": "p = 1"}, "sql-rule-action": None, "rule-name": "ok"}
+    reply = _management(primary, node, "add-rule", {"rule-name": "ok", "rule-description": ok})
+    assert reply.properties.get("statusCode") == 200
+
+
+# --------------------------------------------------------------------------- evaluation errors: WARNING
+
+
+def test_a_filter_that_fails_on_a_message_is_logged_at_warning_and_does_not_match_it(
+    client: ServiceBusClient, admin: ServiceBusAdministrationClient, make_topic: Callable[..., str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    topic = make_topic({"failing": {}, "all": {}})
+    admin.delete_rule(topic, "failing", "$Default")
+    # an integer too large for a float: 'p * 10**308 / 1.5' raises OverflowError on a message with p = 2
+    admin.create_rule(topic, "failing", "overflow", filter=SqlRuleFilter("p * 1" + "0" * 308 + " / 1.5 > 0"))
+    admin.create_rule(topic, "failing", "plain", filter=SqlRuleFilter("q = 1"))
+    with caplog.at_level(logging.WARNING, logger="spark_sb.emulator.broker"):
+        with client.get_topic_sender(topic) as s:
+            s.send_messages([ServiceBusMessage("with-p", application_properties={"p": 2}, message_id="m-p"),
+                             ServiceBusMessage("with-q", application_properties={"q": 1}, message_id="m-q")])
+        assert sorted(_received(client, topic, "all")) == ["with-p", "with-q"]
+        assert _received(client, topic, "failing") == ["with-q"]
+    warnings = [r.getMessage() for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "spark_sb.emulator.broker"]
+    assert len(warnings) == 1, warnings
+    assert "'overflow'" in warnings[0] and "m-p" in warnings[0] and "OverflowError" in warnings[0]
+    assert "does not match" in warnings[0]
+
+
+def test_the_parser_itself_names_each_limit() -> None:
+    with pytest.raises(SqlError, match="1030 characters long; Service Bus allows at most 1024"):
+        compile_filter("p = '" + "x" * 1024 + "'")
+    with pytest.raises(SqlError, match="more than 32 levels deep"):
+        compile_filter("-" * 40 + "1 = p")
+    with pytest.raises(SqlError, match="number literal '1111.*has 310 characters"):
+        compile_filter("p = " + "1" * 310)
+    assert compile_filter("p = " + "1" * 309)(Context({}, {"p": int("1" * 309)}, {})) is True
+
+
+def test_a_stored_rule_past_the_limits_does_not_stop_the_emulator_from_starting(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # a data directory kept by an emulator before these limits holds a 2,000-character filter
+    from spark_sb.emulator import Emulator, sql
+
+    long_filter = " OR ".join(f"p = {i}" for i in range(250))
+    assert len(long_filter) > sql.MAX_EXPRESSION_LENGTH
+    with monkeypatch.context() as before_the_limits:
+        before_the_limits.setattr(sql, "MAX_EXPRESSION_LENGTH", 10**6)
+        with Emulator([NamespaceOptions("old")], data_dir=tmp_path) as emu:
+            with admin_client(emu["old"].connection_string, admin_endpoint=emu["old"].admin_url) as admin:
+                admin.create_topic("t")
+                admin.create_subscription("t", "long")
+                admin.create_subscription("t", "all")
+                admin.delete_rule("t", "long", "$Default")
+                admin.create_rule("t", "long", "many", filter=SqlRuleFilter(long_filter))
+    with caplog.at_level(logging.ERROR, logger="spark_sb.emulator.broker"):
+        with Emulator([NamespaceOptions("old")], data_dir=tmp_path) as emu:  # before the fix: BrokerError
+            conn = emu["old"].connection_string
+            with ServiceBusClient.from_connection_string(conn) as client:
+                with client.get_topic_sender("t") as s:
+                    s.send_messages(ServiceBusMessage("m", application_properties={"p": 3}))
+                assert _received(client, "t", "all") == ["m"]
+                assert _received(client, "t", "long") == []
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("t/subscriptions/long" in e.lower() and "deleted and created again" in e for e in errors), errors
