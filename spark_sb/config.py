@@ -631,7 +631,11 @@ def _proxy(value: Any) -> Any:
     if not isinstance(value, str):
         return value
     text = value.strip()
-    shown = _proxy_shown(urlparse(text if "://" in text else f"http://{text}"))
+    try:
+        shown = _proxy_shown(urlparse(text if "://" in text else f"http://{text}"))
+    except ValueError:  # urlparse cannot split it (an unclosed [ of an IPv6 address): masked by hand
+        raise _Invalid("is not a URL (an IPv6 host goes in brackets: http://[::1]:3128)",
+                       _userinfo_masked(text)) from None
     parsed, port = _url(text, "http", shown)
     if parsed.scheme not in ("http", "https") or not parsed.hostname or parsed.path.strip("/") or parsed.query:
         raise _Invalid("must look like http://[user:password@]host:port", shown)
@@ -640,6 +644,17 @@ def _proxy(value: Any) -> Any:
     return {"host": parsed.hostname, "port": port,
             "username": unquote(parsed.username) if parsed.username else None,
             "password": unquote(parsed.password) if parsed.password else None}
+
+
+def _userinfo_masked(text: str) -> str:
+    """``scheme://user:password@rest`` with the password masked, for a URL urlparse cannot read."""
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "", text
+    userinfo, at, tail = rest.rpartition("@")
+    if not at or ":" not in userinfo:
+        return text
+    return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:{_REDACTED}@{tail}"
 
 
 def _proxy_shown(parsed: Any) -> str:
@@ -688,6 +703,9 @@ def _custom_endpoint(value: Any) -> str:
     host = f"[{parsed.hostname}]" if ":" in parsed.hostname else parsed.hostname
     return f"sb://{host}" + (f":{port}" if port is not None else "")
 
+
+#: the hosts of real Service Bus namespaces (public, China and US Government clouds): never without TLS
+_SERVICE_BUS_SUFFIXES = (".servicebus.windows.net", ".servicebus.chinacloudapi.cn", ".servicebus.usgovcloudapi.net")
 
 _EMULATOR_ONLY = ("only used with an emulator: a connection string with UseDevelopmentEmulator=true, or "
                   "fully_qualified_namespace with emulator: true")
@@ -758,6 +776,15 @@ class NamespaceConfig(_Compact):
                 raise _Invalid(_EMULATOR_ONLY, repr(admin), field="admin_endpoint")
             if "fully_qualified_namespace" not in data:
                 raise _Invalid("needs connection_string, or fully_qualified_namespace with an optional credential")
+            if _true(emulator):
+                try:
+                    host = _split_host_port(_namespace_address(data["fully_qualified_namespace"]))[0]
+                except _Invalid:
+                    host = ""  # pydantic names the bad fully_qualified_namespace
+                if host.endswith(_SERVICE_BUS_SUFFIXES):
+                    raise _Invalid(f"turns TLS off, and {host} is a real Service Bus namespace, which never runs "
+                                   "without TLS (emulator: true is for spark-sb's local emulator only)",
+                                   repr(emulator), field="emulator")
             return {**data, "credential": credential if credential is not None else {}}
         if "fully_qualified_namespace" in data and not isinstance(raw, ConnectionString):
             raise _Invalid("give either connection_string or fully_qualified_namespace (with credential), not both")

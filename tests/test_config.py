@@ -801,3 +801,32 @@ def test_a_missing_ca_bundle_is_named_when_a_client_is_built(tmp_path: Path) -> 
     with pytest.raises(ConfigError, match=r"connection_verify: \(namespace contoso.servicebus.windows.net\) is "
                                           r"not a readable CA bundle"):
         config.primary.client()
+
+
+def test_a_malformed_proxy_url_is_named_with_its_password_masked() -> None:
+    """urlparse cannot read an unclosed IPv6 bracket: its ValueError used to carry the whole URL, password too."""
+    with pytest.raises(ConfigError) as caught:
+        load_config({"primary": {"connection_string": PRIMARY, "http_proxy": f"http://bob:{PROXY_PASSWORD}@[::1:3128"},
+                     "secondary": {"connection_string": SECONDARY}})
+    message = str(caught.value)
+    assert message.startswith("primary.http_proxy: ")
+    assert "http://bob:***@[::1:3128" in message
+    assert PROXY_PASSWORD not in message and "p@ss" not in message
+
+
+@pytest.mark.parametrize("host", ["contoso.servicebus.windows.net", "sb://Contoso.ServiceBus.ChinaCloudAPI.cn:5671/",
+                                  "contoso.servicebus.usgovcloudapi.net"])
+def test_emulator_true_is_refused_for_a_real_service_bus_host(host: str) -> None:
+    """emulator: true turns TLS off: never for a real namespace."""
+    with pytest.raises(ConfigError) as caught:
+        load_config({"primary": {"fully_qualified_namespace": host, "emulator": True},
+                     "secondary": {"connection_string": SECONDARY}})
+    message = str(caught.value)
+    assert message.startswith("primary.emulator: ")
+    assert host.split("://")[-1].split(":")[0].lower() in message
+
+
+def test_emulator_true_keeps_tls_off_for_a_local_emulator() -> None:
+    config = load_config({"primary": {"fully_qualified_namespace": "localhost:5672", "emulator": True},
+                          "secondary": {"connection_string": SECONDARY}})
+    assert config.primary.is_emulator and not config.primary.use_tls

@@ -33,8 +33,8 @@ SCRIPTS = {"spark-sb": "spark_sb.cli:main", "spark-sb-writer": "spark_sb.jobs:wr
 SPARK_ONLY = ("pyspark", "py4j", "delta", "pyarrow", "pandas")
 SPARK_EXTRA = "pip install 'spark-sb[spark]'"
 #: the [emulator] extra's distributions and their top-level modules
-EMULATOR_DISTS = ("python-qpid-proton", "cryptography", "pyjwt", "websockets")
-EMULATOR_MODULES = ("proton", "cproton", "_cproton", "cryptography", "jwt", "websockets")
+EMULATOR_DISTS = ("python-qpid-proton", "cryptography", "pyjwt", "websockets", "defusedxml")
+EMULATOR_MODULES = ("proton", "cproton", "_cproton", "cryptography", "jwt", "websockets", "defusedxml")
 EMULATOR_EXTRA = "spark-sb emulator needs the emulator extra: pip install 'spark-sb[emulator]' (No module named 'proton')"
 
 

@@ -1,6 +1,6 @@
 """The administration REST API of an emulated namespace, as ``ServiceBusAdministrationClient`` expects it.
 
-Atom XML over plain HTTP (Microsoft's emulator serves the same API on port 5300), stdlib only: a
+Atom XML over plain HTTP (Microsoft's emulator serves the same API on port 5300), stdlib and defusedxml: a
 ``ThreadingHTTPServer`` in its own thread. Every broker access goes through ``call`` so that the broker
 is only ever touched from its own (reactor) thread.
 
@@ -13,7 +13,9 @@ Routes (entity names may contain ``/``; the SDK percent-encodes them as ``%2F``)
     PUT|GET|DELETE /{topic}/subscriptions/{sub}/rules/{rule}
     GET            /{topic}/subscriptions/{sub}/rules?$skip&$top
     GET            /$namespaceinfo
-    *              /$emulator/...                          local test controls (no SAS), JSON
+    *              /$emulator/...                          local test controls, JSON: with the header
+                                                           X-Spark-SB-Emulator: 1 (or a token with Manage);
+                                                           a body is application/json
     GET            /msi/token?api-version=2019-08-01&resource=...[&client_id=...]
                                                            managed-identity tokens (App Service protocol,
                                                            header X-IDENTITY-HEADER), JSON; see aad.py
@@ -24,13 +26,23 @@ of the emulator (``Authorization: Bearer <jwt>``) whose roles include Azure Serv
 
 Status codes follow the service: 201 on create, 200 otherwise, 401 for a bad or missing token, 404 for a
 missing entity, 409 when it exists, 400 for an invalid description, 503 when busy.
+
+What a web page can forge is refused: a request whose ``Host`` is not this machine by a name a page cannot
+rebind (``localhost``, an IP address, the emulator's configured host names) is answered 403, so a DNS-rebinding
+page reaches nothing; the controls need the header ``X-Spark-SB-Emulator: 1`` (a page cannot send a custom header
+cross-site without a CORS preflight, which this server never grants) or a token with Manage, and a JSON body.
+Nothing of a body is read before the request is authenticated from its head, and no body beyond
+``MAX_BODY_BYTES`` is read at all, whatever its framing. XML bodies are parsed with defusedxml: no DTD, in any
+encoding.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import json
 import logging
+import re
 import select
 import socket
 import threading
@@ -42,6 +54,9 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol, TypeVar
 from xml.sax.saxutils import escape, quoteattr
+
+from defusedxml import DefusedXmlException
+from defusedxml import ElementTree as _safe_xml
 
 from ..durations import DurationError, iso_duration, parse_seconds
 from . import aad, model, sas
@@ -61,6 +76,12 @@ XSD_NS = "http://www.w3.org/2001/XMLSchema"
 MAX_TIMESPAN = "P10675199DT2H48M5.4775807S"  # TimeSpan.MaxValue as the service writes it
 DEFAULT_API_VERSION = "2021-05"
 MAX_BODY_BYTES = 1024 * 1024
+#: the header every client of the controls (``/$emulator/...``) sends, value ``1``: a web page cannot send a custom
+#: header cross-site without a CORS preflight, which this server never grants
+CONTROL_HEADER = "X-Spark-SB-Emulator"
+#: the most trailer bytes read after a chunked body
+_MAX_TRAILER_BYTES = 8 * 1024
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")
 
 _CT_ENTRY = "application/atom+xml;type=entry;charset=utf-8"
 _CT_FEED = "application/atom+xml;type=feed;charset=utf-8"
@@ -126,10 +147,10 @@ def parse_body(body: bytes) -> ET.Element:
     """The description element inside ``<entry><content>``: QueueDescription, TopicDescription, ..."""
     if not body.strip():
         raise _HttpError(400, "the request body is empty; expected an Atom entry with a description")
-    if b"<!DOCTYPE" in body or b"<!ENTITY" in body:
-        raise _HttpError(400, "document type declarations are not accepted")
-    try:
-        root = ET.fromstring(body)
+    try:  # defusedxml refuses a DTD (and so any entity) whatever the body's encoding: UTF-16 hides no <!DOCTYPE
+        root = _safe_xml.fromstring(body, forbid_dtd=True)
+    except DefusedXmlException:
+        raise _HttpError(400, "document type declarations are not accepted") from None
     except ET.ParseError as err:
         raise _HttpError(400, f"the request body is not well-formed XML ({err})") from None
     if _local(root.tag) != "entry":
@@ -677,9 +698,15 @@ class AdminServer:
         namespace_port: int | None = None,
         other_ports: Callable[[], Iterable[int | None]] | None = None,
         authority: aad.Authority | None = None,
+        allowed_hosts: Iterable[str] = (),
     ) -> None:
         #: Microsoft Entra ID: serves the token endpoint and verifies Bearer tokens (None: SAS only)
         self.authority = authority
+        #: the host names a request's ``Host`` may give besides localhost and IP addresses (DNS rebinding: a name a
+        #: web page's owner controls is refused)
+        self.allowed_hosts = {h.strip("[]").lower() for h in (host, *allowed_hosts) if h}
+        if host in ("0.0.0.0", "::", ""):  # every interface: this machine's own names too
+            self.allowed_hosts.add(socket.gethostname().lower())
         #: the AMQP port of the namespace served
         self.namespace_port = namespace_port
         #: its other ports now (AMQPS, WebSockets): with the AMQP port and this admin port, the ports a token may
@@ -760,6 +787,26 @@ class AdminServer:
             else:
                 self._connections.discard(conn)
 
+    def host_allowed(self, header: str | None) -> bool:
+        """Whether a request's ``Host`` names this machine by a name a web page cannot rebind: none (not a
+        browser), ``localhost`` (or ``*.localhost``), an IP address, or one of :attr:`allowed_hosts`."""
+        if header is None:
+            return True
+        value = header.strip().lower()
+        if value.startswith("["):  # [::1]:5300
+            name = value[1:value.find("]")] if "]" in value else ""
+        else:
+            name = value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+        if not name:
+            return False
+        if name == "localhost" or name.endswith(".localhost") or name in self.allowed_hosts:
+            return True
+        try:
+            ipaddress.ip_address(name)
+        except ValueError:
+            return False
+        return True
+
     def _fault_for(self, entity: str | None) -> str | None:
         if self._fault is None:
             return None
@@ -820,6 +867,7 @@ class _Handler(BaseHTTPRequestHandler):
     sys_version = ""
     timeout = 300  # idle keep-alive connections
     server: _AdminHTTPServer
+    _body_pending = False  # the request's head announces a body not read (yet)
 
     # ------------------------------------------------------------------ plumbing
     def setup(self) -> None:
@@ -850,41 +898,67 @@ class _Handler(BaseHTTPRequestHandler):
     def do_PATCH(self) -> None:
         self._dispatch("PATCH")
 
+    def _declares_body(self) -> bool:
+        """Whether the request's head announces a body (chunked, or a Content-Length other than 0)."""
+        if self.headers.get("Transfer-Encoding"):
+            return True
+        return (self.headers.get("Content-Length") or "0").strip() != "0"
+
     def _read_body(self) -> bytes:
-        if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
-            chunks, total = [], 0
-            while True:
-                size_line = self.rfile.readline(1024)
-                try:
-                    size = int(size_line.split(b";", 1)[0].strip() or b"0", 16)
-                except ValueError:
-                    self.close_connection = True
-                    raise _HttpError(400, "malformed chunked request body") from None
-                if size == 0:
-                    while self.rfile.readline(1024) not in (b"\r\n", b"\n", b""):
-                        pass
-                    break
-                total += size
-                if total > MAX_BODY_BYTES:
-                    self.close_connection = True
-                    raise _HttpError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-                chunks.append(self.rfile.read(size))
-                self.rfile.readline(1024)
-            return b"".join(chunks)
-        length_text = self.headers.get("Content-Length")
-        if not length_text:
-            return b""
-        try:
-            length = int(length_text)
-        except ValueError:
-            self.close_connection = True
-            raise _HttpError(400, f"invalid Content-Length {length_text!r}") from None
-        if length < 0 or length > MAX_BODY_BYTES:
-            self.close_connection = True
-            raise _HttpError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
-        return self.rfile.read(length) if length else b""
+        """The body, only ever called once the request is authenticated. Never more than MAX_BODY_BYTES is read,
+        whatever the framing; a malformed framing is a 400 and closes the connection."""
+        self._body_pending = False
+        keep_alive, self.close_connection = not self.close_connection, True  # closed unless read to its end
+        encoding = (self.headers.get("Transfer-Encoding") or "").strip().lower()
+        if encoding:
+            if encoding != "chunked":
+                raise _HttpError(400, f"unsupported Transfer-Encoding {encoding!r} (only chunked)")
+            body = self._read_chunked()
+        else:
+            length_text = (self.headers.get("Content-Length") or "").strip()
+            if not length_text:
+                body = b""
+            elif not (length_text.isascii() and length_text.isdigit()):
+                raise _HttpError(400, f"invalid Content-Length {length_text[:40]!r}")
+            elif int(length_text) > MAX_BODY_BYTES:
+                raise _HttpError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+            else:
+                length = int(length_text)
+                body = self.rfile.read(length) if length else b""
+                if len(body) != length:
+                    raise _HttpError(400, "the request body ended before its Content-Length")
+        self.close_connection = not keep_alive
+        return body
+
+    def _read_chunked(self) -> bytes:
+        chunks, total = [], 0
+        while True:
+            size_line = self.rfile.readline(1024)
+            if not size_line.endswith(b"\n"):
+                raise _HttpError(400, "malformed chunked request body (a chunk size line without its end)")
+            size_text = size_line.split(b";", 1)[0].strip()
+            if not _CHUNK_SIZE.fullmatch(size_text):  # hex digits only: no sign, no 0x, no _
+                raise _HttpError(400, f"malformed chunked request body (chunk size {size_text[:20]!r})")
+            size = int(size_text, 16)
+            if size == 0:
+                break
+            total += size
+            if total > MAX_BODY_BYTES:
+                raise _HttpError(413, f"the request body exceeds {MAX_BODY_BYTES} bytes")
+            chunk = self.rfile.read(size)
+            if len(chunk) != size or self.rfile.readline(3) not in (b"\r\n", b"\n"):
+                raise _HttpError(400, "malformed chunked request body (a chunk longer or shorter than its size)")
+            chunks.append(chunk)
+        trailer = 0
+        while (line := self.rfile.readline(1024)) not in (b"\r\n", b"\n"):
+            trailer += len(line)
+            if not line.endswith(b"\n") or trailer > _MAX_TRAILER_BYTES:
+                raise _HttpError(400, "malformed chunked request body (its trailer)")
+        return b"".join(chunks)
 
     def _send(self, status: int, body: bytes, content_type: str | None) -> None:
+        if self._body_pending:  # answered without reading the body: the connection cannot carry another request
+            self.close_connection = True
         self.send_response(status)
         if content_type:
             self.send_header("Content-Type", content_type)
@@ -911,9 +985,11 @@ class _Handler(BaseHTTPRequestHandler):
         admin = self.server.admin
         deadline = time.monotonic() + admin.hold_seconds
         sock = self.connection
+        poller = select.poll()  # not select.select: it refuses descriptors past 1023 (a namespace holding thousands)
+        poller.register(sock, select.POLLIN)
         while not admin._stopping.is_set() and time.monotonic() < deadline:
             try:
-                readable, _, _ = select.select([sock], [], [], 0.2)
+                readable = poller.poll(200)
                 if readable and not sock.recv(1, socket.MSG_PEEK):
                     break  # the client closed its socket
                 if readable:
@@ -925,12 +1001,19 @@ class _Handler(BaseHTTPRequestHandler):
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, method: str) -> None:
         admin = self.server.admin
+        self._body_pending = self._declares_body()
+        control = False
         try:
             split = urllib.parse.urlsplit(self.path)
             path = urllib.parse.unquote(split.path)
-            body = self._read_body()
-            if path == "/$emulator" or path.startswith("/$emulator/"):
-                self._control(method, path, body)
+            control = path == "/$emulator" or path.startswith("/$emulator/")
+            host = self.headers.get("Host")
+            if not admin.host_allowed(host):
+                raise _HttpError(403, f"Host {host!r} does not name this emulator (localhost, an IP address or "
+                                      f"{', '.join(sorted(admin.allowed_hosts)) or 'no other name'}): a web page "
+                                      "reaching it by DNS rebinding is refused")
+            if control:
+                self._control(method, path)
                 return
             if path == aad.TOKEN_PATH:
                 self._identity_token(method, split.query)
@@ -945,6 +1028,7 @@ class _Handler(BaseHTTPRequestHandler):
                 self._hold()
                 return
             namespace = self._authenticate(route, path)
+            body = self._read_body()  # only now: an unauthenticated request has nothing of its body read
             if fault == "unauthorized":
                 raise _HttpError(401, "Unauthorized access. 'Manage' claim(s) are required for this operation.")
             if fault == "busy":
@@ -959,7 +1043,10 @@ class _Handler(BaseHTTPRequestHandler):
             status, payload, content_type = self._handle(method, route, query, body, renderer)
             self._send(status, payload, content_type)
         except _HttpError as err:
-            self._send_error(err.status, err.detail)
+            if control:
+                self._send_json(err.status, {"error": err.detail})
+            else:
+                self._send_error(err.status, err.detail)
         except BrokerError as err:
             self._send_error(_BROKER_STATUS.get(err.condition, 400), err.description)
         except model.EntityConfigError as err:
@@ -974,11 +1061,25 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
 
-    def _control(self, method: str, path: str, body: bytes) -> None:
+    def _control(self, method: str, path: str) -> None:
+        """The emulator's controls (fault, heal, faults, stats), refused to what a web page can forge: they need the
+        header ``X-Spark-SB-Emulator: 1`` (or a token with Manage), and a body is ``application/json``."""
         control = self.server.admin._control
         if control is None:
             self._send_json(404, {"error": "no emulator controls on this server"})
             return
+        if (self.headers.get(CONTROL_HEADER) or "").strip() != "1":
+            if not (self.headers.get("Authorization") or "").strip():
+                raise _HttpError(403, f"the emulator's controls need the header {CONTROL_HEADER}: 1 (or a SAS token "
+                                      "with Manage); spark-sb emulator fault/heal and spark_sb.emulator.fault/heal "
+                                      "send it")
+            self._authenticate(_Route("control", path.strip("/")), path)
+        if method != "GET" or self._body_pending:
+            media = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                raise _HttpError(415, f"the emulator's controls take a JSON body (Content-Type: application/json), "
+                                      f"got {media or 'no Content-Type'!r}")
+        body = self._read_body()
         try:
             data = json.loads(body) if body.strip() else {}
         except ValueError as err:
@@ -1003,7 +1104,8 @@ class _Handler(BaseHTTPRequestHandler):
         logged."""
         authority = self.server.admin.authority
         if authority is None:
-            self._send_json(404, {"statusCode": 404, "message": "Microsoft Entra ID is not enabled on this emulator"})
+            self._send_json(404, {"statusCode": 404, "message": "Microsoft Entra ID is not enabled on this emulator "
+                                                                "(start it with --entra-id)"})
             return
         if method != "GET":
             self._send_json(405, {"statusCode": 405, "message": f"{method} is not supported here (use GET)"})
@@ -1023,11 +1125,11 @@ class _Handler(BaseHTTPRequestHandler):
         token = header[len("Bearer "):].strip() if header.lower().startswith("bearer ") else header
         if aad.looks_like_jwt(token):
             return self._authenticate_jwt(token, route)
-        namespace = _token_namespace(token)
-        # the resource is the request's own path: the JavaScript admin client signs each request's URL, so its token
-        # for a rule or a list (".../Subscriptions/s/Rules/r") names more than the entity the request is about
-        audience = f"{namespace}/{path.strip('/')}".rstrip("/") if namespace else ""
         try:
+            namespace = _token_namespace(token)
+            # the resource is the request's own path: the JavaScript admin client signs each request's URL, so its
+            # token for a rule or a list (".../Subscriptions/s/Rules/r") names more than the entity the request is about
+            audience = f"{namespace}/{path.strip('/')}".rstrip("/") if namespace else ""
             sas.verify(token, self.server.admin._keys, audience=audience or None)
         except sas.SasError as err:
             raise _HttpError(401, f"InvalidSignature: {err}") from None
@@ -1041,7 +1143,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _authenticate_jwt(self, token: str, route: _Route) -> str:
         admin = self.server.admin
         if admin.authority is None:
-            raise _HttpError(401, "InvalidToken: Microsoft Entra ID tokens are not enabled on this namespace.")
+            raise _HttpError(401, "InvalidToken: Microsoft Entra ID tokens are not enabled on this namespace (start "
+                                  "the emulator with --entra-id, or Emulator(..., entra_id=True)).")
         try:
             grant = admin.authority.verify(token)
         except aad.AadError as err:
@@ -1288,15 +1391,14 @@ def _list_rules(broker: Broker, route: _Route) -> tuple[list[RuleSpec], float]:
 
 
 def _token_namespace(token: str) -> str:
-    """The host (and port) of the token's ``sr`` (``https://localhost:5672`` -> ``localhost:5672``)."""
+    """The host (and port) of the token's ``sr`` (``https://localhost:5672`` -> ``localhost:5672``); raises
+    :class:`sas.SasError` for an ``sr`` that is no resource URI."""
     prefix = "SharedAccessSignature "
     if not token.startswith(prefix):
         return ""
     for part in token[len(prefix):].split("&"):
         name, _, value = part.partition("=")
-        if name.strip() == "sr":
-            resource = urllib.parse.unquote_plus(value)
-            if "://" in resource:
-                resource = resource.split("://", 1)[1]
-            return resource.split("/", 1)[0].lower()
+        if name.strip() == "sr":  # read as the token is checked (sas.SasError for an sr that is no resource URI)
+            resource = sas.parse_resource(urllib.parse.unquote_plus(value), "token resource sr")
+            return resource.netloc
     return ""

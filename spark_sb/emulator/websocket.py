@@ -9,6 +9,12 @@ connection closes the WebSocket too. A route with an SSL context serves ``wss://
 one without serves ``ws://`` (what an emulator connection string, ``UseDevelopmentEmulator=true``, makes the
 SDK use).
 
+A web page cannot open them: a browser always sends its page's ``Origin``, and one is let in only when it is the
+endpoint's own (``http://localhost:5380`` for ``ws://localhost:5380``: websocket-client, the sync SDK's
+transport, sends that; no page is served there) by a name a page cannot rebind (``localhost``, a loopback
+address, the namespace's configured host), or one of the ``allowed_origins``. No ``Origin`` (aiohttp, the
+JavaScript, Java and .NET SDKs) is let in. Anything else is answered 403.
+
 The WebSocket protocol itself is the ``websockets`` package's (part of the ``[emulator]`` extra).
 """
 
@@ -17,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import ipaddress
 import logging
 import ssl
 from collections.abc import Sequence
@@ -71,9 +78,11 @@ class WebSocketRelay(LoopService):
     what = "the WebSocket endpoints"
 
     def __init__(self, routes: Sequence[WebSocketRoute], *, open_timeout: float = 10.0,
-                 close_timeout: float = 2.0, name: str = "sb-emulator-ws") -> None:
+                 close_timeout: float = 2.0, name: str = "sb-emulator-ws", allowed_origins: Sequence[str] = ()) -> None:
         super().__init__(name)
         self.routes = list(routes)
+        #: web origins (``scheme://host[:port]``) let in besides none and each endpoint's own
+        self.allowed_origins = frozenset(_origin(o) for o in allowed_origins)
         self._open_timeout = open_timeout
         self._close_timeout = close_timeout
         self._servers: list[Server] = []
@@ -90,7 +99,8 @@ class WebSocketRelay(LoopService):
             try:
                 server = await serve(
                     functools.partial(self._relay, route=route), route.host, route.port,
-                    ssl=route.context, subprotocols=[Subprotocol(SUBPROTOCOL)], process_request=_check_path,
+                    ssl=route.context, subprotocols=[Subprotocol(SUBPROTOCOL)],
+                    process_request=functools.partial(self._check_request, route=route),
                     compression=None, max_size=MAX_MESSAGE_SIZE,
                     # the clients keep the connection alive (aiohttp pings every 10 s); a sync client reads only
                     # when it waits for something, so a server ping could go unanswered and drop an idle sender
@@ -157,12 +167,44 @@ class WebSocketRelay(LoopService):
         self._servers.clear()
 
 
-def _check_path(connection: ServerConnection, request: Request) -> Response | None:
-    """Only the SDKs' path opens a WebSocket; anything else is answered 404 naming it."""
-    path = unquote(urlsplit(request.path).path).rstrip("/")
-    if path != PATH:
-        return connection.respond(HTTPStatus.NOT_FOUND, f"AMQP over WebSockets is served at {PATH}, not {path}\n")
-    return None
+    def _check_request(self, connection: ServerConnection, request: Request, route: WebSocketRoute) -> Response | None:
+        """A browser's page is refused (403, by its ``Origin``); only the SDKs' path opens a WebSocket, anything
+        else is answered 404 naming it."""
+        origin = request.headers.get("Origin")
+        if origin is not None and not self._origin_allowed(origin, route):
+            _LOGGER.info("namespace %s: a WebSocket from the web origin %r refused", route.name, origin[:200])
+            return connection.respond(HTTPStatus.FORBIDDEN, f"the origin {origin[:200]!r} may not open AMQP over "
+                                                            "WebSockets here (the emulator's allowed_origins)\n")
+        path = unquote(urlsplit(request.path).path).rstrip("/")
+        if path != PATH:
+            return connection.respond(HTTPStatus.NOT_FOUND, f"AMQP over WebSockets is served at {PATH}, not {path}\n")
+        return None
+
+    def _origin_allowed(self, origin: str, route: WebSocketRoute) -> bool:
+        value = _origin(origin)
+        if value in self.allowed_origins:
+            return True
+        try:
+            split = urlsplit(value)
+            port = split.port or (443 if split.scheme == "https" else 80)
+        except ValueError:
+            return False
+        # the endpoint's own origin (what websocket-client sends), by a name a page's owner cannot rebind
+        return split.scheme in ("http", "https") and port == route.port and _local_name(split.hostname or "", route)
+
+
+def _origin(text: str) -> str:
+    return text.strip().rstrip("/").lower()
+
+
+def _local_name(host: str, route: WebSocketRoute) -> bool:
+    """``localhost``, a loopback address or the route's own (configured) host."""
+    if host in ("localhost", route.host.strip("[]").lower()) or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 async def _to_upstream(ws: ServerConnection, writer: asyncio.StreamWriter) -> None:

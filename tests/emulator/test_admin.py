@@ -626,15 +626,15 @@ def _swallow(fn: Any) -> None:
         pass
 
 
-def test_control_requests_need_no_auth_and_return_json(ns: Namespace) -> None:
-    status, body = raw_request(ns, "POST", "/$emulator/fault", b'{"kind": "busy"}',
-                               headers={"Content-Type": "application/json"}, token=None)
+def test_control_requests_need_the_control_header_not_a_token_and_return_json(ns: Namespace) -> None:
+    control = {"Content-Type": "application/json", "X-Spark-SB-Emulator": "1"}
+    status, body = raw_request(ns, "POST", "/$emulator/fault", b'{"kind": "busy"}', headers=control, token=None)
     assert status == 200
     assert b'"path": "/$emulator/fault"' in body
     assert ns.controls == [("POST", "/$emulator/fault", {"kind": "busy"})]
-    status, body = raw_request(ns, "GET", "/$emulator/faults", token=None)
+    status, body = raw_request(ns, "GET", "/$emulator/faults", headers=control, token=None)
     assert status == 200 and ns.controls[-1] == ("GET", "/$emulator/faults", {})
-    status, body = raw_request(ns, "POST", "/$emulator/fault", b"{not json", token=None)
+    status, body = raw_request(ns, "POST", "/$emulator/fault", b"{not json", headers=control, token=None)
     assert status == 400
 
 

@@ -1120,6 +1120,7 @@ public final class Scenarios {
         java.net.http.HttpResponse<String> response = java.net.http.HttpClient.newHttpClient().send(
             java.net.http.HttpRequest.newBuilder(java.net.URI.create(adminEndpoint + "/$emulator/fault"))
                 .header("Content-Type", "application/json")
+                .header("X-Spark-SB-Emulator", "1")  // the controls refuse what a web page could send without it
                 .POST(java.net.http.HttpRequest.BodyPublishers.ofString(body)).build(),
             java.net.http.HttpResponse.BodyHandlers.ofString());
         check(response.statusCode() == 200, "fault control answered %d: %s", response.statusCode(), response.body());
