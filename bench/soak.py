@@ -128,7 +128,8 @@ class World:
         (work / "entities.yaml").write_text(ENTITIES)
         self.emu = {side: EmulatorProcess.start(data_dir=work / f"emulator-{side}", entities=work / "entities.yaml",
                                                 namespaces=[NamespaceOptions(side, **habits)],
-                                                log_file=work / f"emulator-{side}.log", token_lifetime=token_lifetime)
+                                                log_file=work / f"emulator-{side}.log", token_lifetime=token_lifetime,
+                                                entra_id=self.entra)
                     for side in SIDES}
         self.emu_lock = {side: threading.Lock() for side in SIDES}
         self.source = work / "source"
@@ -680,7 +681,7 @@ def main() -> int:
     identity = None
     if args.token_lifetime is not None:
         # Entra ID's token endpoint, apart from both namespaces (the nemesis kills their emulators, never it)
-        identity = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("identity")],
+        identity = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("identity")], entra_id=True,
                                          token_lifetime=args.token_lifetime, log_file=work / "identity.log")
         os.environ["IDENTITY_ENDPOINT"] = identity["identity"].identity_endpoint
         os.environ["IDENTITY_HEADER"] = DEFAULT_IDENTITY_HEADER

@@ -24,6 +24,11 @@ def _duration_seconds(text: str) -> float:
     return seconds
 
 
+def _timeout_seconds(text: str) -> float:
+    """A duration as seconds, where 0 means "no timeout", for argparse."""
+    return 0.0 if text.strip() in ("0", "0s") else _duration_seconds(text)
+
+
 def _emulator_parser(sub: argparse._SubParsersAction) -> None:
     emu = sub.add_parser("emulator", help="run and control the local Service Bus emulator")
     esub = emu.add_subparsers(dest="action", required=True)
@@ -56,6 +61,14 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                             "credential; the default namespaces on ws 5380 and wss 5443 (primary), 5381 and 5444 "
                             "(secondary), a --namespace on its ws= and wss= ports or free ones. Clients name the "
                             "port with custom_endpoint_address=sb://localhost:PORT")
+    start.add_argument("--entra-id", action="store_true",
+                       help="also play Microsoft Entra ID (off by default: only the SAS key opens the namespaces): "
+                            "namespaces take Entra ID tokens (jwt put-tokens, Bearer on the admin API), every admin "
+                            "port serves the managed-identity endpoint /msi/token and, with --tls or "
+                            "--authority-port, the authority for service principals is served. Tokens are signed "
+                            "with the key in $SPARK_SB_EMULATOR_ENTRA_ID_KEY (at least 32 bytes) and the endpoint "
+                            "asks for the header in $SPARK_SB_EMULATOR_IDENTITY_HEADER; unset: the well-known "
+                            "development ones, which anyone can use: a secret SAS key then protects nothing")
     start.add_argument("--authority-port", type=int, metavar="PORT",
                        help="serve the Entra ID authority (https with the emulator's CA) on this port (0: a free one), "
                             "for azure-identity's ClientSecretCredential(tenant_id, client_id, client_secret, "
@@ -68,6 +81,16 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                        help="how long the Entra ID tokens the emulator issues live (managed identity and the "
                             "authority's apps), e.g. 60s: short tokens make every client renew them within minutes "
                             "(default: 1h, as Entra ID)")
+    start.add_argument("--handshake-timeout", metavar="DURATION", type=_timeout_seconds, default=60.0,
+                       help="close a connection that has not sent its AMQP open this long after connecting "
+                            "(default: 60s; 0: never)")
+    start.add_argument("--idle-timeout", metavar="DURATION", type=_timeout_seconds, default=0.0,
+                       help="close a connection that sends nothing (not even an empty frame) this long; the AMQP "
+                            "open advertises half of it as its idle-time-out, which clients heartbeat by "
+                            "(default: 0, none: the Python SDK's receiver does not recover from that close)")
+    start.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a web origin (e.g. http://localhost:8080) whose pages may open the WebSocket endpoints; "
+                            "repeatable. Clients sending no Origin (the SDKs) are always let in, other origins refused")
     start.add_argument("--entities", metavar="FILE", help="YAML/JSON file of queues, topics and subscriptions "
                                                           "to create in every namespace")
     start.add_argument("--key-name", default="RootManageSharedAccessKey",
@@ -246,11 +269,18 @@ def _emulator(args: argparse.Namespace) -> int:
             namespaces = [dataclasses.replace(n, key_name=args.key_name, key=key) for n in namespaces]
             data_dir = None if args.in_memory else args.data_dir
             authority_port = args.authority_port
-            if authority_port is None and args.tls and not args.namespace:
+            for option, value in (("--authority-port", authority_port), ("--token-lifetime", args.token_lifetime)):
+                if value is not None and not args.entra_id:
+                    raise ValueError(f"{option} {value:g}: Entra ID is off; add --entra-id to use it")
+            if authority_port is None and args.tls and args.entra_id and not args.namespace:
                 authority_port = server.DEFAULT_AUTHORITY_PORT
             return server.run_foreground(namespaces, data_dir, args.entities, args.status_file, tls=args.tls,
                                          websockets=args.websockets, authority_port=authority_port,
-                                         token_lifetime=args.token_lifetime)
+                                         token_lifetime=args.token_lifetime, entra_id=args.entra_id,
+                                         signing_key=os.environ.get("SPARK_SB_EMULATOR_ENTRA_ID_KEY") or None,
+                                         identity_header=os.environ.get("SPARK_SB_EMULATOR_IDENTITY_HEADER") or None,
+                                         handshake_timeout=args.handshake_timeout, idle_timeout=args.idle_timeout,
+                                         allowed_origins=args.allow_origin)
         except (ValueError, EntityConfigError, OSError) as err:
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2

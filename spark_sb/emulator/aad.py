@@ -61,7 +61,7 @@ _LOGGER = logging.getLogger(__name__)
 __all__ = [
     "ALGORITHM", "API_VERSION", "AUDIENCE", "AadError", "AadOptions", "App", "Authority", "DEFAULT_CLIENT_ID",
     "DEFAULT_CLIENT_SECRET", "DEFAULT_IDENTITY_HEADER", "DEFAULT_SIGNING_KEY", "Grant", "Identity", "LISTEN", "MANAGE", "OWNER_ROLE", "RECEIVER_ROLE", "RIGHTS_OF_ROLE",
-    "ROLES", "SAS_GRANT", "SEND", "SENDER_ROLE", "TENANT_ID", "TOKEN_PATH", "looks_like_jwt", "normalise_audience",
+    "ROLES", "SAS_GRANT", "SEND", "SENDER_ROLE", "TENANT_ID", "TOKEN_PATH", "issuers", "looks_like_jwt", "normalise_audience",
 ]
 
 OWNER_ROLE = "Azure Service Bus Data Owner"
@@ -83,7 +83,7 @@ _ACTIONS = {SEND: "sending (send, schedule, cancel scheduled)",
 
 AUDIENCE = "https://servicebus.azure.net"
 TENANT_ID = "5b3e2c1a-0000-4000-8000-00000000e11d"  # the emulator's own tenant
-ISSUER = f"https://sts.windows.net/{TENANT_ID}/"
+ISSUER = f"https://sts.windows.net/{TENANT_ID}/"  # see issuers()
 ALGORITHM = "HS256"
 #: the managed-identity token endpoint on every namespace's admin port (``IDENTITY_ENDPOINT``)
 TOKEN_PATH = "/msi/token"
@@ -472,15 +472,18 @@ class Authority:
     # --- verifying -------------------------------------------------------------------------------------
 
     def verify(self, token: str, now: float | None = None) -> Grant:
-        """Check ``token``'s signature, audience, expiry and not-before; the :class:`Grant` its roles give.
-        Raises :class:`AadError` with a reason that never contains the token."""
+        """Check ``token`` as Service Bus does: its signature, audience, tenant and issuer (``tid`` the emulator's
+        :data:`TENANT_ID`, ``iss`` that tenant's v1 or v2 issuer, :func:`issuers`), expiry and not-before (whole
+        seconds, against the emulator's clock); the :class:`Grant` its roles give. Raises :class:`AadError` with
+        a reason that never contains the token."""
         if not isinstance(token, str) or not looks_like_jwt(token):
             raise AadError("not a JSON Web Token")
         try:
+            # the times are checked below against the emulator's (injectable) clock, not PyJWT's
             claims = jwt.decode(
                 token, self.options.signing_key, algorithms=[ALGORITHM],
                 options={"verify_exp": False, "verify_nbf": False, "verify_iat": False, "verify_aud": False,
-                         "verify_iss": False, "require": ["exp", "aud"]},
+                         "verify_iss": False, "require": ["exp", "aud", "iss", "tid"]},
             )
         except jwt.InvalidSignatureError:
             raise AadError("InvalidSignature: the token is not signed by this emulator's key") from None
@@ -494,23 +497,47 @@ class Authority:
         if not any(isinstance(a, str) and normalise_audience(a) == AUDIENCE for a in audiences):
             shown = ", ".join(str(a) for a in audiences)
             raise AadError(f"InvalidAudience: the token is for {shown}, not {AUDIENCE}")
+        tenant, issuer = claims["tid"], claims["iss"]
+        if not isinstance(tenant, str) or tenant.lower() != TENANT_ID.lower():
+            raise AadError(f"InvalidTenant: the token's tenant tid={tenant!r} is not this namespace's tenant "
+                           f"{TENANT_ID}")
+        if issuer not in issuers(tenant):
+            raise AadError(f"InvalidIssuer: the token's issuer iss={issuer!r} is not the tenant's issuer "
+                           f"({' or '.join(issuers(tenant))})")
+        expires, not_before, _ = (_seconds(claims, name) for name in ("exp", "nbf", "iat"))
+        if expires is None:
+            raise AadError("InvalidToken: the token has no 'exp' claim")
         current = self.clock() if now is None else now
-        try:
-            expires = float(claims["exp"])
-            not_before = float(claims.get("nbf", 0))
-        except (TypeError, ValueError):
-            raise AadError("InvalidToken: 'exp' and 'nbf' must be numbers") from None
         if current >= expires:
-            when = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
+            try:
+                when = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
+            except (OverflowError, OSError, ValueError):
+                when = f"{expires} (seconds since the epoch)"
             raise AadError(f"ExpiredToken: the token expired at {when}")
-        if not_before > current + _NBF_LEEWAY:
+        if not_before is not None and not_before > current + _NBF_LEEWAY:
             raise AadError("InvalidToken: the token is not valid yet (nbf)")
         roles = claims.get("roles") or []
         if not isinstance(roles, list) or not all(isinstance(r, str) for r in roles):
             raise AadError("InvalidToken: 'roles' must be a list of role names")
         appid = claims.get("appid") or claims.get("oid") or "an unknown principal"
         principal = f"principal {appid}"
-        return Grant(_rights(roles), expires, principal, tuple(roles))
+        return Grant(_rights(roles), float(expires), principal, tuple(roles))
+
+
+def issuers(tenant: str) -> tuple[str, str]:
+    """The issuers Entra ID writes into a token of ``tenant``: v1.0 (``sts.windows.net``) and v2.0."""
+    return f"https://sts.windows.net/{tenant}/", f"https://login.microsoftonline.com/{tenant}/v2.0"
+
+
+def _seconds(claims: Mapping[str, Any], name: str) -> int | None:
+    """A NumericDate claim (``exp``, ``nbf``, ``iat``): whole seconds since the epoch, as Entra ID writes them (a
+    JSON integer, not a string, a fraction or ``inf``); None when the token has none."""
+    value = claims.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise AadError(f"InvalidToken: '{name}' must be a whole number of seconds since the epoch, got {value!r}")
+    return value
 
 
 def _oauth_error(status: int, error: str, code: int, text: str) -> tuple[int, dict[str, Any]]:

@@ -10,6 +10,7 @@ What the SDK expects on the wire is described in ``shared/design/emulator.md``: 
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import queue
@@ -36,7 +37,7 @@ from proton import (
 )
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
-from . import aad, codec, frames, sas
+from . import _poll, aad, codec, frames, sas
 from .broker import Broker, BrokerError, Cond, Incoming, Stored
 
 _LOGGER = logging.getLogger(__name__)
@@ -67,6 +68,14 @@ _CREDIT = 1000
 _DETACH_FORCED = "amqp:link:detach-forced"
 _BATCH_ENVELOPE_SLACK = 1024
 MGMT_SUFFIX = "/$management"
+#: seconds a client has from its TCP connect to its AMQP ``open`` before the namespace closes the socket
+DEFAULT_HANDSHAKE_TIMEOUT = 60.0
+#: seconds a connection may send nothing (an empty frame is enough) before the namespace closes it
+#: (``amqp:resource-limit-exceeded``, "local-idle-timeout expired"), as Service Bus closes idle connections; its
+#: ``open`` advertises half of it as its idle-time-out (Proton's rule: a peer that heartbeats at the advertised
+#: interval is heard twice per window). Off (0, nothing advertised) by default: azure-servicebus 7.x's receiver
+#: does not recover from that close (its next receive fails with "Timed out waiting for the AMQP link to open").
+DEFAULT_IDLE_TIMEOUT = 0.0
 #: a ``last-updated-time`` at or after 9999-01-01 means "every session" (the SDK's DateTime.MaxValue marker)
 _ALL_SESSIONS_MS = 253370764800000
 
@@ -107,6 +116,8 @@ class LinkState:
     session_id: str | None = None
     wants_session: bool = False
     next_available: bool = False
+    #: whether the client sent its session filter as a described value (it is echoed in the same form)
+    session_filter_described: bool = True
     waiting_since: float | None = None
     wait_timeout: float = 65.0
     held: list[Any] = field(default_factory=list)  # deliveries held by a timeout or ack-lost fault
@@ -127,8 +138,21 @@ def _guard(fn: Callable[..., None]) -> Callable[..., None]:
     return wrapper
 
 
+class NamespaceDown(BrokerError):
+    """The namespace's reactor is not running (stopped, or failed: :attr:`NamespaceServer.failure`); the admin API
+    answers it with 503."""
+
+    def __init__(self, description: str) -> None:
+        super().__init__(Cond.BUSY, description)
+
+
 class NamespaceServer(Handler):
-    """Serves one namespace on ``host:port`` with a broker. Start with ``start()``; stop with ``stop()``."""
+    """Serves one namespace on ``host:port`` with a broker. Start with ``start()``; stop with ``stop()``.
+
+    ``handshake_timeout``: a connection that has not sent its AMQP ``open`` this many seconds after its TCP connect
+    is closed; ``idle_timeout``: a connection silent this long is closed (its ``open`` advertises half of it); 0
+    turns either off. If the reactor fails, the namespace closes its port and every connection, logs the error
+    (CRITICAL), keeps it in :attr:`failure` and calls ``on_failure(server, error)``."""
 
     def __init__(
         self,
@@ -144,8 +168,21 @@ class NamespaceServer(Handler):
         authority: aad.Authority | None = None,
         idle_detach: float = 0.0,
         detach_every: float = 0.0,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        on_failure: Callable[[NamespaceServer, BaseException], None] | None = None,
     ) -> None:
         super().__init__()
+        self.handshake_timeout = handshake_timeout
+        self.idle_timeout = idle_timeout
+        #: connections waiting for their AMQP open, oldest first: (monotonic deadline, connection)
+        self._handshakes: collections.deque[tuple[float, Any]] = collections.deque()
+        #: connections closed for not sending their AMQP open within ``handshake_timeout``
+        self.handshakes_timed_out = 0
+        #: the error that stopped the reactor after it started (None while it runs or after a clean stop)
+        self.failure: BaseException | None = None
+        self.on_failure = on_failure
+        self._running = False
         self.name = name
         self.host = host
         self.port = port
@@ -175,7 +212,6 @@ class NamespaceServer(Handler):
         self._injector: EventInjector | None = None
         self._calls: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._thread_id: int | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._connections: set[Any] = set()
@@ -201,19 +237,24 @@ class NamespaceServer(Handler):
         return self
 
     def _run(self) -> None:
-        self._thread_id = threading.get_ident()
         try:
+            _poll.install()  # poll, not select: thousands of connections (spark_sb.emulator._poll)
             self.broker = self._broker_factory(self._on_available)
             self._container = Container(self)
             self._container.container_id = f"spark-sb-emulator-{self.name}"
             self._injector = EventInjector()
             self._container.selectable(self._injector)
             self._container.run()
-        except BaseException as err:  # noqa: BLE001 - reported to start()
-            _LOGGER.exception("namespace %s: reactor failed", self.name)
-            self._start_error = err
-            self._ready.set()
+        except BaseException as err:  # noqa: BLE001 - reported to start(), or a failure of the running namespace
+            if self._ready.is_set() and self._start_error is None:
+                self._failed(err)
+            else:
+                _LOGGER.exception("namespace %s: reactor failed", self.name)
+                self._start_error = err
+                self._ready.set()
         finally:
+            self._running = False
+            self._fail_pending_calls()
             if self.broker is not None:
                 try:
                     self.broker.close()
@@ -234,6 +275,7 @@ class NamespaceServer(Handler):
             event.container.stop()
             return
         event.container.schedule(self.tick_interval, self)
+        self._running = True
         self._ready.set()
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -261,14 +303,60 @@ class NamespaceServer(Handler):
         return {p for p in (self.port, self.tls_port, *self.other_ports()) if p is not None}
 
     def call(self, fn: Callable[[], T], timeout: float = 30.0) -> T:
-        """Run ``fn`` on the reactor thread and return its result (or raise its exception)."""
-        if threading.get_ident() == self._thread_id:
+        """Run ``fn`` on the reactor thread and return its result (or raise its exception); :class:`NamespaceDown`
+        when the reactor is not running."""
+        if threading.current_thread() is self._thread and self._running:
             return fn()
+        if not self._running:
+            raise self._down()
         fut: Future = Future()
         self._calls.put((fn, fut))
         assert self._injector is not None
         self._injector.trigger(ApplicationEvent("emulator_call"))
+        if not self._running:  # it stopped meanwhile: nobody will take the call
+            self._fail_pending_calls()
         return fut.result(timeout)
+
+    def _down(self) -> NamespaceDown:
+        if self.failure is not None:
+            return NamespaceDown(f"namespace {self.name}: the AMQP server failed: {type(self.failure).__name__}: "
+                                 f"{self.failure}")
+        return NamespaceDown(f"namespace {self.name}: the AMQP server is not running")
+
+    def _fail_pending_calls(self) -> None:
+        while True:
+            try:
+                _, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if not fut.done():
+                fut.set_exception(self._down())
+
+    def _failed(self, err: BaseException) -> None:
+        """The running reactor failed: close the port and every socket, so clients fail fast instead of waiting on
+        a port nobody serves; say so loudly; tell the owner (``on_failure``)."""
+        self.failure = err
+        self._running = False
+        _LOGGER.critical("namespace %s: the AMQP server failed and stopped serving port %s: %s: %s", self.name,
+                         self.port, type(err).__name__, err, exc_info=err)
+        io = getattr(self._container, "_global_handler", None)
+        io = getattr(io, "base", io)  # the Container wraps Proton's IOHandler in its GlobalOverrides
+        selector = getattr(io, "_selector", None)
+        for sel in list(getattr(selector, "_selectables", ())):
+            try:
+                sel.close()
+            except Exception:  # noqa: BLE001 - closing what can be closed
+                pass
+        if self._acceptor is not None:
+            try:
+                self._acceptor._selectable._delegate.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.on_failure is not None:
+            try:
+                self.on_failure(self, err)
+            except Exception:  # noqa: BLE001
+                _LOGGER.exception("namespace %s: on_failure failed", self.name)
 
     @_guard
     def on_emulator_call(self, event: Any) -> None:
@@ -290,6 +378,7 @@ class NamespaceServer(Handler):
         for key, f in list(self.faults.items()):
             if f.until is not None and f.until <= now:
                 self._heal(key)
+        self._expire_handshakes()
         self._habits(now)
         try:
             assert self.broker is not None
@@ -299,6 +388,20 @@ class NamespaceServer(Handler):
         for link in list(self._waiting_attach):
             self._try_session_attach(link)
         event.container.schedule(self.tick_interval, self)
+
+    def _expire_handshakes(self) -> None:
+        """Close the connections that did not send their AMQP ``open`` within ``handshake_timeout`` (a port scan,
+        a client that died mid-connect, a bare TCP connection): each holds a socket, and sockets are finite."""
+        now = time.monotonic()
+        pending = self._handshakes
+        while pending and pending[0][0] <= now:
+            _, conn = pending.popleft()
+            t = conn.transport
+            if conn.state & conn.REMOTE_UNINIT and t is not None and not t.closed:
+                self.handshakes_timed_out += 1
+                _LOGGER.info("namespace %s: closed a connection that sent no AMQP open within %g s", self.name,
+                             self.handshake_timeout)
+                self._drop(conn)
 
     def _habits(self, now: float) -> None:
         """Service Bus's habits: entity links idle longer than ``idle_detach`` are detached, and every entity link
@@ -419,7 +522,11 @@ class NamespaceServer(Handler):
         sasl = transport.sasl()
         sasl.allowed_mechs("ANONYMOUS PLAIN EXTERNAL")
         sasl.allow_insecure_mechs = True
+        if self.idle_timeout > 0:
+            transport.idle_timeout = self.idle_timeout
         conn = event.connection
+        if self.handshake_timeout > 0:
+            self._handshakes.append((time.monotonic() + self.handshake_timeout, conn))
         conn.authorized = {}  # entity path (audience) -> the aad.Grant its last accepted put-token gave
         conn.cbs_sender = None
         conn.mgmt_senders = {}
@@ -557,7 +664,8 @@ class NamespaceServer(Handler):
         if isinstance(filters, dict) and SESSION_FILTER in filters:
             state.wants_session = True
             value = filters[SESSION_FILTER]
-            if hasattr(value, "value"):  # described
+            state.session_filter_described = hasattr(value, "value")
+            if state.session_filter_described:
                 value = value.value
             state.session_id = None if value is None else str(value)
             state.next_available = value is None
@@ -590,7 +698,15 @@ class NamespaceServer(Handler):
         link.source.filter.put_map()
         link.source.filter.enter()
         link.source.filter.put_symbol(SESSION_FILTER)
-        link.source.filter.put_string(sid)
+        if state.session_filter_described:
+            # a described value, as the client sent it (a strict decoder refuses a plain string here)
+            link.source.filter.put_described()
+            link.source.filter.enter()
+            link.source.filter.put_symbol(SESSION_FILTER)
+            link.source.filter.put_string(sid)
+            link.source.filter.exit()
+        else:  # a plain string, as the JavaScript SDK (rhea) sends it and reads it back
+            link.source.filter.put_string(sid)
         link.source.filter.exit()
         link.properties = {LOCKED_UNTIL_UTC: _ticks(locked_until)}
         self._register(link)
@@ -611,14 +727,19 @@ class NamespaceServer(Handler):
         ``null_source``: refuse a client's receiver as the service refuses a session it cannot lock (AMQP's
         link refusal: an attach with a null source, then the detach with the error). The SDK then skips its
         session attach callback and raises the error (SessionCannotBeLockedError, OperationTimeoutError)
-        while it opens the receiver, not at the first receive."""
-        if link.is_receiver:
+        while it opens the receiver, not at the first receive.
+
+        A client's sender refused for want of a token gets no credit at all: AMQP's link refusal (an attach with a
+        null target, then the detach with ``amqp:unauthorized-access``), which the SDK raises while it opens."""
+        if link.is_receiver and condition != Cond.UNAUTHORIZED:
             link.sb = LinkState(path="", kind="refused", sending=True, error=(condition, description))
             link.open()
             link.flow(1)
             return
         if null_source:
             link.source.type = Terminus.UNSPECIFIED
+        elif link.is_receiver:
+            link.target.type = Terminus.UNSPECIFIED
         link.open()
         link.condition = _condition(condition, description)
         link.close()
@@ -718,9 +839,15 @@ class NamespaceServer(Handler):
         if _has_attr(link, "sb") and link.sb is not None:
             link.sb.active_at = self.clock()
         if link.is_receiver:
-            if not dlv.readable or dlv.partial:
+            if not dlv.readable:
+                return
+            if dlv.partial or _has_attr(dlv, "oversize"):
+                self._read_partial(link, dlv)
                 return
             data = link.recv(dlv.pending) or b""
+            if _has_attr(dlv, "chunks"):
+                data = b"".join([*dlv.chunks, data])
+                dlv.chunks = None
             link.advance()
             if link.credit < _CREDIT // 2:
                 link.flow(_CREDIT - link.credit)
@@ -737,6 +864,9 @@ class NamespaceServer(Handler):
                     self._on_send(link, dlv, data)
                 else:
                     self._settle_error(dlv, Cond.INTERNAL, "The link is closed.")
+            except codec.MalformedMessage as err:
+                if not dlv.settled:
+                    self._settle_error(dlv, "amqp:decode-error", f"Malformed message: {err}")
             except Exception as err:  # noqa: BLE001 - never crash the reactor on one message
                 _LOGGER.exception("namespace %s: failed to handle a transfer", self.name)
                 if not dlv.settled:
@@ -745,6 +875,35 @@ class NamespaceServer(Handler):
         # our sender: the client settles a delivery it received
         if dlv.updated and not _has_attr(dlv, "done"):
             self._on_settle(dlv)
+
+    def _read_partial(self, link: Any, dlv: Any) -> None:
+        """Take what has arrived of a delivery still in transfer, so that Proton does not hold it all. A delivery
+        that grows past the link's max-message-size (plus a batch envelope's slack) is dropped from then on: what
+        the client still sends of it is read and counted, never buffered, and the delivery is rejected with
+        ``amqp:link:message-size-exceeded`` when its last frame arrives, as the service answers it (the SDKs map
+        that outcome to their message-size error; the JavaScript SDK takes a detached link for a timeout)."""
+        chunk = link.recv(dlv.pending) or b""
+        size = (dlv.received if _has_attr(dlv, "received") else 0) + len(chunk)
+        dlv.received = size
+        if not _has_attr(dlv, "oversize"):
+            if size <= self.max_message_size + _BATCH_ENVELOPE_SLACK:
+                chunks: list[bytes] = dlv.chunks if _has_attr(dlv, "chunks") and dlv.chunks is not None else []
+                chunks.append(chunk)
+                dlv.chunks = chunks
+                return
+            dlv.oversize = True
+            dlv.chunks = None  # nothing more is kept of it
+        if dlv.partial:
+            return
+        link.advance()
+        if link.credit < _CREDIT // 2:
+            link.flow(_CREDIT - link.credit)
+        entity = link.sb.path if _has_attr(link, "sb") and link.sb is not None else entity_path(
+            link.remote_target.address)
+        _LOGGER.info("namespace %s: a transfer of %d bytes to %s exceeds the limit (%d bytes): rejected", self.name,
+                     size, entity, self.max_message_size)
+        self._settle_error(dlv, Cond.SIZE, f"The received message (size: {size} bytes) exceeds the limit "
+                           f"({self.max_message_size} bytes) currently allowed on the link to '{entity}'.")
 
     def _settle_ok(self, dlv: Any) -> None:
         dlv.update(Delivery.ACCEPTED)
@@ -834,40 +993,18 @@ class NamespaceServer(Handler):
 
     # ------------------------------------------------------------------ $cbs
     def _on_cbs(self, link: Any, dlv: Any, data: bytes) -> None:
-        msg = Message()
-        msg.decode(data)
+        msg = _decode_request(data)
         self._settle_ok(dlv)
         props = _str_keys(msg.properties)
         audience = str(props.get("name", ""))
         token_type = str(props.get("type", ""))
-        token = msg.body.decode() if isinstance(msg.body, bytes) else str(msg.body)
         status, text = 202, "Accepted"
-        renewing = entity_path(audience) in link.connection.authorized
-        claimed_port = sas.port_of(audience)
-        if self.fault_for(None) == "unauthorized" or self.fault_for(entity_path(audience) or None) == "unauthorized":
-            status, text = 401, "Unauthorized: the token was rejected. (injected fault)"
-        elif claimed_port is not None and claimed_port not in self.own_ports():
-            status, text = 401, f"Unauthorized: audience {audience!r} is not this namespace (port {self.port})"
-        elif not token.startswith("SharedAccessSignature "):
-            # an Entra ID token. The SDK says type "jwt" for SAS tokens too (pyamqp's JWTTokenAuth default), so
-            # the token itself tells which kind it is
-            if self.authority is None:
-                status, text = 401, "Unauthorized: Microsoft Entra ID tokens are not enabled on this namespace"
-            else:
-                try:
-                    grant = self.authority.verify(token, now=self.clock())
-                    # a put-token for the same audience replaces the earlier one: that is how a client renews
-                    link.connection.authorized[entity_path(audience)] = grant
-                except aad.AadError as err:
-                    status, text = 401, f"Unauthorized: {err}"
-        else:
-            try:
-                key_name = sas.verify(token, self.keys, audience=audience, now=self.clock())
-                # valid until its se, as on Service Bus: a client renews it with a new put-token
-                link.connection.authorized[entity_path(audience)] = dataclasses.replace(
-                    aad.SAS_GRANT, expires=sas.expiry(token), principal=f"the shared access key {key_name!r}")
-            except sas.SasError as err:
-                status, text = 401, f"Unauthorized: {err}"
+        renewing = False
+        try:
+            status, text, renewing = self._put_token(link.connection, audience, msg.body)
+        except Exception:  # noqa: BLE001 - a put-token always gets its answer, or the client waits for ever
+            _LOGGER.exception("namespace %s: put-token for %s failed", self.name, audience)
+            status, text = 500, "Internal error: the emulator could not check the token (see its log)"
         if status != 202:
             _LOGGER.info("namespace %s: put-token (%s) for %s refused: %s", self.name, token_type or "no type",
                          audience, text)
@@ -882,6 +1019,45 @@ class NamespaceServer(Handler):
         sender = link.connection.cbs_sender
         if sender is not None:
             sender.send(reply)
+
+    def _put_token(self, conn: Any, audience: str, body: Any) -> tuple[int, str, bool]:
+        """Check a put-token and record its grant on ``conn``: (status, description, renewing). The grant covers
+        the audience as :func:`sas.parse_resource` reads it (the one reading), which a SAS token's ``sr`` must
+        cover: a crafted name never names more than the token does."""
+        try:
+            token = body.decode() if isinstance(body, bytes) else str(body)
+        except UnicodeDecodeError:
+            return 401, "Unauthorized: the put-token body is not UTF-8 text", False
+        try:
+            resource = sas.parse_resource(audience, "put-token name")
+        except sas.SasError as err:
+            return 401, f"Unauthorized: {err}", False
+        path = resource.path
+        renewing = path in conn.authorized
+        if self.fault_for(None) == "unauthorized" or self.fault_for(path or None) == "unauthorized":
+            return 401, "Unauthorized: the token was rejected. (injected fault)", renewing
+        if resource.port is not None and resource.port not in self.own_ports():
+            return 401, f"Unauthorized: audience {audience!r} is not this namespace (port {self.port})", renewing
+        if not token.startswith("SharedAccessSignature "):
+            # an Entra ID token. The SDK says type "jwt" for SAS tokens too (pyamqp's JWTTokenAuth default), so
+            # the token itself tells which kind it is
+            if self.authority is None:
+                return 401, ("Unauthorized: Microsoft Entra ID tokens are not enabled on this namespace (start the "
+                             "emulator with --entra-id, or Emulator(..., entra_id=True))"), renewing
+            try:
+                # a put-token for the same audience replaces the earlier one: that is how a client renews
+                conn.authorized[path] = self.authority.verify(token, now=self.clock())
+            except aad.AadError as err:
+                return 401, f"Unauthorized: {err}", renewing
+            return 202, "Accepted", renewing
+        try:
+            key_name = sas.verify(token, self.keys, audience=resource, now=self.clock())
+        except sas.SasError as err:
+            return 401, f"Unauthorized: {err}", renewing
+        # valid until its se, as on Service Bus: a client renews it with a new put-token
+        conn.authorized[path] = dataclasses.replace(
+            aad.SAS_GRANT, expires=sas.expiry(token), principal=f"the shared access key {key_name!r}")
+        return 202, "Accepted", renewing
 
     def _refusal(self, conn: Any, path: str, right: str) -> str | None:
         """None when a token put on ``conn`` covers ``path`` (the audience is the path or a prefix of it) and
@@ -902,17 +1078,15 @@ class NamespaceServer(Handler):
 
     # ------------------------------------------------------------------ $management
     def _on_mgmt(self, link: Any, dlv: Any, data: bytes) -> None:
-        msg = Message()
-        msg.decode(data)
+        msg = _decode_request(data)
         self._settle_ok(dlv)
         node = entity_path(link.remote_target.address)[: -len(MGMT_SUFFIX)]
         props = _str_keys(msg.properties)
         operation = str(props.get("operation", ""))
-        body = msg.body if isinstance(msg.body, dict) else {}
-        body = {str(k): v for k, v in body.items()}
         status, desc, cond, result = 200, "OK", None, None
         fault = self.fault_for(node)
         try:
+            body = codec.request_field({"body": msg.body}, "body", "map", {})
             if fault == "timeout":
                 return  # never answered
             if fault in _FAULT_CONDITIONS:
@@ -936,7 +1110,9 @@ class NamespaceServer(Handler):
             reply_props["errorCondition"] = symbol(cond)
             reply_props["error-condition"] = symbol(cond)
         reply = Message(correlation_id=msg.id, properties=reply_props, body=result if result is not None else {})
-        sender = link.connection.mgmt_senders.get(node)
+        # the service answers on the link whose address is the request's reply-to (a client may open one reply link
+        # per handler on one connection, to one entity); a request without a known reply-to, on the entity's link
+        sender = _reply_link(link.connection, msg.reply_to) or link.connection.mgmt_senders.get(node)
         if sender is None:
             _LOGGER.warning("namespace %s: no $management reply link for %s", self.name, node)
             return
@@ -949,15 +1125,14 @@ class NamespaceServer(Handler):
         op = op.removeprefix("com.microsoft:")
         session_id = codec.text(body.get("session-id"))
         if op == "renew-lock":
-            tokens = [_uuid(t) for t in body.get("lock-tokens", [])]
+            tokens = codec.request_field(body, "lock-tokens", "list of uuid")
             expirations = b.renew_lock(path, tokens)
             # arrays, as the service sends (the Java SDK reads Date[] here and long[] for sequence numbers)
             return {"expirations": _array(Data.TIMESTAMP, [timestamp(int(e * 1000)) for e in expirations])}
         if op == "update-disposition":
-            status = str(body.get("disposition-status", ""))
-            modify = _annotations(body.get("properties-to-modify"))
-            for t in body.get("lock-tokens", []):
-                token = _uuid(t)
+            status = codec.request_field(body, "disposition-status", "string")
+            modify = _annotations(codec.request_field(body, "properties-to-modify", "map", None))
+            for token in codec.request_field(body, "lock-tokens", "list of uuid"):
                 if status == "completed":
                     b.complete(path, token)
                 elif status == "abandoned":
@@ -971,33 +1146,33 @@ class NamespaceServer(Handler):
                     raise BrokerError(Cond.INVALID, f"disposition-status {status!r} is not known")
             return {}
         if op == "receive-by-sequence-number":
-            seqs = [int(s) for s in body.get("sequence-numbers", [])]
-            peek_lock = int(body.get("receiver-settle-mode", 1)) != 0
+            seqs = codec.request_field(body, "sequence-numbers", "list of long")
+            peek_lock = codec.request_field(body, "receiver-settle-mode", "long", 1) != 0
             msgs = b.receive_deferred(path, seqs, peek_lock=peek_lock, session_id=session_id)
             out = []
             for m in msgs:
-                entry: dict[str, Any] = {"message": codec.render(m, lock_token=m.lock_token, locked_until=m.locked_until)}
+                entry: dict[str, Any] = {"message": codec.render(m, lock_token=m.lock_token, locked_until=m.locked_until,
+                                                                 tagless=True)}
                 if m.lock_token is not None:
                     entry["lock-token"] = m.lock_token
                 out.append(entry)
             return {"messages": out}
         if op == "peek-message":
-            start = int(body.get("from-sequence-number", 0))
-            count = int(body.get("message-count", 1))
+            start = codec.request_field(body, "from-sequence-number", "long", 0)
+            count = codec.request_field(body, "message-count", "long", 1)
             msgs = b.peek(path, start, count, session_id=session_id)
             if not msgs:
                 return None
             return {"messages": [{"message": codec.render(m, peeked=True)} for m in msgs]}
         if op == "schedule-message":
             seqs = []
-            for entry in body.get("messages", []):
-                entry = {str(k): v for k, v in entry.items()}
-                inc = codec.incoming(bytes(entry["message"]))
+            for entry in codec.request_field(body, "messages", "list of map"):
+                inc = codec.incoming(codec.request_field(entry, "message", "binary"))
                 when = inc.scheduled_enqueue_time if inc.scheduled_enqueue_time is not None else self.clock()
                 seqs.extend(b.schedule(path, [inc], when))
             return {"sequence-numbers": _array(Data.LONG, seqs)}
         if op == "cancel-scheduled-message":
-            b.cancel_scheduled(path, [int(s) for s in body.get("sequence-numbers", [])])
+            b.cancel_scheduled(path, codec.request_field(body, "sequence-numbers", "list of long"))
             return {}
         if op == "renew-session-lock":
             if session_id is None:
@@ -1011,17 +1186,16 @@ class NamespaceServer(Handler):
         if op == "set-session-state":
             if session_id is None:
                 raise BrokerError(Cond.INVALID, "session-id is required")
-            state = body.get("session-state")
-            b.set_session_state(path, session_id, None if state is None else bytes(state))
+            b.set_session_state(path, session_id, codec.request_field(body, "session-state", "binary", None))
             return {}
         if op == "get-message-sessions":
-            since = body.get("last-updated-time")
+            since = codec.request_field(body, "last-updated-time", "long", None)
             # no date: the SDK sends .NET's DateTime.MaxValue (year 10000, some clients 9999-12-31) for "all"
             if since is not None and int(since) >= _ALL_SESSIONS_MS:
                 since = None
             ids = b.list_sessions(path, None if since is None else float(since) / 1000.0)
-            skip = int(body.get("skip", 0))
-            top = int(body.get("top", len(ids)))
+            skip = codec.request_field(body, "skip", "long", 0)
+            top = codec.request_field(body, "top", "long", len(ids))
             page = ids[skip: skip + top]
             if not page:
                 return None
@@ -1039,15 +1213,15 @@ class NamespaceServer(Handler):
         if not sep:
             raise BrokerError(Cond.INVALID, f"Rules belong to subscriptions; '{path}' is not one.")
         if op == "add-rule":
-            name = codec.text(body.get("rule-name")) or ""
-            b.create_rule(topic, sub, codec.rule_from_amqp(name, body.get("rule-description") or {}))
+            name = codec.request_field(body, "rule-name", "string")
+            b.create_rule(topic, sub, codec.rule_from_amqp(name, codec.request_field(body, "rule-description", "map")))
             return {}
         if op == "remove-rule":
             b.delete_rule(topic, sub, codec.text(body.get("rule-name")) or "")
             return {}
         rules = b.list_rules(topic, sub)
-        skip = int(body.get("skip", 0))
-        top = int(body.get("top", len(rules)))
+        skip = codec.request_field(body, "skip", "long", 0)
+        top = codec.request_field(body, "top", "long", len(rules))
         page = rules[skip: skip + top]
         if not page:
             return None
@@ -1070,6 +1244,7 @@ _MGMT_STATUS = {
     Cond.QUOTA: 403,
     Cond.DISABLED: 400,
     Cond.INVALID: 400,
+    codec.ARGUMENT_ERROR: 400,
     Cond.NOT_IMPLEMENTED: 501,
 }
 
@@ -1105,6 +1280,20 @@ def _management_node(link: Any) -> str:
     return entity_path(address)[: -len(MGMT_SUFFIX)]
 
 
+def _reply_link(conn: Any, reply_to: str | None) -> Any:
+    """The connection's open ``$management`` reply link (a client's receiver) whose target address is ``reply_to``."""
+    if not reply_to:
+        return None
+    link = conn.link_head(0)
+    while link is not None:
+        if (link.is_sender and _has_attr(link, "role_kind") and link.role_kind == "mgmt"
+                and not link.state & (link.LOCAL_CLOSED | link.REMOTE_CLOSED)
+                and link.remote_target.address == reply_to):
+            return link
+        link = link.next(0)
+    return None
+
+
 def _has_attr(obj: Any, name: str) -> bool:
     try:
         return name in obj.__dict__["_attrs"]
@@ -1116,12 +1305,16 @@ def _str_keys(mapping: Any) -> dict[str, Any]:
     return {str(k): v for k, v in dict(mapping or {}).items()}
 
 
-def _uuid(v: Any) -> uuid.UUID:
-    if isinstance(v, uuid.UUID):
-        return v
-    if isinstance(v, bytes | bytearray) and len(v) == 16:
-        return uuid.UUID(bytes=bytes(v))
-    return uuid.UUID(str(v))
+def _decode_request(data: bytes) -> Message:
+    """A ``$cbs`` or ``$management`` request; MalformedMessage (refused with ``amqp:decode-error``) when it cannot be
+    read, nesting too deep included (Proton's decoder recurses once per level)."""
+    codec.check_depth(data)
+    msg = Message()
+    try:
+        msg.decode(data)
+    except Exception as err:  # noqa: BLE001 - proton raises its own error types
+        raise codec.MalformedMessage(f"cannot decode the request: {err}") from err
+    return msg
 
 
 def _annotations(v: Any) -> dict | None:

@@ -11,9 +11,9 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
-from proton import Data, Described, int32, symbol, timestamp, ulong
+from proton import Array, Data, Described, int32, symbol, timestamp, ulong
 
-from .broker import DLQ_SUFFIX, Incoming, Stored
+from .broker import DLQ_SUFFIX, BrokerError, Incoming, Stored
 from .model import RuleSpec
 from .sections import (  # noqa: F401 - part of this module's interface
     _BODY,
@@ -30,6 +30,7 @@ from .sections import (  # noqa: F401 - part of this module's interface
     _decode,
     _encode,
     _skip,
+    check_depth,
     rewrite,
     split_sections,
     with_message_id,
@@ -43,6 +44,8 @@ X_OPT_MESSAGE_STATE = symbol("x-opt-message-state")
 X_OPT_DEADLETTER_SOURCE = symbol("x-opt-deadletter-source")
 X_OPT_SCHEDULED = "x-opt-scheduled-enqueue-time"
 X_OPT_PARTITION_KEY = "x-opt-partition-key"
+#: the service's condition for a request argument it cannot take (answered 400 on $management)
+ARGUMENT_ERROR = "com.microsoft:argument-error"
 
 
 
@@ -217,8 +220,13 @@ def render(
     lock_token: uuid.UUID | None = None,
     locked_until: float | None = None,
     peeked: bool = False,
+    tagless: bool = False,
 ) -> bytes:
-    """The message as a receiver sees it: broker annotations merged into the client's own bytes."""
+    """The message as a receiver sees it: broker annotations merged into the client's own bytes.
+
+    ``tagless``: the message travels in a ``$management`` answer (receive-by-sequence-number), with no delivery tag
+    to carry its lock: the lock token also goes in the delivery annotations (``x-opt-lock-token``), where a client
+    that decodes the message reads it, as the service puts it."""
     sections = split_sections(stored.raw)
     by_code: dict[int, bytes] = {}
     for code, sec in sections:
@@ -237,7 +245,9 @@ def render(
     # the service reports the number of earlier deliveries; the broker counts this one already
     count = stored.delivery_count if peeked else stored.delivery_count - 1
     out = [_header(by_code.get(HEADER), count)]
-    if DELIVERY_ANNOTATIONS in by_code:
+    if tagless and lock_token is not None:
+        out.append(_merge_map(by_code.get(DELIVERY_ANNOTATIONS), DELIVERY_ANNOTATIONS, {X_OPT_LOCK_TOKEN: lock_token}))
+    elif DELIVERY_ANNOTATIONS in by_code:
         out.append(by_code[DELIVERY_ANNOTATIONS])
     out.append(_merge_map(by_code.get(MESSAGE_ANNOTATIONS), MESSAGE_ANNOTATIONS, ann))
     if PROPERTIES in by_code:
@@ -258,6 +268,79 @@ def render(
 def iter_incoming(raw: bytes) -> Iterator[Incoming]:
     for payload in unpack(raw):
         yield incoming(payload)
+
+
+# ------------------------------------------------------------------ $management request fields
+_MISSING: Any = object()
+_AMQP_NAMES = {type(None): "null", bool: "boolean", int: "long", int32: "int", ulong: "ulong", str: "string",
+               symbol: "symbol", bytes: "binary", memoryview: "binary", uuid.UUID: "uuid", timestamp: "timestamp",
+               float: "double", list: "list", dict: "map", Described: "described value"}
+
+
+def amqp_type(value: Any) -> str:
+    """The AMQP name of a decoded value's type, for an error message (``string``, ``list``, ``array of long``)."""
+    if isinstance(value, Array):
+        return f"array of {_ARRAY_NAMES.get(value.type, 'type ' + str(value.type))}"
+    return _AMQP_NAMES.get(type(value), type(value).__name__)
+
+
+_ARRAY_NAMES = {Data.LONG: "long", Data.INT: "int", Data.ULONG: "ulong", Data.UINT: "uint", Data.UUID: "uuid",
+                Data.STRING: "string", Data.SYMBOL: "symbol", Data.BINARY: "binary", Data.MAP: "map",
+                Data.TIMESTAMP: "timestamp", Data.LIST: "list"}
+
+
+def _is_integer(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _as_uuid(v: Any) -> uuid.UUID | None:
+    if isinstance(v, uuid.UUID):
+        return v
+    if isinstance(v, bytes | memoryview) and len(v) == 16:
+        return uuid.UUID(bytes=bytes(v))
+    if isinstance(v, str):
+        try:
+            return uuid.UUID(v)
+        except ValueError:
+            return None
+    return None
+
+
+#: what each expected kind accepts, and how it is converted
+_SCALARS: dict[str, Any] = {
+    "long": (_is_integer, int),
+    "string": (lambda v: isinstance(v, str), str),
+    "binary": (lambda v: isinstance(v, bytes | memoryview), bytes),
+    "map": (lambda v: isinstance(v, dict), lambda v: {str(k): x for k, x in v.items()}),
+    "uuid": (lambda v: _as_uuid(v) is not None, _as_uuid),
+}
+
+
+def request_field(body: dict[str, Any], name: str, kind: str, default: Any = _MISSING) -> Any:
+    """Field ``name`` of a ``$management`` request body, of the AMQP ``kind`` (``long``, ``string``, ``binary``,
+    ``map``, ``uuid``, or ``list of`` one of them: a list or an array), converted (a list of ``kind`` comes back as a
+    Python list). A missing or null field is ``default``, or an error when there is none. Any other value is a
+    :class:`BrokerError` with ``com.microsoft:argument-error`` (answered 400) naming the field and what it got."""
+    value = body.get(name)
+    if value is None:
+        if default is _MISSING:
+            raise BrokerError(ARGUMENT_ERROR, f"The request's '{name}' is required ({kind}); it is missing.")
+        return default
+    accepts, convert = _SCALARS[kind.removeprefix("list of ")]
+    if kind.startswith("list of "):
+        items = list(value.elements) if isinstance(value, Array) else value if isinstance(value, list) else None
+        if items is not None and all(accepts(v) for v in items):
+            return [convert(v) for v in items]
+    elif accepts(value):
+        return convert(value)
+    raise BrokerError(ARGUMENT_ERROR, f"The request's '{name}' must be a {kind}; got a {amqp_type(value)}"
+                      f"{_element_types(value)}.")
+
+
+def _element_types(value: Any) -> str:
+    if isinstance(value, list) and value:
+        return " of " + ", ".join(sorted({amqp_type(v) for v in value}))
+    return ""
 
 
 # ------------------------------------------------------------------ rules on $management (the rule manager)

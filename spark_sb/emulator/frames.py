@@ -173,7 +173,7 @@ class DeliveryIdRenumbering:
             return head, len(head)
         try:
             return self._transfer(head, body + 3, channel)
-        except (_Unparsed, IndexError, struct.error) as err:
+        except (_Unparsed, IndexError, struct.error, RecursionError) as err:  # deep nesting: the engine judges it
             _LOGGER.debug("%s: a transfer passed unread (%s)", self.label, err)
             return head, len(head)
 

@@ -36,12 +36,21 @@ class MalformedMessage(ValueError):
     """The transfer is not a well-formed AMQP message."""
 
 
-def _skip(buf: bytes | memoryview, pos: int) -> int:
+#: how deep AMQP values may nest (described values, lists, maps, arrays) in what the emulator decodes: Proton's
+#: decoder and Python's conversion recurse once per level, so a deeper value (5,000 nested described values fit in
+#: a few kilobytes) is refused as malformed (``amqp:decode-error``) instead of exhausting the stack. pyamqp's own
+#: decoder stops at 64 too.
+MAX_DEPTH = 64
+
+
+def _skip(buf: bytes | memoryview, pos: int, depth: int = 0) -> int:
     """Position just after the AMQP value starting at ``pos`` (every AMQP type's width follows from its
     constructor's high nibble)."""
     c = buf[pos]
     if c == 0x00:
-        return _skip(buf, _skip(buf, pos + 1))
+        if depth >= MAX_DEPTH:
+            raise MalformedMessage(f"AMQP described values nest deeper than {MAX_DEPTH} levels")
+        return _skip(buf, _skip(buf, pos + 1, depth + 1), depth + 1)
     hi = c >> 4
     if hi in _FIXED:
         return pos + 1 + _FIXED[hi]
@@ -50,6 +59,65 @@ def _skip(buf: bytes | memoryview, pos: int) -> int:
     if hi in (0xB, 0xD, 0xF):
         return pos + 5 + int.from_bytes(buf[pos + 1 : pos + 5], "big")
     raise MalformedMessage(f"invalid AMQP constructor 0x{c:02x} at byte {pos}")
+
+
+def check_depth(buf: bytes | memoryview, limit: int = MAX_DEPTH) -> None:
+    """Raise MalformedMessage when the AMQP values in ``buf`` nest deeper than ``limit`` levels, or are cut short;
+    read before anything decodes them (iteration over the bytes, recursion bounded by ``limit``)."""
+    pos, end = 0, len(buf)
+    try:
+        while pos < end:
+            pos = _scan(buf, pos, 0, limit)
+    except IndexError:
+        raise MalformedMessage("truncated AMQP value") from None
+    if pos > end:
+        raise MalformedMessage("an AMQP value runs past the end of the transfer")
+
+
+def _scan(buf: bytes | memoryview, pos: int, depth: int, limit: int) -> int:
+    if depth > limit:
+        raise MalformedMessage(f"AMQP values nest deeper than {limit} levels")
+    c = buf[pos]
+    if c == 0x00:  # described: a descriptor, then the value
+        return _scan(buf, _scan(buf, pos + 1, depth + 1, limit), depth + 1, limit)
+    return _scan_body(buf, pos + 1, c, depth, limit)
+
+
+def _scan_body(buf: bytes | memoryview, pos: int, c: int, depth: int, limit: int) -> int:
+    """Position after the value of constructor ``c`` whose encoding (after the constructor) starts at ``pos``."""
+    hi = c >> 4
+    if hi in _FIXED:
+        return pos + _FIXED[hi]
+    if hi in (0xA, 0xC, 0xE):
+        width, size = 1, buf[pos]
+    elif hi in (0xB, 0xD, 0xF):
+        width, size = 4, int.from_bytes(buf[pos : pos + 4], "big")
+    else:
+        raise MalformedMessage(f"invalid AMQP constructor 0x{c:02x} at byte {pos - 1}")
+    end = pos + width + size
+    if end > len(buf):
+        raise MalformedMessage("an AMQP value runs past the end of the transfer")
+    if hi in (0xA, 0xB):  # binary, string, symbol
+        return end
+    count = int.from_bytes(buf[pos + width : pos + 2 * width], "big")
+    p = pos + 2 * width
+    if hi in (0xC, 0xD):  # list, map: each element has its own constructor
+        for _ in range(count):
+            p = _scan(buf, p, depth + 1, limit)
+            if p > end:
+                raise MalformedMessage("a list or map runs past its size")
+        return end
+    # array: one element constructor (perhaps described), then the elements without one
+    if buf[p] == 0x00:
+        p = _scan(buf, p + 1, depth + 1, limit)
+    element = buf[p]
+    if element >> 4 in (0xC, 0xD, 0xE, 0xF):  # elements that nest: read each; any other kind holds nothing deeper
+        p += 1
+        for _ in range(count):
+            p = _scan_body(buf, p, element, depth + 1, limit)
+            if p > end:
+                raise MalformedMessage("an array runs past its size")
+    return end
 
 
 def split_sections(raw: bytes) -> list[tuple[int, bytes]]:
@@ -89,6 +157,7 @@ def _encode(obj: Any) -> bytes:
 
 
 def _decode(section: bytes) -> Any:
+    check_depth(section)
     d = Data()
     d.decode(section)
     d.rewind()

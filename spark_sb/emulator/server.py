@@ -36,7 +36,7 @@ from ..durations import duration_text, parse_seconds
 from . import aad as _aad
 from . import model
 from . import relay as _relay
-from .amqp import FAULT_KINDS, NamespaceServer
+from .amqp import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, FAULT_KINDS, NamespaceDown, NamespaceServer
 from .broker import Broker, BrokerError, Cond
 
 if TYPE_CHECKING:
@@ -236,9 +236,12 @@ class NamespaceInfo:
 class Emulator:
     """Runs namespaces in this process. ``data_dir=None`` keeps messages in memory only.
 
-    ``aad``: Microsoft Entra ID as this emulator plays it (:class:`~spark_sb.emulator.aad.AadOptions`: the
-    managed identities its token endpoint serves, their roles, the tokens' lifetime, the identity header);
-    default: the system-assigned identity as Data Owner, one-hour tokens, the well-known header and key.
+    ``entra_id=True``: the emulator also plays Microsoft Entra ID (off by default, and then only the SAS key opens
+    its namespaces: ``jwt`` put-tokens and Bearer JWTs on the admin API are refused, no token endpoint is served).
+    ``aad`` (only with ``entra_id=True``): Entra ID as this emulator plays it
+    (:class:`~spark_sb.emulator.aad.AadOptions`: the managed identities its token endpoint serves, their roles, the
+    tokens' lifetime, the identity header, the signing key); default: the system-assigned identity as Data Owner,
+    one-hour tokens, the well-known (public) header and key.
 
     ``tls=True``: every namespace also serves AMQP over TLS, on its ``tls_port`` or, when that is None, a free
     port (a namespace with a ``tls_port`` has TLS either way). The certificates are made by the emulator and kept
@@ -251,8 +254,16 @@ class Emulator:
 
     ``authority_port``: the Entra ID authority (https, with the same CA; :mod:`spark_sb.emulator.authority_http`)
     that azure-identity's ``ClientSecretCredential`` gets the tokens of ``aad``'s app registrations from, on this
-    port (0: a free one) of the first namespace's host; None: on a free port when ``tls``, else none.
+    port (0: a free one) of the first namespace's host; None: on a free port when ``tls`` and ``entra_id``, else none.
     ``info[name].authority_url`` and ``.authority_kwargs`` say where.
+
+    ``allowed_origins``: the web origins (``http://localhost:8080``) whose pages may open the WebSocket endpoints;
+    a client that sends no ``Origin`` (every SDK) or its own endpoint's is always let in, any other is refused.
+
+    ``handshake_timeout``: seconds a client has from its TCP connect to its AMQP ``open`` before the namespace
+    closes the socket; ``idle_timeout``: seconds a connection may send nothing before the namespace closes it (its
+    AMQP ``open`` advertises half as its idle-time-out); 0: off, for either. A namespace whose AMQP server fails
+    closes its port and shows in :attr:`failures`.
     """
 
     def __init__(
@@ -266,8 +277,21 @@ class Emulator:
         tls: bool = False,
         websockets: bool = False,
         authority_port: int | None = None,
+        handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        allowed_origins: Sequence[str] = (),
+        entra_id: bool = False,
     ) -> None:
         names = [n.name for n in namespaces]
+        if not entra_id:  # Entra ID is asked for, never implied: its development secrets are public
+            for option, given in (("aad", aad), ("authority_port", authority_port)):
+                if given is not None:
+                    raise ValueError(f"{option}={given!r}: Microsoft Entra ID is off; pass entra_id=True to use it")
+        for what, value in (("handshake_timeout", handshake_timeout), ("idle_timeout", idle_timeout)):
+            if value < 0:
+                raise ValueError(f"{what} must not be negative, got {value:g} s")
+        self.handshake_timeout = handshake_timeout
+        self.idle_timeout = idle_timeout
         if len(set(names)) != len(names):
             raise ValueError(f"namespace names must be distinct, got {names}")
         self.options = list(namespaces)
@@ -277,8 +301,10 @@ class Emulator:
         else:
             self.entities = model.load_entities(entities)
         self.clock = clock
-        #: issues (token endpoint) and verifies (put-token, admin API) the emulator's Entra ID tokens
-        self.authority = _aad.Authority(aad, clock)
+        #: issues (token endpoint) and verifies (put-token, admin API) the emulator's Entra ID tokens; None when
+        #: Entra ID is off (``entra_id=False``, the default): only the SAS key opens the namespaces
+        self.entra_id = entra_id
+        self.authority: _aad.Authority | None = _aad.Authority(aad, clock) if entra_id else None
         self._servers: dict[str, NamespaceServer] = {}
         self._admins: dict[str, Any] = {}
         self.info: dict[str, NamespaceInfo] = {}
@@ -288,8 +314,10 @@ class Emulator:
         self._latency_relay: _relay.Relay | None = None
         self._tls_tmp: str | None = None
         self.websockets = websockets
+        #: the browser origins (``https://app.example:8443``) whose pages may open the WebSocket endpoints
+        self.allowed_origins = tuple(allowed_origins)
         self._ws_relay: _websocket.WebSocketRelay | None = None
-        self.authority_port = authority_port if authority_port is not None else (0 if tls else None)
+        self.authority_port = authority_port if authority_port is not None else (0 if tls and entra_id else None)
         self._authority_server: Any = None
 
     @classmethod
@@ -298,7 +326,7 @@ class Emulator:
         ports are 5671 and 5674 (:data:`DEFAULT_TLS_PORTS`), with ``websockets=True`` their ws and wss ports
         5380 and 5443, 5381 and 5444 (:data:`DEFAULT_WEBSOCKET_PORTS`); with ``tls=True`` the Entra ID
         authority's is 5310 (:data:`DEFAULT_AUTHORITY_PORT`)."""
-        if tls:
+        if tls and kwargs.get("entra_id"):
             kwargs.setdefault("authority_port", DEFAULT_AUTHORITY_PORT)
         return cls(default_namespaces(tls, websockets), tls=tls, websockets=websockets, **kwargs)
 
@@ -350,6 +378,7 @@ class Emulator:
                     opt.name, factory, host=_loopback(opt.host) if far else opt.host, port=0 if far else opt.amqp_port,
                     keys={opt.key_name: opt.key}, clock=self.clock, max_message_size=opt.max_message_size,
                     authority=self.authority, idle_detach=opt.idle_detach, detach_every=opt.detach_every,
+                    handshake_timeout=self.handshake_timeout, idle_timeout=self.idle_timeout,
                 )
                 server.start()
                 self._servers[opt.name] = server
@@ -358,7 +387,7 @@ class Emulator:
                     broker=_BrokerProxy(server), call=server.call, keys={opt.key_name: opt.key},
                     fault=_fault_reader(server), control=_control(server), namespace_port=server.port,
                     other_ports=lambda name=opt.name: self._ports_of(name),
-                    authority=self.authority,
+                    authority=self.authority, allowed_hosts=[o.host for o in self.options],
                 )
                 admin.start()
                 self._admins[opt.name] = admin
@@ -450,7 +479,7 @@ class Emulator:
                 routes.append(_websocket.WebSocketRoute(opt.name, opt.host, ws, *upstream))
             if wss is not None:
                 routes.append(_websocket.WebSocketRoute(opt.name, opt.host, wss, *upstream, context=context))
-        self._ws_relay = _websocket.WebSocketRelay(routes).start()
+        self._ws_relay = _websocket.WebSocketRelay(routes, allowed_origins=self.allowed_origins).start()
         for route in routes:
             info = self.info[route.name]
             if route.context is None:
@@ -461,7 +490,7 @@ class Emulator:
 
     def _start_authority(self) -> None:
         """The Entra ID authority (https) for ``ClientSecretCredential``, when it is wanted."""
-        if self.authority_port is None:
+        if self.authority_port is None or self.authority is None:
             return
         from .authority_http import AuthorityServer
 
@@ -497,10 +526,17 @@ class Emulator:
     def server(self, name: str) -> NamespaceServer:
         return self._servers[name]
 
+    @property
+    def failures(self) -> dict[str, BaseException]:
+        """The namespaces whose AMQP server failed while running, and why (their ports are closed)."""
+        return {name: s.failure for name, s in self._servers.items() if s.failure is not None}
+
     def token(self, client_id: str | None = None, **kwargs: Any) -> tuple[str, int]:
         """An Entra ID access token and its expiry (epoch seconds) for a configured identity, as the token
         endpoint issues it; ``roles=``, ``lifetime=``, ``resource=`` override (see
         :meth:`~spark_sb.emulator.aad.Authority.issue`)."""
+        if self.authority is None:
+            raise RuntimeError("Microsoft Entra ID is off on this emulator: start it with Emulator(..., entra_id=True)")
         return self.authority.issue(client_id, **kwargs)
 
     def fault(self, namespace: str, kind: str, entity: str | None = None, duration: float | None = None) -> None:
@@ -587,7 +623,13 @@ def _control(server: NamespaceServer) -> Callable[[str, str, dict], tuple[int, d
             return 200, server.call(server.stats)
         return 404, {"error": f"unknown control endpoint {method} {path}"}
 
-    return handle
+    def guarded(method: str, path: str, body: dict) -> tuple[int, dict]:
+        try:
+            return handle(method, path, body)
+        except NamespaceDown as err:
+            return 503, {"error": err.description}
+
+    return guarded
 
 
 # ---------------------------------------------------------------------- remote control (CLI, other processes)
@@ -595,10 +637,13 @@ def send_control(admin_url: str, op: str, body: dict | None = None, timeout: flo
     import urllib.error
     import urllib.request
 
+    from .admin_http import CONTROL_HEADER
+
     url = admin_url.rstrip("/") + "/$emulator/" + op
     data = None if body is None else json.dumps(body).encode()
+    # the header the controls need (a web page cannot send it cross-site), and a JSON body
     req = urllib.request.Request(url, data=data, method="POST" if body is not None else "GET",
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", CONTROL_HEADER: "1"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read() or b"{}")
@@ -650,9 +695,17 @@ class EmulatorProcess:
         websockets: bool = False,
         authority_port: int | None = None,
         token_lifetime: float | None = None,
+        handshake_timeout: float | None = None,
+        idle_timeout: float | None = None,
+        entra_id: bool = False,
     ) -> EmulatorProcess:
-        """``data_dir=None`` keeps messages in memory only; ``tls`` and ``websockets`` as for :class:`Emulator`;
-        ``token_lifetime``: seconds the Entra ID tokens it issues live (``--token-lifetime``)."""
+        """``data_dir=None`` keeps messages in memory only; ``tls``, ``websockets``, ``entra_id`` (``--entra-id``),
+        ``handshake_timeout`` and ``idle_timeout`` as for :class:`Emulator` (None: its default); ``token_lifetime``:
+        seconds the Entra ID tokens it issues live (``--token-lifetime``, with ``entra_id`` only)."""
+        if not entra_id:
+            for what, value in (("authority_port", authority_port), ("token_lifetime", token_lifetime)):
+                if value is not None:
+                    raise ValueError(f"{what}={value!r}: Microsoft Entra ID is off; pass entra_id=True to use it")
         status = Path(tempfile.mkdtemp(prefix="sb-emu-")) / "status.json"
         store = ["--in-memory"] if data_dir is None else ["--data-dir", str(data_dir)]
         args = [sys.executable, "-m", "spark_sb.cli", "emulator", "start", *store, "--status-file", str(status)]
@@ -660,10 +713,16 @@ class EmulatorProcess:
             args.append("--tls")
         if websockets:
             args.append("--websockets")
+        if entra_id:
+            args.append("--entra-id")
         if authority_port is not None:
             args += ["--authority-port", str(authority_port)]
         if token_lifetime is not None:
             args += ["--token-lifetime", f"{token_lifetime:g}s"]
+        if handshake_timeout is not None:
+            args += ["--handshake-timeout", f"{handshake_timeout:g}s"]
+        if idle_timeout is not None:
+            args += ["--idle-timeout", f"{idle_timeout:g}s"]
         for n in namespaces:
             args += ["--namespace", n.spec()]
         if entities is not None:
@@ -748,16 +807,29 @@ def run_foreground(
     websockets: bool = False,
     authority_port: int | None = None,
     token_lifetime: float | None = None,
+    handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    allowed_origins: Sequence[str] = (),
+    entra_id: bool = False,
+    signing_key: str | None = None,
+    identity_header: str | None = None,
 ) -> int:
     """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
     then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace, with WebSockets ``WS NAME <url>`` and
     ``WSS NAME <url>`` lines, ``CA <file>`` when there is TLS, and ``AUTHORITY <url>`` for the Entra ID authority
-    (https); wait for a signal."""
+    (https); wait for a signal. A namespace whose AMQP server fails stops the emulator: the error goes to stderr
+    and the exit code is 1."""
     import threading
 
-    aad = None if token_lifetime is None else _aad.AadOptions(token_lifetime=token_lifetime)
-    emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets,
-                   authority_port=authority_port, aad=aad)
+    aad = None
+    if entra_id:  # Entra ID with the user's signing key and identity header, when given (else the well-known ones)
+        defaults = _aad.AadOptions()
+        aad = _aad.AadOptions(token_lifetime=token_lifetime or defaults.token_lifetime,
+                              signing_key=signing_key or defaults.signing_key,
+                              identity_header=identity_header or defaults.identity_header)
+    emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets, entra_id=entra_id,
+                   authority_port=authority_port, aad=aad, handshake_timeout=handshake_timeout,
+                   idle_timeout=idle_timeout, allowed_origins=allowed_origins)
     emu.start()
     stop = threading.Event()
 
@@ -787,8 +859,12 @@ def run_foreground(
             tmp = Path(str(status_file) + ".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "namespaces": [asdict(i) for i in emu.info.values()]}))
             tmp.replace(status_file)
-        while not stop.wait(0.5):
-            pass
+        while not stop.wait(0.2):
+            if emu.failures:
+                for name, err in emu.failures.items():
+                    print(f"spark-sb emulator: namespace {name}: the AMQP server failed: {type(err).__name__}: "
+                          f"{err}; stopping", file=sys.stderr, flush=True)
+                return 1
     finally:
         emu.stop()
     return 0

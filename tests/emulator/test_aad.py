@@ -62,7 +62,7 @@ def emu() -> Iterator[Emulator]:
     options = AadOptions(identities=(Identity(), Identity("receiver", (RECEIVER_ROLE,)),
                                      Identity("sender", (SENDER_ROLE,)), Identity("brief", lifetime=30)),
                          token_lifetime=600, identity_header=HEADER)
-    with Emulator([NamespaceOptions("one"), NamespaceOptions("two")], aad=options) as emulator:
+    with Emulator([NamespaceOptions("one"), NamespaceOptions("two")], entra_id=True, aad=options) as emulator:
         yield emulator
 
 
@@ -248,8 +248,8 @@ def test_a_data_receiver_receives_settles_and_renews_but_cannot_send(emu, queue)
             receiver.defer_message(fourth)
             [deferred] = receiver.receive_deferred_messages([fourth.sequence_number])
             receiver.complete_message(deferred)
-        with client.get_queue_sender(queue) as sender:
-            with pytest.raises(ServiceBusAuthorizationError) as caught:
+        with pytest.raises(ServiceBusAuthorizationError) as caught:  # the link is refused at attach, as the service does
+            with client.get_queue_sender(queue) as sender:
                 sender.send_messages(ServiceBusMessage("refused"))
     text = str(caught.value)
     assert "'Send' claim(s) are required" in text and f"needs the role {SENDER_ROLE} or {OWNER_ROLE}" in text

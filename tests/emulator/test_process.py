@@ -229,7 +229,7 @@ def test_token_lifetime_sets_how_long_its_entra_id_tokens_live(tmp_path, monkeyp
 
     from spark_sb.emulator.aad import DEFAULT_IDENTITY_HEADER
 
-    emu = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("p")], token_lifetime=45)
+    emu = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("p")], entra_id=True, token_lifetime=45)
     restarted = None
     try:
         monkeypatch.setenv("IDENTITY_ENDPOINT", emu["p"].identity_endpoint)

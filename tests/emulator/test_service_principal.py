@@ -50,7 +50,8 @@ def emu() -> Iterator[Emulator]:
     ``sender-app`` (Data Sender only) and ``reader-app`` (Data Receiver, in another tenant)."""
     options = AadOptions(apps=(App(), App("sender-app", SENDER_SECRET, (SENDER_ROLE,)),
                                App("reader-app", READER_SECRET, (RECEIVER_ROLE,), tenant_id=OTHER_TENANT)))
-    with Emulator([NamespaceOptions("one"), NamespaceOptions("two")], aad=options, tls=True) as emulator:
+    with Emulator([NamespaceOptions("one"), NamespaceOptions("two")], entra_id=True, aad=options,
+                  tls=True) as emulator:
         yield emulator
 
 
@@ -257,7 +258,7 @@ def test_the_cli_emulator_serves_the_authority(tmp_path) -> None:
     entities = tmp_path / "entities.yaml"
     entities.write_text("queues:\n  - name: orders\n")
     proc = EmulatorProcess.start(data_dir=tmp_path / "data", namespaces=[NamespaceOptions("p")], tls=True,
-                                 authority_port=0, entities=entities)
+                                 entra_id=True, authority_port=0, entities=entities)
     try:
         port = proc["p"].authority_port
         assert port is not None and proc["p"].authority_url == f"https://localhost:{port}"
@@ -278,10 +279,10 @@ def test_the_cli_emulator_serves_the_authority(tmp_path) -> None:
 
 
 def test_spark_sb_emulator_start_prints_the_authority() -> None:
-    """``spark-sb emulator start --tls``: after the CA line, ``AUTHORITY https://localhost:PORT``."""
+    """``spark-sb emulator start --tls --entra-id``: after the CA line, ``AUTHORITY https://localhost:PORT``."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory", "--tls", "--namespace", "p=0:0",
-         "--authority-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--entra-id", "--authority-port", "0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         lines = [proc.stdout.readline().strip() for _ in range(4)]

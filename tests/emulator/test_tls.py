@@ -41,7 +41,8 @@ _AZURE_ENV = ("AZURE_CLIENT_ID", "AZURE_TENANT_ID", "AZURE_CLIENT_SECRET", "AZUR
 @pytest.fixture(scope="module")
 def emu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
     with Emulator([NamespaceOptions("secure", tls_port=0), NamespaceOptions("plain")],
-                  data_dir=tmp_path_factory.mktemp("tls"), aad=AadOptions(identity_header=HEADER)) as emulator:
+                  data_dir=tmp_path_factory.mktemp("tls"), entra_id=True,
+                  aad=AadOptions(identity_header=HEADER)) as emulator:
         yield emulator
 
 

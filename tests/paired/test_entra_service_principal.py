@@ -36,7 +36,7 @@ def sp_emulator() -> Iterator[Emulator]:
     (Data Owner) and ``sender-app`` (Data Sender only)."""
     options = AadOptions(apps=(App(OWNER_APP, OWNER_SECRET, (OWNER_ROLE,)),
                                App(SENDER_APP, SENDER_SECRET, (SENDER_ROLE,))))
-    with Emulator([NamespaceOptions("primary"), NamespaceOptions("secondary")], aad=options,
+    with Emulator([NamespaceOptions("primary"), NamespaceOptions("secondary")], entra_id=True, aad=options,
                   authority_port=0) as emu:
         yield emu
     close_all()

@@ -24,7 +24,7 @@ _AZURE_ENV = ("AZURE_CLIENT_ID", "AZURE_TENANT_ID", "AZURE_CLIENT_SECRET", "AZUR
 
 @pytest.fixture(scope="module")
 def aad_emulator() -> Iterator[Emulator]:
-    with Emulator([NamespaceOptions("primary"), NamespaceOptions("secondary")],
+    with Emulator([NamespaceOptions("primary"), NamespaceOptions("secondary")], entra_id=True,
                   aad=AadOptions(identity_header=HEADER)) as emu:
         yield emu
 

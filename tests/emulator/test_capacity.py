@@ -1,0 +1,314 @@
+"""Capacity and failure: thousands of connections, the handshake and idle timeouts, a reactor that fails loudly.
+
+Proton's reactor waited in ``select.select``, which fails on a descriptor of 1024 or more: about 1,010 idle sockets
+ended a namespace's reactor for good while its port stayed open, so clients hung. These tests hold the emulator to
+what a user needs instead: it serves through 2,000 idle connections, closes the ones that never speak AMQP or fall
+silent, and a namespace that fails closes its port and says so (the process exits non-zero)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from azure.servicebus import ServiceBusClient, ServiceBusMessage
+from proton import Data
+
+from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceOptions, admin_http
+
+ENTITIES = {"queues": [{"name": "orders"}]}
+IDLE_CONNECTIONS = 2000
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> Any:
+    """``fn()`` in a daemon thread: its result, or AssertionError when it has not returned within ``timeout``."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as err:  # noqa: BLE001 - handed to the test
+            out["error"] = err
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise AssertionError(f"no answer within {timeout} s")
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
+def _send_and_receive(conn_str: str, body: str) -> float:
+    """Send one message to ``orders`` and receive it back with the SDK; the seconds it took."""
+    start = time.monotonic()
+    with ServiceBusClient.from_connection_string(conn_str, retry_total=1) as client:
+        with client.get_queue_sender("orders") as sender:
+            sender.send_messages(ServiceBusMessage(body), timeout=10)
+        with client.get_queue_receiver("orders", max_wait_time=5) as receiver:
+            got = receiver.receive_messages(max_message_count=1, max_wait_time=5)
+            assert [str(m) for m in got] == [body]
+            receiver.complete_message(got[0])
+    return time.monotonic() - start
+
+
+def _refused(port: int) -> bool:
+    try:
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    except OSError:
+        return True
+    return False
+
+
+@pytest.fixture
+def crowd_emulator() -> Iterator[Emulator]:
+    with Emulator([NamespaceOptions("cap")], entities=ENTITIES) as emu:
+        yield emu
+
+
+@pytest.mark.timeout(120)
+def test_the_sdk_is_served_while_2000_idle_connections_are_held(crowd_emulator: Emulator) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = 2 * IDLE_CONNECTIONS + 500  # both ends live in this process
+    if soft < need:
+        if hard != resource.RLIM_INFINITY and hard < need:
+            pytest.skip(f"needs {need} file descriptors, the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (need, hard))
+    info = crowd_emulator["cap"]
+    server = crowd_emulator.server("cap")
+    held: list[socket.socket] = []
+    try:
+        for _ in range(IDLE_CONNECTIONS):
+            held.append(socket.create_connection(("127.0.0.1", info.amqp_port), timeout=10))
+        deadline = time.monotonic() + 20
+        while server.call(lambda: len(server._connections), timeout=5) < IDLE_CONNECTIONS:
+            assert time.monotonic() < deadline, "the emulator did not accept every connection"
+            time.sleep(0.1)
+        took = _bounded(lambda: _send_and_receive(info.connection_string, "through the crowd"), 60)
+        assert took < 15
+        assert crowd_emulator.failures == {}
+    finally:
+        for s in held:
+            s.close()
+    deadline = time.monotonic() + 20
+    while server.call(server.stats, timeout=5)["connections"] > 0:
+        assert time.monotonic() < deadline, "the closed connections were not forgotten"
+        time.sleep(0.1)
+    _bounded(lambda: _send_and_receive(info.connection_string, "after the crowd"), 60)
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_that_never_speaks_amqp_is_closed_after_the_handshake_timeout() -> None:
+    with Emulator([NamespaceOptions("cap")], entities=ENTITIES, handshake_timeout=0.5) as emu:
+        info = emu["cap"]
+        bare = socket.create_connection(("127.0.0.1", info.amqp_port), timeout=10)
+        start = time.monotonic()
+        try:
+            assert bare.recv(1024) == b""  # closed by the server, nothing said
+        finally:
+            bare.close()
+        assert 0.4 < time.monotonic() - start < 5
+        assert emu.server("cap").handshakes_timed_out == 1
+        # a client that completes its handshake is not touched, however long it then works
+        _bounded(lambda: _send_and_receive(info.connection_string, "in time"), 30)
+        time.sleep(1)
+        _bounded(lambda: _send_and_receive(info.connection_string, "still fine"), 30)
+        assert emu.server("cap").handshakes_timed_out == 1
+
+
+def _frame(body: bytes, kind: int) -> bytes:
+    return struct.pack(">IBBH", 8 + len(body), 2, kind, 0) + body
+
+
+def _performative(code: int, fields: Callable[[Data], None]) -> bytes:
+    d = Data()
+    d.put_described()
+    d.enter()
+    d.put_ulong(code)
+    d.put_list()
+    d.enter()
+    fields(d)
+    d.exit()
+    d.exit()
+    return d.encode()
+
+
+def _read_frames(sock: socket.socket, want: int, timeout: float = 5) -> list[tuple[int, Any]]:
+    """Read past protocol headers until ``want`` frames came; each as (descriptor, fields)."""
+    buf = b""
+    frames: list[tuple[int, Any]] = []
+    deadline = time.monotonic() + timeout
+    sock.settimeout(timeout)
+    while len(frames) < want and time.monotonic() < deadline:
+        chunk = sock.recv(65536)
+        assert chunk, f"closed after {frames}"
+        buf += chunk
+        while True:
+            if buf.startswith(b"AMQP"):
+                buf = buf[8:]
+                continue
+            if len(buf) < 8:
+                break
+            size, doff = struct.unpack(">IB", buf[:5])
+            if len(buf) < size:
+                break
+            body, buf = buf[doff * 4:size], buf[size:]
+            if body:
+                d = Data()
+                d.decode(body)
+                described = d.get_object()
+                frames.append((int(described.descriptor), list(described.value)))
+    return frames
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_silent_past_the_advertised_idle_timeout_is_closed() -> None:
+    with Emulator([NamespaceOptions("cap")], entities=ENTITIES, idle_timeout=1) as emu:
+        sock = socket.create_connection(("127.0.0.1", emu["cap"].amqp_port), timeout=10)
+        try:
+            sock.sendall(b"AMQP\x03\x01\x00\x00")
+            _read_frames(sock, 1)  # sasl-mechanisms
+            sock.sendall(_frame(_performative(0x41, lambda d: (d.put_symbol("ANONYMOUS"), d.put_binary(b""))), 1))
+            _read_frames(sock, 1)  # sasl-outcome
+            sock.sendall(b"AMQP\x00\x01\x00\x00" + _frame(_performative(0x10, lambda d: d.put_string("probe")), 0))
+            [(code, fields)] = _read_frames(sock, 1)
+            assert code == 0x10  # the server's open
+            assert fields[4] == 500  # idle-time-out, milliseconds: half the timeout (heartbeats twice per window)
+            silent_since = time.monotonic()
+            sock.settimeout(10)
+            rest = b""
+            while chunk := sock.recv(65536):  # then nothing from us: the server closes
+                rest += chunk
+            assert 0.9 < time.monotonic() - silent_since < 5
+            assert b"idle" in rest  # the close frame names the reason
+        finally:
+            sock.close()
+
+
+def _die(server: Any) -> None:
+    """Make the namespace's reactor fail as the select error did: an exception out of the reactor's own loop."""
+
+    class Boom:
+        def on_timer_task(self, event: Any) -> None:
+            raise RuntimeError("injected reactor failure")
+
+    server.call(lambda: server._container.schedule(0, Boom()), timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_reactor_closes_its_port_and_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    with Emulator([NamespaceOptions("cap")], entities=ENTITIES) as emu:
+        info, server = emu["cap"], emu.server("cap")
+        held = socket.create_connection(("127.0.0.1", info.amqp_port), timeout=5)
+        try:
+            with caplog.at_level(logging.ERROR, logger="spark_sb.emulator"):
+                _die(server)
+                deadline = time.monotonic() + 5
+                while not _refused(info.amqp_port):
+                    assert time.monotonic() < deadline, "the port of a dead namespace still accepts connections"
+                    time.sleep(0.05)
+            held.settimeout(5)
+            assert held.recv(1) == b""  # an open connection is closed too, not left hanging
+        finally:
+            held.close()
+        assert list(emu.failures) == ["cap"]
+        assert "injected reactor failure" in str(emu.failures["cap"])
+        assert any(r.levelno >= logging.ERROR and "injected reactor failure" in r.getMessage() + str(r.exc_info)
+                   for r in caplog.records)
+
+
+@pytest.mark.timeout(60)
+def test_stats_of_a_dead_namespace_are_refused_not_answered() -> None:
+    with Emulator([NamespaceOptions("cap")], entities=ENTITIES) as emu:
+        info, server = emu["cap"], emu.server("cap")
+        reactor = server._thread
+        _die(server)
+        reactor.join(5)
+        assert not reactor.is_alive()
+        # the OS hands the dead reactor's thread id to a new thread: the first one usually gets it
+        outcome: list[Any] = []
+        for _ in range(20):
+            t = threading.Thread(target=lambda: outcome.append(
+                (threading.get_ident() == reactor.ident, _attempt(lambda: server.call(server.stats, timeout=2)))))
+            t.start()
+            t.join(10)
+            if outcome[-1][0]:
+                break
+        for _, result in outcome:  # refused at once, saying why (the admin API answers it with 503)
+            assert isinstance(result, Exception) and "injected reactor failure" in str(result), (
+                f"a dead namespace answered {result!r}")
+        header = getattr(admin_http, "CONTROL_HEADER", "X-Spark-SB-Emulator")
+        try:
+            urllib.request.urlopen(urllib.request.Request(f"{info.admin_url}/$emulator/stats",
+                                                          headers={header: "1"}), timeout=10)
+            raise AssertionError("the admin API answered the stats of a dead namespace")
+        except urllib.error.HTTPError as err:
+            assert err.code == 503
+            assert "injected reactor failure" in err.read().decode()
+
+
+def _attempt(fn: Callable[[], Any]) -> Any:
+    try:
+        return fn()
+    except BaseException as err:  # noqa: BLE001 - the outcome is the test's
+        return err
+
+
+_DIE_ON_SIGNAL = """
+import os
+from pathlib import Path
+
+from spark_sb.emulator import amqp
+
+_tick = amqp.NamespaceServer.on_timer_task
+
+
+def on_timer_task(self, event):
+    if Path(os.environ["SB_TEST_DIE_FILE"]).exists():
+        raise RuntimeError("injected reactor failure")
+    return _tick(self, event)
+
+
+amqp.NamespaceServer.on_timer_task = on_timer_task
+"""
+
+
+@pytest.mark.timeout(90)
+def test_the_emulator_process_exits_non_zero_when_a_reactor_fails(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(textwrap.dedent(_DIE_ON_SIGNAL))
+    die = tmp_path / "die"
+    log = tmp_path / "emulator.log"
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), *sys.path]))
+    monkeypatch.setenv("SB_TEST_DIE_FILE", str(die))
+    proc = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("cap")], log_file=log)
+    try:
+        port = proc["cap"].amqp_port
+        assert not _refused(port)
+        die.touch()
+        try:
+            code = proc.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            raise AssertionError("the emulator kept running with a dead namespace") from None
+        assert code != 0
+        err = log.read_text()
+        assert "namespace cap" in err and "injected reactor failure" in err
+        assert _refused(port)
+    finally:
+        proc.stop()
