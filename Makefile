@@ -63,7 +63,7 @@ test-spark-versions: $(SPARK_VENVS:%=%/.installed)
 
 $(SPARK_VERSIONS:%=test-spark-%): test-spark-%: .venv-spark%/.installed
 	@echo "== Spark $* (.venv-spark$*): the Spark tests of the sink, the sources, the syphon job and dedupe"
-	.venv-spark$*/bin/python -m pytest -q -n 2 --dist loadfile $(EVERY_SPARK) tests/spark
+	.venv-spark$*/bin/python -m pytest -q -n 2 --dist loadfile --durations=8 $(EVERY_SPARK) tests/spark
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .

@@ -6,8 +6,10 @@ import secrets
 from collections.abc import Iterator
 
 import pytest
+from azure.servicebus.management import ServiceBusAdministrationClient
 
-from spark_sb.emulator import Emulator, NamespaceOptions
+from spark_sb.admin import admin_client
+from spark_sb.emulator import Emulator, NamespaceInfo, NamespaceOptions
 from spark_sb.emulator.proxy import HttpProxy
 
 
@@ -24,3 +26,10 @@ def http_proxy_server() -> Iterator[HttpProxy]:
     """An HTTP proxy asking for Basic authentication, as a workspace's egress proxy would."""
     with HttpProxy(username="sb-egress", password=secrets.token_urlsafe(12)) as proxy:
         yield proxy
+
+
+@pytest.fixture
+def admin(primary: NamespaceInfo) -> Iterator[ServiceBusAdministrationClient]:
+    """The administration client of the primary namespace (no retries: a refusal is the answer)."""
+    with admin_client(primary.connection_string, admin_endpoint=primary.admin_url, retry_total=0) as c:
+        yield c

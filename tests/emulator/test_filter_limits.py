@@ -12,10 +12,11 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
+import test_rules as rules
 from azure.core.exceptions import HttpResponseError
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
 from azure.servicebus.management import ServiceBusAdministrationClient, SqlRuleAction, SqlRuleFilter
@@ -32,18 +33,8 @@ from spark_sb.emulator.sql import Context, SqlError, compile_filter
 BACKTRACKING_LIKE = "p LIKE '%a%a%a%a%a%a%a%a%a%a%b'"
 
 
-@pytest.fixture
-def admin(primary: NamespaceInfo) -> Iterator[ServiceBusAdministrationClient]:
-    with admin_client(primary.connection_string, admin_endpoint=primary.admin_url, retry_total=0) as c:
-        yield c
-
-
 def _received(client: ServiceBusClient, topic: str, sub: str) -> list[str]:
-    with client.get_subscription_receiver(topic, sub, max_wait_time=2) as r:
-        got = r.receive_messages(max_message_count=50, max_wait_time=1)
-        for m in got:
-            r.complete_message(m)
-    return [str(m) for m in got]
+    return [str(m) for m in rules.received(client, topic, sub)]
 
 
 def _refused(admin: ServiceBusAdministrationClient, topic: str, sub: str, **rule: Any) -> str:

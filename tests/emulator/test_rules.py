@@ -4,7 +4,7 @@ parameters and the grammar the samples use, rule actions, filter counts; unparsa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -18,18 +18,10 @@ from azure.servicebus.management import (
     SqlRuleFilter,
 )
 
-from spark_sb.admin import admin_client
-from spark_sb.emulator import NamespaceInfo
 from spark_sb.emulator.sql import Context, SqlError, apply_action, compile_action, compile_filter
 
 
-@pytest.fixture
-def admin(primary: NamespaceInfo) -> Iterator[ServiceBusAdministrationClient]:
-    with admin_client(primary.connection_string, admin_endpoint=primary.admin_url, retry_total=0) as c:
-        yield c
-
-
-def _received(client: ServiceBusClient, topic: str, sub: str) -> list[Any]:
+def received(client: ServiceBusClient, topic: str, sub: str) -> list[Any]:
     # the messages are stored when the send returns: a short wait only tells that no more are coming
     with client.get_subscription_receiver(topic, sub, max_wait_time=2) as r:
         got = r.receive_messages(max_message_count=50, max_wait_time=0.5)
@@ -74,8 +66,8 @@ def test_sql_filters_with_parameters_and_the_samples_grammar(
     assert param_rule.filter.sql_expression == "Color = @c" and dict(param_rule.filter.parameters) == {"@c": "Red"}
     _colours(client, topic)
     with ThreadPoolExecutor(len(filters)) as pool:  # a receiver takes a second to close: in parallel
-        received = dict(zip(filters, pool.map(lambda name: _received(client, topic, name), filters), strict=True))
-    got = {name: sorted(str(m) for m in msgs) for name, msgs in received.items()}
+        by_name = dict(zip(filters, pool.map(lambda name: received(client, topic, name), filters), strict=True))
+    got = {name: sorted(str(m) for m in msgs) for name, msgs in by_name.items()}
     assert got == {
         "param": ["red-3"],
         "or": ["blue-10", "red-3"],
@@ -100,14 +92,14 @@ def test_rule_actions_set_and_remove_properties_of_the_subscriptions_copy(
     rule = admin.get_rule(topic, "act", "recolour")
     assert isinstance(rule.action, SqlRuleAction) and rule.action.sql_expression.startswith("SET Color = 'Crimson'")
     _colours(client, topic)
-    act = {str(m): m for m in _received(client, topic, "act")}
+    act = {str(m): m for m in received(client, topic, "act")}
     assert sorted(act) == ["blue-10", "red-3"]
     assert _props(act["red-3"]) == {"Color": "Crimson", "Quantity": 103}
     assert act["red-3"].subject == "seen"
     assert _props(act["blue-10"]) == {"Color": "Blue"}
     assert act["blue-10"].subject == "priority"
     # the other subscription's copy is untouched
-    plain = {str(m): m for m in _received(client, topic, "plain")}
+    plain = {str(m): m for m in received(client, topic, "plain")}
     assert _props(plain["red-3"]) == {"Color": "Red", "Quantity": 3} and plain["red-3"].subject == "bulk"
 
 
@@ -134,7 +126,7 @@ def test_an_unparsable_filter_or_action_gets_400_naming_the_text(
     assert [r.name for r in admin.list_rules(topic, "s")] == ["$Default"]
     with client.get_topic_sender(topic) as s:
         s.send_messages(ServiceBusMessage("after"))
-    assert [str(m) for m in _received(client, topic, "s")] == ["after"]
+    assert [str(m) for m in received(client, topic, "s")] == ["after"]
 
 
 def test_filter_counts_in_topic_and_subscription_runtime_properties(
