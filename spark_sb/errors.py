@@ -84,6 +84,7 @@ from azure.servicebus.exceptions import (
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
+    "ENCODING_ERRORS",
     "BacklogUnavailableError",
     "BadInputError",
     "BadMessageError",
@@ -92,24 +93,23 @@ __all__ = [
     "EntityNotFoundError",
     "ErrorClass",
     "PairingError",
-    "UnsupportedSparkError",
     "ReplicationError",
     "SourceUnavailableError",
     "SparkSbError",
+    "UnsupportedSparkError",
+    "already_exists",
     "as_spark_sb_error",
-    "ENCODING_ERRORS",
     "classify",
     "encoding_error",
-    "redact",
-    "already_exists",
     "is_blip",
     "is_connection_lost",
     "is_link_gone",
     "is_lock_lost",
     "is_message_not_found",
     "is_too_large",
-    "needs_session",
     "is_unanswered",
+    "needs_session",
+    "redact",
     "unreachable_reason",
 ]
 
