@@ -1217,7 +1217,7 @@ class NamespaceServer(Handler):
             b.create_rule(topic, sub, codec.rule_from_amqp(name, codec.request_field(body, "rule-description", "map")))
             return {}
         if op == "remove-rule":
-            b.delete_rule(topic, sub, codec.text(body.get("rule-name")) or "")
+            b.delete_rule(topic, sub, codec.request_field(body, "rule-name", "string"))
             return {}
         rules = b.list_rules(topic, sub)
         skip = codec.request_field(body, "skip", "long", 0)

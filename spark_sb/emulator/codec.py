@@ -313,6 +313,8 @@ _SCALARS: dict[str, Any] = {
     "binary": (lambda v: isinstance(v, bytes | memoryview), bytes),
     "map": (lambda v: isinstance(v, dict), lambda v: {str(k): x for k, x in v.items()}),
     "uuid": (lambda v: _as_uuid(v) is not None, _as_uuid),
+    # a string-ish value the service reads as text (a correlation filter's ids: string, binary or uuid)
+    "text": (lambda v: isinstance(v, str | bytes | uuid.UUID), text),
 }
 
 
@@ -359,27 +361,40 @@ _CORRELATION_WIRE = (("correlation-id", "correlation_id"), ("message-id", "messa
                      ("reply-to-session-id", "reply_to_session_id"), ("content-type", "content_type"))
 
 
+def _dotted(value: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A request map's fields under their dotted names (``rule-description.sql-filter.expression``), so that a
+    refusal names where the field is."""
+    return {f"{prefix}.{k}": v for k, v in value.items()}
+
+
 def rule_from_amqp(name: str, description: dict[str, Any]) -> RuleSpec:
     """The rule of an ``add-rule`` request: its ``rule-description`` map holds ``sql-filter`` or
-    ``correlation-filter`` (maps) and ``sql-rule-action`` (a map with an expression, or null)."""
-    d = {str(k): v for k, v in dict(description).items()}
-    sql_filter = d.get("sql-filter")
-    correlation = d.get("correlation-filter")
+    ``correlation-filter`` (maps) and ``sql-rule-action`` (a map with an expression, or null). A field of the wrong
+    type is refused with 400 naming it (:func:`request_field`)."""
+    top = "rule-description"
+    d = _dotted(description, top)
+    sql_filter = request_field(d, f"{top}.sql-filter", "map", None)
+    correlation = request_field(d, f"{top}.correlation-filter", "map", None)
     flt: dict[str, Any]
     if sql_filter is not None:
-        flt = {"type": "sql", "expression": text({str(k): v for k, v in dict(sql_filter).items()}.get("expression"))}
+        where = f"{top}.sql-filter"
+        flt = {"type": "sql", "expression": request_field(_dotted(sql_filter, where), f"{where}.expression", "string")}
     elif correlation is not None:
-        c = {str(k): v for k, v in dict(correlation).items()}
+        where = f"{top}.correlation-filter"
+        c = _dotted(correlation, where)
         flt = {"type": "correlation"}
         for wire, field in _CORRELATION_WIRE:
-            if c.get(wire) is not None:
-                flt[field] = text(c[wire])
-        if c.get("properties"):
-            flt["properties"] = {str(k): v for k, v in dict(c["properties"]).items()}
+            value = request_field(c, f"{where}.{wire}", "text", None)
+            if value is not None:
+                flt[field] = value
+        properties = request_field(c, f"{where}.properties", "map", None)
+        if properties:
+            flt["properties"] = properties
     else:
         flt = {"type": "true"}
-    action = d.get("sql-rule-action")
-    expression = text({str(k): v for k, v in dict(action).items()}.get("expression")) if action else None
+    action = request_field(d, f"{top}.sql-rule-action", "map", None)
+    where = f"{top}.sql-rule-action"
+    expression = request_field(_dotted(action, where), f"{where}.expression", "string", None) if action else None
     return RuleSpec(name=name, filter=flt, action=None if expression is None else {"expression": expression})
 
 

@@ -283,6 +283,35 @@ def test_a_request_field_of_the_wrong_type_is_answered_400_naming_it(
     assert _status(wire.management(q, "peek-message", {"from-sequence-number": 0, "message-count": 1})) == 204
 
 
+@pytest.mark.parametrize(("operation", "body", "named"), [
+    ("add-rule", {"rule-name": "r", "rule-description": {"sql-filter": "p = 1"}},
+     ("rule-description.sql-filter", "map", "string")),
+    ("add-rule", {"rule-name": "r", "rule-description": {"sql-filter": {"expression": 5}}},
+     ("rule-description.sql-filter.expression", "string")),
+    ("add-rule", {"rule-name": "r", "rule-description": {"correlation-filter": {"correlation-id": ["x"]}}},
+     ("rule-description.correlation-filter.correlation-id", "text", "list")),
+    ("add-rule", {"rule-name": "r", "rule-description": {"correlation-filter": {"properties": "p=1"}}},
+     ("rule-description.correlation-filter.properties", "map", "string")),
+    ("add-rule", {"rule-name": "r", "rule-description": {"sql-rule-action": {"expression": ["SET p = 1"]}}},
+     ("rule-description.sql-rule-action.expression", "string", "list")),
+    ("remove-rule", {"rule-name": 7}, ("rule-name", "string")),
+], ids=["string-for-filter", "long-expression", "list-correlation-id", "string-properties", "list-action",
+        "long-rule-name"])
+def test_a_rule_field_of_the_wrong_type_is_answered_400_naming_where_it_is(
+    wire: Wire, make_topic, operation: str, body: Any, named: tuple[str, ...]
+) -> None:
+    topic = make_topic({"s": {}})
+    node = f"{topic}/subscriptions/s"
+    reply = wire.management(node, operation, body)
+    assert _status(reply) == 400, reply.properties
+    assert reply.properties["errorCondition"] == symbol("com.microsoft:argument-error")
+    description = reply.properties["statusDescription"]
+    for word in named:
+        assert word in description, description
+    rules = wire.management(node, "enumerate-rules", {"top": 10, "skip": 0})
+    assert _status(rules) == 200 and len(rules.body["rules"]) == 1  # only $Default: nothing half-made
+
+
 def _nested_described(depth: int) -> bytes:
     return b"\x00\x53\x01" * depth + b"\x40"
 
