@@ -435,6 +435,9 @@ class ConnectionString(_Frozen):
         emulator = settings.get("usedevelopmentemulator", "false").lower()
         if emulator not in ("true", "false"):
             raise _Invalid("UseDevelopmentEmulator must be true or false", redacted)
+        if emulator == "true" and parsed.hostname.lower().endswith(_SERVICE_BUS_SUFFIXES):
+            raise _Invalid(f"UseDevelopmentEmulator=true turns TLS off, and {parsed.hostname} is a real Service Bus "
+                           "namespace, which never runs without TLS (it is for a local emulator only)", redacted)
         return cls(endpoint=endpoint, host=parsed.hostname.lower(), port=port, shared_access_key_name=name,
                    key=Secret(access_key) if access_key else None,
                    signature=Secret(signature) if signature else None,

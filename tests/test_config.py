@@ -830,3 +830,14 @@ def test_emulator_true_keeps_tls_off_for_a_local_emulator() -> None:
     config = load_config({"primary": {"fully_qualified_namespace": "localhost:5672", "emulator": True},
                           "secondary": {"connection_string": SECONDARY}})
     assert config.primary.is_emulator and not config.primary.use_tls
+
+
+def test_use_development_emulator_is_refused_for_a_real_service_bus_host() -> None:
+    """UseDevelopmentEmulator=true turns TLS off as emulator: true does: never for a real namespace."""
+    real = "Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=k;SharedAccessKey=secret-key-value;" \
+           "UseDevelopmentEmulator=true"
+    with pytest.raises(ConfigError) as caught:
+        load_config({"primary": {"connection_string": real}, "secondary": {"connection_string": SECONDARY}})
+    message = str(caught.value)
+    assert message.startswith("primary.connection_string: ") and "contoso.servicebus.windows.net" in message
+    assert "TLS" in message and "secret-key-value" not in message
