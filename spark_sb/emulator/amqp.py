@@ -1016,7 +1016,8 @@ class NamespaceServer(Handler):
             # an AMQP int, as the service sends: the Java SDK casts it to int (a long fails every operation)
             properties={"status-code": int32(status), "status-description": text},
         )
-        sender = link.connection.cbs_sender
+        # on the link named by the request's reply-to (as the service answers), else the connection's last one
+        sender = _reply_link(link.connection, msg.reply_to, "cbs") or link.connection.cbs_sender
         if sender is not None:
             sender.send(reply)
 
@@ -1280,13 +1281,14 @@ def _management_node(link: Any) -> str:
     return entity_path(address)[: -len(MGMT_SUFFIX)]
 
 
-def _reply_link(conn: Any, reply_to: str | None) -> Any:
-    """The connection's open ``$management`` reply link (a client's receiver) whose target address is ``reply_to``."""
+def _reply_link(conn: Any, reply_to: str | None, kind: str = "mgmt") -> Any:
+    """The connection's open ``$management`` (``kind`` "mgmt") or ``$cbs`` ("cbs") reply link (a client's receiver)
+    whose target address is ``reply_to``."""
     if not reply_to:
         return None
     link = conn.link_head(0)
     while link is not None:
-        if (link.is_sender and _has_attr(link, "role_kind") and link.role_kind == "mgmt"
+        if (link.is_sender and _has_attr(link, "role_kind") and link.role_kind == kind
                 and not link.state & (link.LOCAL_CLOSED | link.REMOTE_CLOSED)
                 and link.remote_target.address == reply_to):
             return link

@@ -215,6 +215,24 @@ def test_management_replies_go_to_the_reply_to_link_not_the_entitys_last(wire: W
         for_receiver[1].receive(timeout=0.5)  # nothing of the sender's went astray
 
 
+def test_cbs_replies_go_to_the_reply_to_link_too(primary: NamespaceInfo, make_queue) -> None:
+    q = make_queue()
+    w = Wire(primary)
+    try:
+        first = w.pair("$cbs", "cbs-first")
+        last = w.pair("$cbs", "cbs-last")  # opened last: the one a connection-keyed router picks
+        audience = f"sb://localhost:{primary.amqp_port}/{q}"
+        token = sas.make_token(audience, primary.key_name, primary.key)
+        expires = timestamp(int((dt.datetime.now().timestamp() + 3600) * 1000))
+        reply = w.request("$cbs", token, first, operation="put-token", type="servicebus.windows.net:sastoken",
+                          name=audience, expiration=expires)  # before the fix: answered on the last link, timed out
+        assert reply.properties["status-code"] == 202
+        with pytest.raises(Timeout):
+            last[1].receive(timeout=0.5)
+    finally:
+        w.close()
+
+
 # ------------------------------------------------------------------ 10: a deferred message's lock token
 def test_a_deferred_messages_lock_token_is_in_its_delivery_annotations(
     wire: Wire, client: ServiceBusClient, make_queue
