@@ -130,6 +130,21 @@ def test_a_connection_that_never_speaks_amqp_is_closed_after_the_handshake_timeo
         assert emu.server("cap").handshakes_timed_out == 1
 
 
+def test_the_command_line_sets_the_handshake_timeout() -> None:
+    # spark-sb emulator start --handshake-timeout 1s (EmulatorProcess passes the option to the command)
+    proc = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("cli")], handshake_timeout=1.0)
+    try:
+        bare = socket.create_connection(("127.0.0.1", proc["cli"].amqp_port), timeout=20)
+        start = time.monotonic()
+        try:
+            assert bare.recv(1024) == b""
+        finally:
+            bare.close()
+        assert 0.8 < time.monotonic() - start < 15
+    finally:
+        proc.stop()
+
+
 def _frame(body: bytes, kind: int) -> bytes:
     return struct.pack(">IBBH", 8 + len(body), 2, kind, 0) + body
 
