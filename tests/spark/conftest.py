@@ -3,10 +3,14 @@ two shuffle partitions), configurations over the emulator pair, and helpers that
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -157,3 +161,26 @@ def write_json(folder: Any, name: str, rows: list[dict]) -> None:
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+@contextlib.contextmanager
+def one_heavy_spark_test(wait: float = 420.0) -> Iterator[None]:
+    """Run the block while no other heavy Spark test runs on this machine, across the pytest processes and the Spark
+    versions' suites that ``make test`` runs at the same time (a lock file, waited for up to ``wait`` seconds).
+
+    Heavy: a Spark Connect server (``remote("local")`` always binds port 15002) and a standalone cluster (a master,
+    two workers and their executors). Run together on two cores, the Connect server's Python ``foreachBatch`` worker
+    missed Spark's fixed 10 s to connect back (``PythonWorkerFactory.createSimpleWorker``), and the query failed."""
+    with open(Path(tempfile.gettempdir()) / "spark-sb-heavy-spark-test.lock", "w") as lock:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"another heavy Spark test still ran after {wait:g} s"
+                time.sleep(1)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -19,8 +19,10 @@ import pytest
 import yaml
 
 from spark_sb.capabilities import delta_package
+from spark_sb.config import load_config
+from spark_sb.source import backlog_depth
 
-from .conftest import child_env, receive_all, sink_config
+from .conftest import child_env, one_heavy_spark_test, receive_all, sink_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -111,20 +113,33 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
     conf = tmp_path / "cluster.yaml"
     conf.write_text(yaml.safe_dump(config))
 
-    # the primary's entity goes down from the writer's third batch for 6 s: the executors fail over to the
-    # backlog queues, ping, and return once it heals
+    # the primary's entity goes down from the writer's third batch until the executors parked messages (a fixed
+    # duration could fall between two batches of a slow run): they fail over to the backlog queues, ping, and
+    # return once it heals
+    writer_ended = threading.Event()
+
     def outage() -> None:
         metrics = tmp_path / "metrics" / "_delta_log"
         deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and len(list(metrics.glob("*.json"))) < 2:
+        while time.monotonic() < deadline and len(list(metrics.glob("*.json"))) < 2 and not writer_ended.is_set():
             time.sleep(0.2)
-        emulator.fault("primary", "down", entity=entity, duration=6)
+        emulator.fault("primary", "down", entity=entity)
+        try:
+            while (time.monotonic() < deadline and not writer_ended.is_set()
+                   and not backlog_depth(load_config(config))):
+                time.sleep(0.2)
+        finally:
+            emulator.heal("primary", entity=entity)
 
     injector = threading.Thread(target=outage, daemon=True)
-    injector.start()
     url, workers = cluster
-    _submit(url, "paired_writer.py", conf, work=tmp_path)
-    injector.join(timeout=5)
+    with one_heavy_spark_test():
+        injector.start()
+        try:
+            _submit(url, "paired_writer.py", conf, work=tmp_path)
+        finally:
+            writer_ended.set()
+            injector.join(timeout=30)
 
     metrics = spark.read.format("delta").load(str(tmp_path / "metrics"))
     totals = metrics.selectExpr("sum(rows) AS rows", "sum(primary) AS primary", "max(partitions) AS partitions",
@@ -133,7 +148,8 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
     assert totals["partitions"] == 2 and totals["failovers"] >= 1 and parked > 0, totals
     assert totals["rows"] == totals["primary"] + parked
 
-    _submit(url, "syphon.py", conf, "--until-empty", work=tmp_path)
+    with one_heavy_spark_test():
+        _submit(url, "syphon.py", conf, "--until-empty", work=tmp_path)
     bodies = [str(m) for m in receive_all(primary.connection_string, entity, wait=1.0)]
     values = sorted(int(b.removeprefix("row ")) for b in bodies)
     twice = [v for v, n in collections.Counter(values).items() if n > 1]

@@ -6,22 +6,17 @@ other tests."""
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import subprocess
 import sys
-import tempfile
 import textwrap
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from spark_sb.capabilities import delta_package, python_data_sources
 
-from .conftest import child_env, receive_all, sink_config
+from .conftest import child_env, one_heavy_spark_test, receive_all, sink_config
 
 #: run on every Spark version make test tries (Makefile, EVERY_SPARK)
 pytestmark = pytest.mark.every_spark
@@ -89,25 +84,6 @@ def _packages() -> str:
     return ",".join(packages)
 
 
-@contextlib.contextmanager
-def _connect_port(wait: float = 320.0) -> Iterator[None]:
-    """Hold Spark Connect's local port (``remote("local")`` always binds 15002) against the other Spark versions'
-    suites that ``make test`` runs at the same time on this machine: a lock file, waited for up to ``wait``."""
-    with open(Path(tempfile.gettempdir()) / "spark-sb-connect-15002.lock", "w") as lock:
-        deadline = time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                assert time.monotonic() < deadline, f"Spark Connect's port still held by another suite after {wait:g} s"
-                time.sleep(1)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_foreach_batch_sink_and_the_format_writers_under_spark_connect_with_reject_and_metrics_tables(primary, secondary, make_queue,
@@ -121,7 +97,7 @@ def test_foreach_batch_sink_and_the_format_writers_under_spark_connect_with_reje
         q2 = make_queue(requires_duplicate_detection=True)
         args.append(json.dumps(sink_config(primary, secondary, entity=q2, reject_table=str(tmp_path / "w-rejects"),
                                            metrics_table=str(tmp_path / "w-metrics"))))
-    with _connect_port():
+    with one_heavy_spark_test():  # remote('local') always binds 15002, which the other versions' suites use too
         done = subprocess.run(args, capture_output=True, text=True, timeout=280, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
