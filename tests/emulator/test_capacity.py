@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import test_frames as wire
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
 from proton import Data
 
@@ -145,23 +146,6 @@ def test_the_command_line_sets_the_handshake_timeout() -> None:
         proc.stop()
 
 
-def _frame(body: bytes, kind: int) -> bytes:
-    return struct.pack(">IBBH", 8 + len(body), 2, kind, 0) + body
-
-
-def _performative(code: int, fields: Callable[[Data], None]) -> bytes:
-    d = Data()
-    d.put_described()
-    d.enter()
-    d.put_ulong(code)
-    d.put_list()
-    d.enter()
-    fields(d)
-    d.exit()
-    d.exit()
-    return d.encode()
-
-
 def _read_frames(sock: socket.socket, want: int, timeout: float = 5) -> list[tuple[int, Any]]:
     """Read past protocol headers until ``want`` frames came; each as (descriptor, fields)."""
     buf = b""
@@ -197,9 +181,9 @@ def test_a_connection_silent_past_the_advertised_idle_timeout_is_closed() -> Non
         try:
             sock.sendall(b"AMQP\x03\x01\x00\x00")
             _read_frames(sock, 1)  # sasl-mechanisms
-            sock.sendall(_frame(_performative(0x41, lambda d: (d.put_symbol("ANONYMOUS"), d.put_binary(b""))), 1))
+            sock.sendall(wire.performative(0x41, 1, ("symbol", "ANONYMOUS"), ("binary", b"")))
             _read_frames(sock, 1)  # sasl-outcome
-            sock.sendall(b"AMQP\x00\x01\x00\x00" + _frame(_performative(0x10, lambda d: d.put_string("probe")), 0))
+            sock.sendall(b"AMQP\x00\x01\x00\x00" + wire.performative(0x10, 0, ("string", "probe")))
             [(code, fields)] = _read_frames(sock, 1)
             assert code == 0x10  # the server's open
             assert fields[4] == 500  # idle-time-out, milliseconds: half the timeout (heartbeats twice per window)

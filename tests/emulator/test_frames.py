@@ -184,7 +184,8 @@ def test_auto_lock_renewer_over_ten_messages_keeps_them_past_their_lock_duration
         assert receiver.peek_messages(max_message_count=20) == []
 
 
-def _performative(code: int, kind: int, *fields: tuple[str, Any]) -> bytes:
+def performative(code: int, kind: int, *fields: tuple[str, Any]) -> bytes:
+    """One AMQP frame (``kind`` 0: AMQP, 1: SASL) of the performative ``code`` with ``fields`` as (put_ type, value)."""
     d = Data()
     d.put_described()
     d.enter()
@@ -203,8 +204,8 @@ def test_a_connection_the_engine_cannot_read_is_closed_with_an_error_the_sdk_can
     """pyamqp reads the info field of a close's error by position: the engine's own errors came without one, and
     the SDK crashed with IndexError instead of reporting the close."""
     with socket.create_connection(("127.0.0.1", primary.amqp_port), timeout=5) as sock:
-        sock.sendall(b"AMQP\x03\x01\x00\x00" + _performative(0x41, 1, ("symbol", "ANONYMOUS"))  # sasl-init
-                     + b"AMQP\x00\x01\x00\x00" + _performative(0x10, 0, ("string", "raw-client")))  # open
+        sock.sendall(b"AMQP\x03\x01\x00\x00" + performative(0x41, 1, ("symbol", "ANONYMOUS"))  # sasl-init
+                     + b"AMQP\x00\x01\x00\x00" + performative(0x10, 0, ("string", "raw-client")))  # open
         time.sleep(0.2)
         sock.sendall(_begin(0) + _transfer(0, 5, 0))  # a transfer on a link never attached
         data = b""
@@ -249,7 +250,7 @@ def test_a_transport_the_filter_cannot_reach_is_served_and_said_once(caplog) -> 
 def test_a_close_on_the_channel_of_an_ended_session_reaches_the_engine() -> None:
     """Open and close are the connection's, whatever channel carries them: rhea (the JavaScript SDK) ends its session
     on channel 0 and then closes on channel 0. The filter dropped that close, and the SDK waited 60 s for an answer."""
-    close = _performative(0x18, 0)
+    close = performative(0x18, 0)
     out = DeliveryIdRenumbering().feed(_begin(0) + _end(0) + close)
     assert [(c, int(p.descriptor)) for c, p in _frames(out)] == [(0, 0x11), (0, 0x17), (0, 0x18)]
 
@@ -257,11 +258,11 @@ def test_a_close_on_the_channel_of_an_ended_session_reaches_the_engine() -> None
 def test_a_client_that_ends_its_sessions_before_closing_gets_the_close_answered(primary) -> None:
     """What ``ServiceBusClient.close()`` of the JavaScript SDK sends: end on channel 0, then close on channel 0."""
     with socket.create_connection(("127.0.0.1", primary.amqp_port), timeout=5) as sock:
-        sock.sendall(b"AMQP\x03\x01\x00\x00" + _performative(0x41, 1, ("symbol", "ANONYMOUS"))  # sasl-init
-                     + b"AMQP\x00\x01\x00\x00" + _performative(0x10, 0, ("string", "raw-client"))  # open
+        sock.sendall(b"AMQP\x03\x01\x00\x00" + performative(0x41, 1, ("symbol", "ANONYMOUS"))  # sasl-init
+                     + b"AMQP\x00\x01\x00\x00" + performative(0x10, 0, ("string", "raw-client"))  # open
                      + _begin(0))
         time.sleep(0.2)
-        sock.sendall(_end(0) + _performative(0x18, 0))  # end, close
+        sock.sendall(_end(0) + performative(0x18, 0))  # end, close
         data = b""
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline and not data.endswith(b"\x00\x53\x18\x45"):
