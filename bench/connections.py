@@ -1,10 +1,11 @@
 """Connections one namespace holds (issue 35): the SDK's send and receive with 0, 2,000 and 10,000 idle connections.
 
 Each round starts the emulator in a child process (``EmulatorProcess``, one namespace, in memory, the handshake
-timeout off so bare sockets stay), opens N bare TCP connections to its AMQP port from this process and holds them,
-then one SDK client sends 100 messages one at a time and receives and completes them. Prints one Markdown row per
-N: the seconds to open the N connections, the connections the namespace reports, and milliseconds per message for
-the sends and for the receives. Proton's own select() died at about 1,010; the costs should not grow with N.
+timeout off so bare sockets stay, its max-connections above N: Service Bus's own 5,000 would refuse the rest),
+opens N bare TCP connections to its AMQP port from this process and holds them, then one SDK client sends 100
+messages one at a time and receives and completes them. Prints one Markdown row per N: the seconds to open the N
+connections, the connections the namespace reports, and milliseconds per message for the sends and for the receives.
+Proton's own select() died at about 1,010; the costs should not grow with N.
 
     .venv/bin/python bench/connections.py [--counts 0,2000,10000] [--messages 100]
 """
@@ -33,8 +34,9 @@ def _stats(admin_url: str) -> dict:
 
 
 def round_(count: int, messages: int, entities: Path) -> tuple[float, int, float, float]:
-    proc = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("bench")], entities=entities,
-                                 handshake_timeout=0)
+    # room for the N idle connections and the SDK client's own (its sender's and its receiver's)
+    proc = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("bench", max_connections=count + 100)],
+                                 entities=entities, handshake_timeout=0)
     held: list[socket.socket] = []
     try:
         info = proc["bench"]

@@ -40,13 +40,20 @@ def _emulator_parser(sub: argparse._SubParsersAction) -> None:
                        help="keep messages in memory only (nothing survives a restart); for comparisons")
     start.add_argument("--namespace", action="append", default=[],
                        metavar="NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION]"
-                               "[,idle-detach=DURATION][,detach-every=DURATION]",
+                               "[,idle-detach=DURATION][,detach-every=DURATION][,max-connections=N][,max-receivers=N]"
+                               "[,ops-per-second=RATE]",
                        help="a namespace to serve; repeatable; port 0 picks a free port; a TLS_PORT serves AMQP "
                             "over TLS there, ws= and wss= AMQP over WebSockets, plain and over TLS; latency= makes it "
                             "a far namespace: every AMQP byte is delayed that long each way, e.g. latency=20ms for a "
                             "40 ms round trip; idle-detach= and detach-every= are Service Bus's habits: detach an entity "
                             "link idle that long (Azure: 10m), and every entity link that often, with "
-                            "amqp:link:detach-forced (default: primary=5672:5300 and secondary=5673:5301)")
+                            "amqp:link:detach-forced. Service Bus's limits: max-connections= concurrent connections "
+                            "(every transport; default 5000, the next is closed with amqp:resource-limit-exceeded), "
+                            "max-receivers= receivers attached to one queue or subscription (default 5000, the next "
+                            "attach is refused likewise), ops-per-second= throttling: messages sent and delivered and "
+                            "management requests a second, one second's burst (default off; over it sends and "
+                            "management requests get com.microsoft:server-busy, deliveries wait) "
+                            "(default: primary=5672:5300 and secondary=5673:5301)")
     start.add_argument("--tls", action="store_true",
                        help="also serve AMQP over TLS (AMQPS), for clients built from a namespace and a credential: "
                             "the default namespaces on 5671 (primary, the SDK's AMQPS port) and 5674 (secondary), "

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -37,7 +38,7 @@ from proton import (
 )
 from proton.reactor import ApplicationEvent, Container, EventInjector
 
-from . import _poll, aad, codec, frames, sas
+from . import _poll, aad, codec, frames, limits, sas
 from .broker import Broker, BrokerError, Cond, Incoming, Stored
 
 _LOGGER = logging.getLogger(__name__)
@@ -152,7 +153,10 @@ class NamespaceServer(Handler):
     ``handshake_timeout``: a connection that has not sent its AMQP ``open`` this many seconds after its TCP connect
     is closed; ``idle_timeout``: a connection silent this long is closed (its ``open`` advertises half of it); 0
     turns either off. If the reactor fails, the namespace closes its port and every connection, logs the error
-    (CRITICAL), keeps it in :attr:`failure` and calls ``on_failure(server, error)``."""
+    (CRITICAL), keeps it in :attr:`failure` and calls ``on_failure(server, error)``.
+
+    Service Bus's limits (:mod:`spark_sb.emulator.limits`): ``max_connections`` concurrent connections,
+    ``max_receivers`` receiver links per queue or subscription, ``ops_per_second`` (None: no throttling)."""
 
     def __init__(
         self,
@@ -171,8 +175,23 @@ class NamespaceServer(Handler):
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         on_failure: Callable[[NamespaceServer, BaseException], None] | None = None,
+        max_connections: int = limits.DEFAULT_MAX_CONNECTIONS,
+        max_receivers: int = limits.DEFAULT_MAX_RECEIVERS,
+        ops_per_second: float | None = None,
     ) -> None:
         super().__init__()
+        self.max_connections = max_connections
+        self.max_receivers = max_receivers
+        self.ops_per_second = ops_per_second
+        self._bucket = limits.TokenBucket(ops_per_second) if ops_per_second is not None else None
+        #: connections refused at ``max_connections``, receiver attaches refused at ``max_receivers``, operations
+        #: refused busy by the throttle, operations counted (messages sent and delivered, management requests)
+        self.connections_refused = 0
+        self.receivers_refused = 0
+        self.throttled = 0
+        self.ops = 0
+        #: receiver links whose deliveries wait for the throttle's bucket to hold tokens again
+        self._starved: list[Any] = []
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
         #: connections waiting for their AMQP open, oldest first: (monotonic deadline, connection)
@@ -387,6 +406,11 @@ class NamespaceServer(Handler):
             _LOGGER.exception("namespace %s: broker tick failed", self.name)
         for link in list(self._waiting_attach):
             self._try_session_attach(link)
+        if self._starved and self._bucket is not None and self._bucket.tokens() > 0:
+            starved, self._starved = self._starved, []
+            for link in starved:
+                if link.sb is not None:
+                    self._pump(link)
         event.container.schedule(self.tick_interval, self)
 
     def _expire_handshakes(self) -> None:
@@ -449,11 +473,28 @@ class NamespaceServer(Handler):
         return out
 
     def stats(self) -> dict[str, Any]:
-        """Open connections and attached entity links, for monitoring and the benchmark."""
+        """The namespace's counts, for monitoring, tests and benchmarks (``GET /$emulator/stats`` on its admin port):
+
+        - ``namespace``: its name;
+        - ``connections``: the connections it holds now, every transport (AMQP, AMQPS, ws, wss), each counted from
+          its TCP accept to its close (a bare socket that never spoke AMQP counts; a refused one does not);
+        - ``connections_opened``: connections accepted since the start (refused ones included);
+        - ``connections_refused``: connections refused at ``max_connections``;
+        - ``entity_links``: attached entity links (senders and receivers; not ``$cbs`` or ``$management``);
+        - ``receivers_refused``: receiver attaches refused at ``max_receivers``;
+        - ``ops``: operations admitted and counted, throttled or not: messages sent (a batch of k: k), messages
+          delivered to receivers, ``$management`` requests;
+        - ``throttled``: sends and management requests refused with ``com.microsoft:server-busy`` by the throttle;
+        - ``limits``: the limits in force: ``max_connections``, ``max_receivers``, ``ops_per_second`` (null: off);
+        - ``tokens_accepted``, ``tokens_renewed``: put-tokens accepted, and those that renewed one of the connection.
+        """
         links = sum(len(v) for v in self._links_by_path.values())
         return {"namespace": self.name, "connections": len(self._connections), "entity_links": links,
-                "connections_opened": self.connections_opened, "tokens_accepted": self.tokens_accepted,
-                "tokens_renewed": self.tokens_renewed}
+                "connections_opened": self.connections_opened, "connections_refused": self.connections_refused,
+                "receivers_refused": self.receivers_refused, "ops": self.ops, "throttled": self.throttled,
+                "limits": {"max_connections": self.max_connections, "max_receivers": self.max_receivers,
+                           "ops_per_second": self.ops_per_second},
+                "tokens_accepted": self.tokens_accepted, "tokens_renewed": self.tokens_renewed}
 
     # ------------------------------------------------------------------ faults
     def fault(self, kind: str, entity: str | None = None, duration: float | None = None) -> None:
@@ -530,12 +571,18 @@ class NamespaceServer(Handler):
         conn.authorized = {}  # entity path (audience) -> the aad.Grant its last accepted put-token gave
         conn.cbs_sender = None
         conn.mgmt_senders = {}
+        conn.refused = False
         if self.fault_for(None) == "down" or self._stopping:
             transport.close_tail()
             transport.close_head()
             return
-        self._connections.add(conn)
         self.connections_opened += 1
+        if len(self._connections) >= self.max_connections:
+            # over the quota: not held, refused when it opens (its handshake timeout still applies)
+            conn.refused = True
+            self.connections_refused += 1
+            return
+        self._connections.add(conn)
 
     @_guard
     def on_connection_remote_open(self, event: Any) -> None:
@@ -545,6 +592,11 @@ class NamespaceServer(Handler):
             return
         conn.container = f"spark-sb-emulator-{self.name}"
         conn.open()
+        if _refused(conn):  # as the service refuses it: its open answered, then closed with the error
+            _LOGGER.info("namespace %s: refused a connection: %d connections held, the maximum", self.name,
+                         self.max_connections)
+            conn.condition = _condition(Cond.QUOTA, limits.connections_text(self.name, self.max_connections))
+            conn.close()
 
     @_guard
     def on_connection_remote_close(self, event: Any) -> None:
@@ -581,7 +633,8 @@ class NamespaceServer(Handler):
 
     @_guard
     def on_session_remote_open(self, event: Any) -> None:
-        event.session.open()
+        if not _refused(event.connection):
+            event.session.open()
 
     @_guard
     def on_session_remote_close(self, event: Any) -> None:
@@ -592,6 +645,8 @@ class NamespaceServer(Handler):
     def on_link_remote_open(self, event: Any) -> None:
         link = event.link
         conn = link.connection
+        if _refused(conn):  # pipelined after its open: the connection is closing
+            return
         link.source.copy(link.remote_source)
         link.target.copy(link.remote_target)
         link.max_message_size = self.max_message_size
@@ -650,6 +705,11 @@ class NamespaceServer(Handler):
             return
         if link.is_sender and kind == "topic":
             self._refuse_link(link, Cond.NOT_IMPLEMENTED, f"Cannot receive from topic '{path}': receive from a subscription.")
+            return
+        if link.is_sender and self._receivers(broker_path) >= self.max_receivers:
+            self.receivers_refused += 1
+            self._refuse_link(link, Cond.QUOTA, limits.receivers_text(broker_path, self.max_receivers),
+                              null_source=True)
             return
         state = LinkState(path=broker_path, kind=kind, sending=link.is_receiver)
         link.sb = state
@@ -714,6 +774,11 @@ class NamespaceServer(Handler):
         if link.credit > 0:
             self._pump(link)
 
+    def _receivers(self, path: str) -> int:
+        """The client receivers attached to ``path``, and those waiting for a session of it."""
+        attached = sum(1 for link in self._links_by_path.get(path, ()) if not link.sb.sending)
+        return attached + sum(1 for link in self._waiting_attach if link.sb is not None and link.sb.path == path)
+
     def _register(self, link: Any) -> None:
         link.sb.active_at = self.clock()
         self._links_by_path.setdefault(link.sb.path, []).append(link)
@@ -753,6 +818,8 @@ class NamespaceServer(Handler):
         state = link.sb if _has_attr(link, "sb") else None
         if link in self._waiting_attach:
             self._waiting_attach.remove(link)
+        if link in self._starved:
+            self._starved.remove(link)
         if state is None:
             return
         links = self._links_by_path.get(state.path)
@@ -806,11 +873,24 @@ class NamespaceServer(Handler):
         if refusal is not None:  # the token expired and was not renewed
             self._close_link(link, Cond.UNAUTHORIZED, refusal)
             return
+        if self._bucket is not None:  # throttled: deliveries wait until the bucket holds tokens, as many as it holds
+            tokens = self._bucket.tokens()
+            if tokens <= 0:
+                if link not in self._starved:
+                    self._starved.append(link)
+                if link.drain_mode:  # a drain is answered at once, with nothing: the client waits for no one
+                    link.drained()
+                return
+            n = min(n, math.ceil(tokens))
         try:
             messages = self.broker.receive(st.path, n, peek_lock=st.peek_lock, session_id=st.session_id)
         except BrokerError as err:
             self._close_link(link, err.condition, err.description)
             return
+        if messages:
+            self.ops += len(messages)
+            if self._bucket is not None:
+                self._bucket.charge(len(messages))
         for m in messages:
             self._deliver(link, m)
         if link.drain_mode and link.credit > 0:
@@ -940,6 +1020,10 @@ class NamespaceServer(Handler):
         if len(data) > allowed:
             self._settle_error(dlv, Cond.SIZE, f"The received message (size {len(data)} bytes) exceeds the limit ({self.max_message_size} bytes) of '{st.path}'.")
             return
+        busy = self._admit(len(messages))
+        if busy is not None:
+            self._settle_error(dlv, Cond.BUSY, busy)
+            return
         try:
             assert self.broker is not None
             self.broker.send(st.path, messages)
@@ -950,6 +1034,17 @@ class NamespaceServer(Handler):
             st.held.append(dlv)  # stored, but the answer is lost: the sender times out
             return
         self._settle_ok(dlv)
+
+    def _admit(self, cost: int) -> str | None:
+        """Count an operation of ``cost`` (a send of that many messages, a management request): None when the
+        throttle admits it, else why not (the service's words, with the seconds to wait)."""
+        if self._bucket is not None:
+            wait = self._bucket.take(cost)
+            if wait is not None:
+                self.throttled += 1
+                return limits.busy_text(self.name, wait)
+        self.ops += cost
+        return None
 
     def _on_settle(self, dlv: Any) -> None:
         if not _has_attr(dlv, "lock"):
@@ -1099,6 +1194,9 @@ class NamespaceServer(Handler):
                                     _MGMT_RIGHTS.get(operation.removeprefix("com.microsoft:"), aad.LISTEN))
             if refusal is not None:
                 raise BrokerError(Cond.UNAUTHORIZED, refusal)
+            busy = self._admit(1)
+            if busy is not None:
+                raise BrokerError(Cond.BUSY, busy)
             result = self._management(node, operation, body)
             if result is None:
                 status, desc = 204, "No Content"
@@ -1294,6 +1392,11 @@ def _reply_link(conn: Any, reply_to: str | None, kind: str = "mgmt") -> Any:
             return link
         link = link.next(0)
     return None
+
+
+def _refused(conn: Any) -> bool:
+    """Whether ``conn`` came over the namespace's ``max_connections`` (it is refused when it opens)."""
+    return _has_attr(conn, "refused") and conn.refused
 
 
 def _has_attr(obj: Any, name: str) -> bool:

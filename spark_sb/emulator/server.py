@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import shutil
 import signal
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..durations import duration_text, parse_seconds
 from . import aad as _aad
+from . import limits as _limits
 from . import model
 from . import relay as _relay
 from .amqp import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, FAULT_KINDS, NamespaceDown, NamespaceServer
@@ -51,9 +53,16 @@ DEFAULT_KEY = "SAS_KEY_VALUE"  # Microsoft's emulator uses the same well-known d
 WEBSOCKET_PATH = "/$servicebus/websocket"
 #: the form of ``--namespace`` (:meth:`NamespaceOptions.parse`)
 NAMESPACE_FORM = ("NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION]"
-                  "[,idle-detach=DURATION][,detach-every=DURATION]")
+                  "[,idle-detach=DURATION][,detach-every=DURATION][,max-connections=N][,max-receivers=N]"
+                  "[,ops-per-second=RATE]")
 #: the ``--namespace`` extras that take a duration, and the option each sets
 _DURATIONS = {"latency": "latency", "idle-detach": "idle_detach", "detach-every": "detach_every"}
+#: the ``--namespace`` extras that set one of Service Bus's limits (:mod:`spark_sb.emulator.limits`), the option
+#: each sets and the kind of number it takes
+_LIMITS: dict[str, tuple[str, type]] = {"max-connections": ("max_connections", int),
+                                        "max-receivers": ("max_receivers", int),
+                                        "ops-per-second": ("ops_per_second", float)}
+_LIMIT_VALUES = {int: "N", float: "RATE"}
 
 
 @dataclass(frozen=True)
@@ -81,11 +90,32 @@ class NamespaceOptions:
     #: detach every entity link every this many seconds (Azure does now and then, in upgrades and rebalancing); 0:
     #: never
     detach_every: float = 0.0
+    #: Service Bus's limits (:mod:`spark_sb.emulator.limits`): concurrent connections to the namespace, every
+    #: transport counted (the next is refused with ``amqp:resource-limit-exceeded``)
+    max_connections: int = _limits.DEFAULT_MAX_CONNECTIONS
+    #: receiver links attached to one queue or subscription at once (the next attach is refused likewise)
+    max_receivers: int = _limits.DEFAULT_MAX_RECEIVERS
+    #: throttling: operations a second (messages sent and delivered, management requests) the namespace admits, a
+    #: token bucket holding one second's worth; over it sends and management requests get
+    #: ``com.microsoft:server-busy``, deliveries wait. None: off (the service's rate depends on its tier)
+    ops_per_second: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_receivers"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        rate = self.ops_per_second
+        if rate is not None and (not isinstance(rate, int | float) or isinstance(rate, bool)
+                                 or not math.isfinite(rate) or rate <= 0):
+            raise ValueError(f"ops_per_second must be a positive number of operations a second (or None: no "
+                             f"throttling), got {rate!r}")
 
     @classmethod
     def parse(cls, text: str) -> NamespaceOptions:
         """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION][,idle-detach=DURATION]
-        [,detach-every=DURATION]`` (ports may be 0 for a free port; the latency is one way, e.g. ``20ms``)."""
+        [,detach-every=DURATION][,max-connections=N][,max-receivers=N][,ops-per-second=RATE]`` (ports may be 0 for
+        a free port; the latency is one way, e.g. ``20ms``; the limits as :class:`NamespaceOptions` describes them)."""
         form = NAMESPACE_FORM
         name, sep, rest = text.partition("=")
         ports, *extras = rest.split(",")
@@ -95,11 +125,25 @@ class NamespaceOptions:
         named: dict[str, str] = {}
         for extra in extras:
             key, eq, value = extra.partition("=")
-            if not eq or key not in ("ws", "wss", *_DURATIONS) or key in named or (key in ("ws", "wss")
-                                                                                     and not value.isdigit()):
-                raise ValueError(f"--namespace {text!r}: after the ports come ws=PORT, wss=PORT and the durations "
-                                 f"{', '.join(f'{k}=DURATION' for k in _DURATIONS)} ({form}), got {extra!r}")
+            if not eq or key not in ("ws", "wss", *_DURATIONS, *_LIMITS) or key in named or (
+                    key in ("ws", "wss") and not value.isdigit()):
+                raise ValueError(f"--namespace {text!r}: after the ports come ws=PORT, wss=PORT, the durations "
+                                 f"{', '.join(f'{k}=DURATION' for k in _DURATIONS)} and the limits "
+                                 f"{', '.join(f'{k}={_LIMIT_VALUES[kind]}' for k, (_, kind) in _LIMITS.items())} "
+                                 f"({form}), got {extra!r}")
             named[key] = value
+        numbers: dict[str, Any] = {}
+        for key, (field_name, kind) in _LIMITS.items():
+            if key in named:
+                value = named.pop(key)
+                try:
+                    number = kind(value)
+                except ValueError:
+                    number = None
+                if number is None or not number > 0 or not math.isfinite(number):
+                    what = "a positive integer" if kind is int else "a positive number of operations a second"
+                    raise ValueError(f"--namespace {text!r}: {key} must be {what}, got {value!r}")
+                numbers[field_name] = number
         durations: dict[str, float] = {}
         for key, field_name in _DURATIONS.items():
             if key in named:
@@ -117,7 +161,8 @@ class NamespaceOptions:
                    tls_port=int(parts[2]) if len(parts) == 3 else None,
                    ws_port=int(named["ws"]) if "ws" in named else None,
                    wss_port=int(named["wss"]) if "wss" in named else None, latency=durations.get("latency", 0.0),
-                   idle_detach=durations.get("idle_detach", 0.0), detach_every=durations.get("detach_every", 0.0))
+                   idle_detach=durations.get("idle_detach", 0.0), detach_every=durations.get("detach_every", 0.0),
+                   **numbers)
 
     def spec(self) -> str:
         """The ``--namespace`` text for these ports."""
@@ -126,7 +171,10 @@ class NamespaceOptions:
         wss = "" if self.wss_port is None else f",wss={self.wss_port}"
         durations = "".join(f",{key}={duration_text(getattr(self, field_name))}"
                             for key, field_name in _DURATIONS.items() if getattr(self, field_name))
-        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}{ws}{wss}{durations}"
+        defaults = NamespaceOptions(self.name)
+        limits = "".join(f",{key}={_number_text(getattr(self, field_name))}" for key, (field_name, _) in _LIMITS.items()
+                         if getattr(self, field_name) != getattr(defaults, field_name))
+        return f"{self.name}={self.amqp_port}:{self.admin_port}{tls}{ws}{wss}{durations}{limits}"
 
 
 DEFAULT_NAMESPACES = (NamespaceOptions("primary", 5672, 5300), NamespaceOptions("secondary", 5673, 5301))
@@ -379,6 +427,8 @@ class Emulator:
                     keys={opt.key_name: opt.key}, clock=self.clock, max_message_size=opt.max_message_size,
                     authority=self.authority, idle_detach=opt.idle_detach, detach_every=opt.detach_every,
                     handshake_timeout=self.handshake_timeout, idle_timeout=self.idle_timeout,
+                    max_connections=opt.max_connections, max_receivers=opt.max_receivers,
+                    ops_per_second=opt.ops_per_second,
                 )
                 server.start()
                 self._servers[opt.name] = server
@@ -559,6 +609,11 @@ def default_namespaces(tls: bool = False, websockets: bool = False) -> list[Name
                                           wss_port=DEFAULT_WEBSOCKET_PORTS.get(n.name, (0, 0))[1])
                       for n in namespaces]
     return namespaces
+
+
+def _number_text(value: float) -> str:
+    """``500`` for 500 and 500.0, ``0.5`` for 0.5: what :meth:`NamespaceOptions.parse` reads back as the same."""
+    return str(int(value)) if float(value).is_integer() else repr(float(value))
 
 
 def _loopback(host: str) -> str:
