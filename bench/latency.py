@@ -15,6 +15,9 @@ Rows:
 * **syphon job, secondary 40 ms away**: ``jobs/syphon.py``'s query on a local Spark session moving messages
   parked over ten backlog queues (the default count) home, over bench/syphon.py's raw loop (receive a page, send
   it, complete each message: one round trip per message to the far secondary);
+* **sink healthy, loopback, one connection per entity**: the partition run with its ``sends_in_flight`` sends
+  sharing one connection per entity (the default, ``connections_per_entity: 1``), over the same run with a
+  connection per send in flight (``connections_per_entity`` = ``sends_in_flight``, as the sink sent before);
 * **active replication, secondary 40 ms away**: the partition run in active mode (both namespaces), over the raw
   SDK's sequential send to the primary; its ratio to the paired run on the same emulator is printed too.
 
@@ -121,13 +124,13 @@ def emulator(work: Path, name: str, primary_latency: float, secondary_latency: f
         NamespaceOptions("primary", latency=primary_latency), NamespaceOptions("secondary", latency=secondary_latency)])
 
 
-def config_for(emu: EmulatorProcess, in_flight: int, **replication: Any) -> Any:
+def config_for(emu: EmulatorProcess, in_flight: int, connections: int = 1, **replication: Any) -> Any:
     p, s = emu["primary"], emu["secondary"]
     return load_config({
         "primary": {"connection_string": p.connection_string, "admin_endpoint": p.admin_url},
         "secondary": {"connection_string": s.connection_string, "admin_endpoint": s.admin_url},
         "send_availability": {"backlog_queue_count": 1, "failover_interval": "0s", "ping_primary_interval": "30m"},
-        "sink": {"entity": QUEUE, "sends_in_flight": in_flight},
+        "sink": {"entity": QUEUE, "sends_in_flight": in_flight, "connections_per_entity": connections},
         **({"replication": replication} if replication else {}),
     })
 
@@ -152,6 +155,19 @@ def healthy_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, 
     try:
         return rounds(args.rounds, lambda: raw_sequential(emu["primary"].connection_string, QUEUE, args.messages),
                       lambda: partition_run(config, args.messages))
+    finally:
+        sink_module.close_senders()
+
+
+def shared_connection_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, float]:
+    """(a connection per send in flight, one connection per entity): the healthy sink on loopback, the sends in
+    flight each on its own connection (``connections_per_entity`` = ``sends_in_flight``, the sink before issue
+    36) against all of them sharing one."""
+    shared = config_for(emu, args.in_flight)
+    each = config_for(emu, args.in_flight, connections=args.in_flight)
+    try:
+        return rounds(args.rounds, lambda: partition_run(each, args.messages),
+                      lambda: partition_run(shared, args.messages))
     finally:
         sink_module.close_senders()
 
@@ -224,6 +240,8 @@ def main() -> int:
     emu = emulator(work, "near", 0.0, 0.0)
     try:
         emit("sink failed over, secondary on loopback", *failed_over_row(emu, args), ">= 0.90")
+        emit("sink healthy, loopback: one connection per entity (raw: a connection per send in flight)",
+             *shared_connection_row(emu, args), ">= 0.95")
     finally:
         emu.stop()
     emu = emulator(work, "far-secondary", 0.0, 0.020)

@@ -31,6 +31,7 @@ gave. Shape (defaults shown)::
       key_column: null                # message ids from this column; default: derived (batch id + row content)
       chunk_size: 500                 # messages per send
       sends_in_flight: 8              # sends a partition keeps in flight (1: one at a time, in order)
+      connections_per_entity: 1       # sending connections a worker opens per entity and namespace; in-flight sends share them
       reject_table: null              # Delta path: rejected rows go there instead of failing the batch
       metrics_table: null             # Delta path: one row per batch summary
       checkpoint_location: null       # writer job only
@@ -1146,9 +1147,13 @@ class SinkConfig(_Frozen):
     columns: Annotated[FrozenMap, BeforeValidator(_columns)] = Field(default_factory=FrozenMap)
     key_column: Text | None = None
     chunk_size: Count = Field(default=500, ge=1, le=_MAX_CHUNK)
-    #: chunks a partition keeps in flight at once, each on its own connection (``PairedSender.submit``): a far
-    #: namespace's round trips overlap instead of adding up. 1: one send at a time, in the partition's order
+    #: chunks a partition keeps in flight at once (``PairedSender.submit``): a far namespace's round trips
+    #: overlap instead of adding up. 1: one send at a time, in the partition's order
     sends_in_flight: Count = Field(default=8, ge=1, le=32)
+    #: the sending connections a worker (a Python process) opens per entity and namespace: the sends in flight
+    #: share them, several batches in flight on each link (:mod:`spark_sb.bus.pipeline`). A namespace takes at
+    #: most 5,000 connections: README, "Sizing a job"
+    connections_per_entity: Count = Field(default=1, ge=1, le=32)
     reject_table: Text | None = None
     metrics_table: Text | None = None
     checkpoint_location: Text | None = None

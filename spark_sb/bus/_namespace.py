@@ -6,11 +6,14 @@ connection error, or on close) starts a new generation for later uses and never 
 use in progress: the detached generation is closed (senders and receivers first, then the client) as soon as
 no ``with`` block holds any of its handles, by the last block to let go, in a helper thread.
 
-**One user per handle.** An SDK sender or receiver is not thread-safe: one lock per (entity, lane) (senders) or
-per (queue, receive mode) (receivers) serialises their use.
+**One sender per entity, shared.** An SDK sender or receiver is not thread-safe: one lock per entity (senders)
+or per (queue, receive mode) (receivers) serialises every call into it. :meth:`Namespace.send` keeps several
+batches in flight on an entity's one sender (:mod:`spark_sb.bus.pipeline`): threads that send to the same entity
+share its link and its connection instead of opening one each, so a process holds one sending connection per
+entity it sends to, whatever its sends in flight. :meth:`Namespace.sender` hands the sender to one ``with``
+block at a time (pings, building batches, the syphon's sends).
 
-**Lanes.** A thread sends through the senders of its lane (:func:`send_lane`; 0 unless it was given one): a pool
-whose threads each have a lane keeps several sends to the same entity in flight, each on its own connection.
+**Lanes** (:func:`send_lane`) are kept for the pools that set them; senders no longer depend on them.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ from datetime import timedelta
 from typing import Any, Literal, TypeVar
 
 from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode, ServiceBusReceiver, ServiceBusSender
+from azure.servicebus.exceptions import ServiceBusConnectionError
 
 from .. import messages as msgs
 from ..admin import admin_client as build_admin_client
 from ..config import NamespaceConfig, SparkSbConfig
 from ..errors import is_link_gone, is_message_not_found, needs_session
+from . import pipeline
 from ._registry import close_quietly, shared
 
 _LOGGER = logging.getLogger(__name__)
@@ -111,9 +116,9 @@ def current_lane() -> int:
 
 
 def send_lane(lane: int) -> None:
-    """Make the calling thread use lane ``lane`` of every :class:`Namespace`: its own SDK senders (each its own
-    connection: the SDK shares none), so that sends from several threads are in flight at once instead of
-    waiting for one sender. For the threads of a pool that sends (``ThreadPoolExecutor(initializer=...)``)."""
+    """Give the calling thread lane ``lane`` (:func:`current_lane`): a number a pool's threads can tell each other
+    apart by. Senders used to be per lane (a connection each); they are shared per entity now
+    (:meth:`Namespace.send`)."""
     _LANES.lane = lane
 
 
@@ -124,7 +129,7 @@ class _Generation:
 
     def __init__(self) -> None:
         self.client: Any = None
-        self.senders: dict[tuple[str, int], Any] = {}  # (entity, lane)
+        self.senders: dict[tuple[str, int], Any] = {}  # by (entity, slot)
         self.receivers: dict[tuple[str, bool], Any] = {}
         self.users = 0
         self.detached = False
@@ -171,11 +176,17 @@ class Namespace:
     """The SDK handles of one namespace (``name`` is what logs and errors call it: ``primary``,
     ``secondary``). ``client_kwargs`` go to every ``ServiceBusClient`` it builds (retry policy, timeouts);
     ``clock`` dates :attr:`last_ok` (for :meth:`stale`); ``spawn(close)`` runs the closing of a detached
-    generation in a helper thread (default: a daemon thread that :meth:`wait_closed` joins). Thread-safe."""
+    generation in a helper thread (default: a daemon thread that :meth:`wait_closed` joins);
+    ``connections_per_entity``: the SDK senders (each a connection) of one entity, shared by the threads that
+    send to it (a thread uses the one of its lane, :func:`send_lane`, modulo this count). Thread-safe."""
 
     def __init__(self, name: str, namespace: NamespaceConfig, client_kwargs: Mapping[str, Any] = {}, *,
-                 clock: Callable[[], float] = time.monotonic, spawn: Spawn | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, spawn: Spawn | None = None,
+                 connections_per_entity: int = 1) -> None:
+        if connections_per_entity < 1:
+            raise ValueError(f"connections_per_entity must be at least 1, got {connections_per_entity}")
         self.name = name
+        self.connections_per_entity = connections_per_entity
         self.namespace = namespace
         self._client_kwargs = dict(client_kwargs)
         self._clock = clock
@@ -186,6 +197,7 @@ class Namespace:
         self._current = _Generation()
         self._detached: list[_Generation] = []  # detached generations not closed yet
         self._handle_locks: dict[object, threading.RLock] = {}
+        self._sender_ios: dict[tuple[str, int], pipeline.SenderIo] = {}
         self._session_entities: set[str] = set()  # entities whose pings need a session id
         self._closers: list[threading.Thread] = []
         self.closed = False
@@ -198,6 +210,10 @@ class Namespace:
     def _handle_lock(self, key: object) -> threading.RLock:
         with self._lock:
             return self._handle_locks.setdefault(key, threading.RLock())
+
+    def _sender_io(self, key: tuple[str, int]) -> pipeline.SenderIo:
+        with self._lock:
+            return self._sender_ios.setdefault(key, pipeline.SenderIo())
 
     @contextmanager
     def _use(self, cache: Callable[[_Generation], dict[Any, Any]], key: object,
@@ -223,23 +239,54 @@ class Namespace:
         finally:
             self._release(generation)
 
+    def _sender_key(self, entity: str) -> tuple[str, int]:
+        """The calling thread's sender of ``entity``: ``(entity, slot)``, the slot from its lane."""
+        return entity, current_lane() % self.connections_per_entity
+
+    def _sender_lock(self, key: tuple[str, int]) -> pipeline.SenderIo:
+        """The lock around every call into the SDK sender ``key`` (:class:`.pipeline.SenderIo`)."""
+        return self._sender_io(key)
+
+    def _use_sender(self, key: tuple[str, int]) -> Any:
+        return self._use(lambda g: g.senders, key,
+                         lambda client: client.get_queue_sender(key[0], **SENDER_KWARGS))
+
     @contextmanager
     def sender(self, entity: str) -> Iterator[ServiceBusSender]:
-        """This namespace's SDK sender of ``entity`` (a queue or topic: an AMQP sender only needs the path) in
-        the calling thread's lane (:func:`send_lane`), held exclusively for the ``with`` block."""
-        key = (entity, current_lane())
-        with self._handle_lock(key), self._use(
-                lambda g: g.senders, key, lambda client: client.get_queue_sender(entity, **SENDER_KWARGS)
-        ) as (_, sdk_sender):
+        """This namespace's SDK sender of ``entity`` (a queue or topic: an AMQP sender only needs the path), held
+        exclusively for the ``with`` block: other threads' :meth:`send` calls wait for it to end."""
+        key = self._sender_key(entity)
+        with self._sender_lock(key), self._use_sender(key) as (_, sdk_sender):
             yield sdk_sender
 
+    def send(self, entity: str, batch: Any) -> None:
+        """Send ``batch`` (a ``ServiceBusMessageBatch`` built by this namespace's sender of ``entity``) on that
+        sender, with the SDK's retry policy and try timeout: several threads' batches are in flight on its one
+        link at once (:func:`spark_sb.bus.pipeline.send_batch`). Raises the SDK's error. A sender another thread
+        dropped (:meth:`drop_sender`) under this send is replaced, and the batch sent on the new one (three
+        times at most; then the send fails as a lost connection would)."""
+        key = self._sender_key(entity)
+        for _ in range(3):
+            with self._use_sender(key) as (_, sdk_sender):
+                try:
+                    pipeline.send_batch(sdk_sender, self._sender_lock(key), batch)
+                    return
+                except pipeline.SenderClosed:
+                    _LOGGER.debug("the %s namespace's sender of %r was dropped under a send; sending on a new one",
+                                  self.name, entity)
+                    with self._lock:
+                        if self._current.senders.get(key) is sdk_sender:
+                            del self._current.senders[key]
+        raise ServiceBusConnectionError(message=f"the {self.name} namespace's sender of {entity!r} was closed under "
+                                                f"three sends in a row")
+
     def has_sender(self, entity: str) -> bool:
-        """Whether the calling thread's lane holds an open sender of ``entity`` (used before)."""
+        """Whether this namespace holds an open sender of ``entity`` (used before)."""
         with self._lock:
-            return (entity, current_lane()) in self._current.senders
+            return self._sender_key(entity) in self._current.senders
 
     def with_sender(self, entity: str, attempt: Callable[[ServiceBusSender], _T]) -> _T:
-        """``attempt(sdk_sender)`` with this lane's sender of ``entity``. A sender used before whose link the
+        """``attempt(sdk_sender)`` with the sender of ``entity``, held exclusively. A sender used before whose link the
         service detached meanwhile (idle for 10 minutes, or forced in an upgrade: ``amqp:link:detach-forced``)
         fails its next operation: it is dropped and ``attempt`` runs once more on a new one. Any other failure,
         or a second one, is raised. ``attempt`` must be safe to run again after a failure (it sent nothing)."""
@@ -257,10 +304,11 @@ class Namespace:
             return attempt(sdk_sender)
 
     def drop_sender(self, entity: str) -> None:
-        """Close and forget the calling thread's lane's sender of ``entity`` (after a failed send): the next use
-        opens a new one. Waits for a ``with`` block of another thread holding it."""
-        key = (entity, current_lane())
-        with self._handle_lock(key):
+        """Close and forget the sender of ``entity`` (after a failed send, or when its backlog queue leaves the
+        rotation): the next use opens a new one. Waits for a ``with`` block of another thread holding it; a
+        :meth:`send` in flight on it fails and is retried on the new one."""
+        key = self._sender_key(entity)
+        with self._sender_lock(key):
             with self._lock:
                 sdk_sender = self._current.senders.pop(key, None)
             if sdk_sender is not None:

@@ -161,11 +161,12 @@ def send_batches(side: Namespace, path: str, items: Sequence[ServiceBusMessage],
                 batches = list(built)
             else:
                 batches = build_batches(sdk_sender, path, items, entity)
-            if on_built is not None:
-                on_built(batches)
-            for one in batches:
-                sdk_sender.send_messages(one)
-                sent += len(one)
+        if on_built is not None:
+            on_built(batches)
+        # one after the other (a failure leaves a prefix sent), while other threads' sends share the link
+        for one in batches:
+            side.send(path, one)
+            sent += len(one)
     except BadMessageError:
         raise
     except Exception as exc:

@@ -215,11 +215,13 @@ class PairedSender:
         self._backoff = backoff if backoff is not None else ExponentialBackoff(0.5, 10.0)
         self._busy_backoff = sa.server_busy_backoff.total_seconds()
         # this sender's own handles (close() closes them), not the process-wide ones of bus.shared_namespace
-        self._primary = Namespace("primary", config.primary, sa.primary_client_kwargs(), clock=clock)
+        connections = config.sink.connections_per_entity
+        self._primary = Namespace("primary", config.primary, sa.primary_client_kwargs(), clock=clock,
+                                  connections_per_entity=connections)
         # the rotation, not the SDK, retries a failed backlog send: no SDK retries on the secondary either
         self._secondary = Namespace("secondary", config.secondary,
                                     {"retry_total": 0, "try_timeout": sa.primary_try_timeout.total_seconds()},
-                                    clock=clock)
+                                    clock=clock, connections_per_entity=connections)
         key = pairing_key(config)
         settings = {"failover_interval": sa.failover_interval.total_seconds(),
                     "ping_primary_interval": sa.ping_primary_interval.total_seconds(),

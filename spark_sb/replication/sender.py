@@ -207,8 +207,10 @@ class ReplicatingSender:
         self._retry_interval = config.replication.retry_interval.total_seconds()
         kwargs = sa.primary_client_kwargs()
         self._sides: dict[Side, Namespace] = {
-            PRIMARY: Namespace(PRIMARY, config.primary, kwargs, clock=clock),
-            SECONDARY: Namespace(SECONDARY, config.secondary, kwargs, clock=clock),
+            PRIMARY: Namespace(PRIMARY, config.primary, kwargs, clock=clock,
+                               connections_per_entity=config.sink.connections_per_entity),
+            SECONDARY: Namespace(SECONDARY, config.secondary, kwargs, clock=clock,
+                                 connections_per_entity=config.sink.connections_per_entity),
         }
         self._lock = threading.Lock()
         self._closed = False

@@ -18,6 +18,8 @@ from pairing import pair_config
 from spark_sb import sink as sink_module
 from spark_sb.config import load_config
 from spark_sb.emulator import Emulator, NamespaceOptions
+from spark_sb.emulator.model import QueueSpec
+from spark_sb.emulator.server import send_control
 
 ROWS = 2000  # four chunks of 500
 
@@ -199,3 +201,56 @@ def test_one_send_at_a_time_when_asked(emulator, primary, secondary, make_queue)
         emulator.heal("primary")
     assert summary["sent"] == 1500 and summary["backlog"][0][1] == 1500
     assert most[0] == 1  # three chunks, one after the other
+
+
+class _PeakConnections:
+    """The most connections ``namespace`` held at once while the ``with`` block ran (the emulator's stats, read
+    every 10 ms)."""
+
+    def __init__(self, namespace: Any) -> None:
+        self._admin_url = namespace.admin_url
+        self._stop = threading.Event()
+        self.peak = 0
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, send_control(self._admin_url, "stats")["connections"])
+            self._stop.wait(0.01)
+
+    def __enter__(self) -> _PeakConnections:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(15)
+
+
+def test_a_worker_holds_one_sending_connection_per_namespace_whatever_its_sends_in_flight(tmp_path) -> None:
+    """Issue 36: eight sends in flight used to hold eight connections per namespace (a cluster of 600 such workers
+    filled a namespace's 5,000). They share the entity's one link now, and still each message lands once."""
+    rows = 8000  # sixteen chunks, eight in flight
+    with Emulator([NamespaceOptions("primary", latency=0.005), NamespaceOptions("secondary", latency=0.01)],
+                  data_dir=tmp_path) as emu:
+        primary, secondary = emu["primary"], emu["secondary"]
+        q = "orders"
+        server = emu.server("primary")
+        server.call(lambda: server.broker.create_entity(QueueSpec(name=q)))
+        raw = pair_config(primary, secondary, "conn", backlog_queue_count=3, failover_interval="0s",
+                          ping_primary_interval="30m", primary_try_timeout="3s")
+        config = load_config({**raw, "sink": {"entity": q, "sends_in_flight": 8}})
+        sink_module.sender_for(config).pair()
+        with _PeakConnections(primary) as near:
+            healthy = _run(config, _rows(rows, "h"))
+        emu.fault("primary", "down")
+        with _PeakConnections(secondary) as far:
+            failed_over = _run(config, _rows(rows, "f"), failed_over=(q,))
+        sink_module.close_senders()
+        emu.heal("primary")
+        assert healthy["primary"] == rows and failed_over["primary"] == 0 and failed_over["sent"] == rows
+        assert 1 <= near.peak <= 2, f"the worker held {near.peak} connections to the primary"
+        assert 1 <= far.peak <= 2, f"the worker held {far.peak} connections to the secondary"
+        assert sorted(_ids(primary.connection_string, q)) == sorted(f"h-{i}" for i in range(rows))
+        [(chosen, _)] = failed_over["backlog"]
+        assert sorted(_ids(secondary.connection_string, chosen)) == sorted(f"f-{i}" for i in range(rows))
