@@ -84,12 +84,13 @@ from azure.servicebus.exceptions import (
 _LOGGER = logging.getLogger(__name__)
 
 __all__ = [
-    "ENCODING_ERRORS",
     "BacklogUnavailableError",
     "BadInputError",
     "BadMessageError",
     "ConfigError",
+    "ConnectionQuotaError",
     "CredentialRejectedError",
+    "ENCODING_ERRORS",
     "EntityNotFoundError",
     "ErrorClass",
     "PairingError",
@@ -103,6 +104,7 @@ __all__ = [
     "encoding_error",
     "is_blip",
     "is_connection_lost",
+    "is_connection_quota",
     "is_link_gone",
     "is_lock_lost",
     "is_message_not_found",
@@ -110,6 +112,7 @@ __all__ = [
     "is_unanswered",
     "needs_session",
     "redact",
+    "retry_after",
     "unreachable_reason",
 ]
 
@@ -331,6 +334,34 @@ class BacklogUnavailableError(SparkSbError):
         super().__init__(redact(text))
 
 
+class ConnectionQuotaError(SparkSbError):
+    """A namespace kept refusing new connections: it holds its maximum of concurrent connections (Service Bus:
+    5,000 per namespace, ``amqp:resource-limit-exceeded``). It is pushback, not an outage: the paired sender
+    waits and tries again for the failover interval, never fails over for it (the secondary would be asked for as
+    many connections), then raises this error. Nothing of the call was sent; in Spark the batch fails and is
+    replayed. The message says what to lower.
+
+    :ivar namespace: the namespace that refused (``primary <host>`` or ``secondary <host>``).
+    """
+
+    error_class = ErrorClass.THROTTLED
+    retryable = True
+
+    def __init__(self, namespace: str, waited: float, detail: str = "", *, connections_per_entity: int | None = None
+                 ) -> None:
+        self.namespace = namespace
+        setting = ("sink.connections_per_entity" if connections_per_entity is None
+                   else f"sink.connections_per_entity (now {connections_per_entity})")
+        text = (f"the {namespace} namespace refused new connections for {waited:.3g} s: it holds its maximum of "
+                f"concurrent connections (Service Bus: 5,000 per namespace). Nothing was sent and nothing failed "
+                f"over (the secondary would be asked for as many connections). Lower the connections open to it: "
+                f"the Python workers sending at once (partitions or cores), {setting}, or other clients of the "
+                f"namespace (README, \"Sizing a job\")")
+        if detail:
+            text += f". The service said: {detail}"
+        super().__init__(redact(text))
+
+
 class SourceUnavailableError(SparkSbError):
     """A source could not read a batch it had planned: its namespace did not answer for the source's
     ``readRetryTimeout``. Nothing was lost: the batch's messages stay deferred, and a restarted query reads the
@@ -448,7 +479,8 @@ def classify(exc: BaseException) -> ErrorClass:
 
     * ``MessageSizeExceededError`` (also what ``ServiceBusMessageBatch.add_message`` and a list send raise
       when a message does not fit) -> ``BAD_MESSAGE``
-    * ``ServiceBusServerBusyError`` -> ``THROTTLED``
+    * ``ServiceBusServerBusyError`` -> ``THROTTLED``; so is a connection the namespace refused at its connection
+      quota (:func:`is_connection_quota`): pushback, not an outage
     * ``MessagingEntityNotFoundError`` -> ``CONFIGURATION_NOT_FOUND``
     * ``ServiceBusAuthenticationError`` / ``ServiceBusAuthorizationError``: ``CONFIGURATION_CREDENTIAL`` when
       the credential was rejected (see the module docstring for the rule), ``CONFIGURATION_NOT_FOUND`` for
@@ -475,7 +507,7 @@ def classify(exc: BaseException) -> ErrorClass:
         return exc.error_class
     if isinstance(exc, MessageSizeExceededError):
         return ErrorClass.BAD_MESSAGE
-    if isinstance(exc, ServiceBusServerBusyError):
+    if isinstance(exc, ServiceBusServerBusyError) or is_connection_quota(exc):
         return ErrorClass.THROTTLED
     if isinstance(exc, MessagingEntityNotFoundError):
         return ErrorClass.CONFIGURATION_NOT_FOUND
@@ -588,6 +620,31 @@ def is_blip(exc: BaseException) -> bool:
     """The namespace did not answer (a lost connection, a timeout) or was busy: the same call may pass in a
     moment, so it is retried with backoff for a bounded time before anything fails."""
     return classify(exc) in (ErrorClass.OUTAGE, ErrorClass.THROTTLED)
+
+
+_RESOURCE_LIMIT = "amqp:resource-limit-exceeded"
+_PLEASE_WAIT = re.compile(r"please wait (\d+(?:\.\d+)?) seconds?", re.IGNORECASE)
+#: the longest wait :func:`retry_after` passes on, whatever the service asked
+RETRY_AFTER_MAX = 60.0
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """The wait a throttling answer asked for (Service Bus: "... is being throttled. Error code : 50002. Please
+    wait 2 seconds and try again."), in seconds, at most :data:`RETRY_AFTER_MAX`; ``None`` when ``exc`` (or a cause
+    in its chain) names none."""
+    for cause in _causes(exc):
+        match = _PLEASE_WAIT.search(str(cause))
+        if match:
+            return min(float(match.group(1)), RETRY_AFTER_MAX)
+    return None
+
+
+def is_connection_quota(exc: BaseException) -> bool:
+    """The namespace refused a new connection because it holds its maximum of concurrent connections: the
+    connection was closed with ``amqp:resource-limit-exceeded`` (the SDK raises ``ServiceBusConnectionError``).
+    Pushback, not an outage (:func:`classify`: ``THROTTLED``)."""
+    return any(isinstance(cause, ServiceBusConnectionError) and _condition(cause) == _RESOURCE_LIMIT
+               for cause in _causes(exc))
 
 
 def is_connection_lost(exc: BaseException) -> bool:

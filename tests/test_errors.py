@@ -397,3 +397,27 @@ def test_a_pairing_error_says_what_happened_to_the_data_and_what_to_check() -> N
         assert str(again) == text and again.detail == error.detail
     assert "never" not in (PairingError.__doc__ or "")  # pairing is lazy: a send raises it
     assert "SharedAccessKey=***" in str(PairingError("Endpoint=sb://x/;SharedAccessKey=secret"))
+
+
+def test_retry_after_reads_the_wait_a_throttled_namespace_asks_for() -> None:
+    from azure.servicebus.exceptions import ServiceBusServerBusyError
+
+    from spark_sb.errors import RETRY_AFTER_MAX, retry_after
+
+    busy = ServiceBusServerBusyError("The request was terminated because the namespace 'p' is being throttled. "
+                                     "Error code : 50002. Please wait 2 seconds and try again.")
+    assert retry_after(busy) == 2.0
+    assert retry_after(ServiceBusServerBusyError("busy")) is None
+    assert retry_after(RuntimeError("Please wait 3600 seconds")) == RETRY_AFTER_MAX  # bounded
+
+
+def test_a_connection_refused_at_the_quota_is_pushback_not_an_outage() -> None:
+    from azure.servicebus.exceptions import ServiceBusConnectionError
+
+    from spark_sb.errors import ErrorClass, classify, is_connection_quota
+
+    refused = ServiceBusConnectionError(message="Cannot open a new connection")
+    refused._condition = "amqp:resource-limit-exceeded"
+    lost = ServiceBusConnectionError(message="connection lost")
+    assert is_connection_quota(refused) and classify(refused) is ErrorClass.THROTTLED
+    assert not is_connection_quota(lost) and classify(lost) is ErrorClass.OUTAGE

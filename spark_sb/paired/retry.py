@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol, TypeVar
 
-from ..errors import redact
+from ..errors import redact, retry_after
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -129,7 +129,9 @@ class RetryFor:
     """Call a function again with backoff while it fails with what ``retryable`` accepts, for up to ``seconds``
     from its first failure (a bound in time, not in attempts: how long a blip of a namespace is ridden out).
     Each retry is logged as a warning naming ``what``. A failure ``retryable`` rejects is raised at once; the
-    last failure, once the time is up, is raised too, or what ``give_up(exc, failures, elapsed)`` makes of it."""
+    last failure, once the time is up, is raised too, or what ``give_up(exc, failures, elapsed)`` makes of it.
+    A failure that names the wait the service asked for (:func:`~spark_sb.errors.retry_after`) waits at least
+    that long."""
 
     def __init__(self, seconds: float, backoff: Backoff, *, clock: Clock = default_clock,
                  sleep: Sleep = default_sleep) -> None:
@@ -159,7 +161,8 @@ class RetryFor:
                     if give_up is None:
                         raise
                     raise give_up(exc, failures, elapsed) from exc
-                delay = min(self.backoff.compute(failures), left)
+                # a busy namespace's own "Please wait N seconds" is the least wait (what the paired sender waits)
+                delay = min(max(self.backoff.compute(failures), retry_after(exc) or 0.0), left)
                 _LOGGER.warning("%s failed (%s: %s); trying again in %.1f s (%.0f s of %g s used)", what,
                                 type(exc).__name__, redact(str(exc))[:200], delay, elapsed, self.seconds)
                 self._sleep(delay)

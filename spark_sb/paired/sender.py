@@ -66,6 +66,7 @@ from ..durations import format_duration
 from ..errors import (
     BacklogUnavailableError,
     BadMessageError,
+    ConnectionQuotaError,
     CredentialRejectedError,
     EntityNotFoundError,
     ErrorClass,
@@ -76,8 +77,10 @@ from ..errors import (
     classify,
     is_blip,
     is_connection_lost,
+    is_connection_quota,
     is_unanswered,
     redact,
+    retry_after,
     unreachable_reason,
 )
 from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, Sleep
@@ -235,7 +238,8 @@ class PairedSender:
         self._state_lock = threading.Lock()
         self._closed = False
         self._saw_connection_error = False
-        self._counters: dict[str, int] = {"sent_primary": 0, "sent_backlog": 0, "busy_waits": 0}
+        self._counters: dict[str, int] = {"sent_primary": 0, "sent_backlog": 0, "busy_waits": 0,
+                                          "connection_refusals": 0}
         self._pool = SendPool(config.sink.sends_in_flight)
         # joined last (nothing after it can fail); close() leaves it
         self._attached = False  # to the board's ping task
@@ -524,6 +528,7 @@ class PairedSender:
         counts: dict[str, int] = {}
         pending = batch
         failures = 0
+        refused_since: float | None = None  # when the primary began refusing connections (its quota), if it is
         # what this send may spend pairing, over the last wait before a failover and the failover itself
         pairing_time = _PairingTime(self._sa.pairing_timeout.total_seconds())
         while pending:
@@ -570,10 +575,7 @@ class PairedSender:
                     self._prepare_backlog(entity, pairing_time)
                 self._sleep(max(0.0, delay - (self._clock() - started)))
             elif error_class is ErrorClass.THROTTLED:
-                with self._state_lock:
-                    self._counters["busy_waits"] += 1
-                _LOGGER.info("primary busy for %r; waiting %.3g s", entity, self._busy_backoff)
-                self._sleep(self._busy_backoff)
+                refused_since = self._pushback(error, "primary", entity, refused_since)
             else:
                 converted = as_spark_sb_error(
                     error, namespace=f"primary {self.config.primary.fully_qualified_namespace}", entity=entity)
@@ -582,9 +584,42 @@ class PairedSender:
                 raise converted from error
         return counts
 
+    def _pushback(self, error: BaseException, side: str, entity: str, refused_since: float | None) -> float | None:
+        """The namespace pushed back (``THROTTLED``): wait, then the caller sends again to the same place. Never
+        counts toward a failover.
+
+        * Busy (``ServerBusy``): wait what the service asked ("Please wait N seconds",
+          :func:`~spark_sb.errors.retry_after`), else ``server_busy_backoff``; counted in ``busy_waits``.
+        * A connection refused at the namespace's connection quota: the same wait, counted in
+          ``connection_refusals``, for at most the failover interval from the first refusal (``refused_since``,
+          returned for the next call); then :class:`~spark_sb.errors.ConnectionQuotaError` saying what to lower.
+        """
+        wait = retry_after(error)
+        wait = self._busy_backoff if wait is None else wait
+        fqdn = (self.config.primary if side == "primary" else self.config.secondary).fully_qualified_namespace
+        if not is_connection_quota(error):
+            with self._state_lock:
+                self._counters["busy_waits"] += 1
+            _LOGGER.info("%s busy for %r; waiting %.3g s", side, entity, wait)
+            self._sleep(wait)
+            return None
+        now = self._clock()
+        since = now if refused_since is None else refused_since
+        patience = self._sa.failover_interval.total_seconds()
+        if now - since + wait > patience:
+            raise ConnectionQuotaError(f"{side} {fqdn}", now - since, redact(str(error)),
+                                       connections_per_entity=self.config.sink.connections_per_entity) from error
+        with self._state_lock:
+            self._counters["connection_refusals"] += 1
+        _LOGGER.warning("the %s namespace %s refused a connection for %r: it holds its maximum of connections (lower "
+                        "the connections open to it: README, \"Sizing a job\"); waiting %.3g s, no failover", side,
+                        fqdn, entity, wait)
+        self._sleep(wait)
+        return since
+
     def stats(self) -> dict[str, int]:
-        """Counters for monitoring: ``sent_primary``, ``sent_backlog`` and ``busy_waits`` (server-busy waits)
-        of this sender, plus the ``failovers``, ``failbacks`` and ``assumed_failovers`` of its shared
+        """Counters for monitoring: ``sent_primary``, ``sent_backlog``, ``busy_waits`` (server-busy waits) and
+        ``connection_refusals`` (waits after a connection refused at the namespace's quota) of this sender, plus the ``failovers``, ``failbacks`` and ``assumed_failovers`` of its shared
         :class:`~spark_sb.bus.health.HealthBoard` (every sender of the pairing in this process)."""
         with self._state_lock:
             counters = dict(self._counters)
@@ -604,6 +639,7 @@ class PairedSender:
         counts: dict[str, int] = {}
         tried: list[str] = []
         last_error: BaseException | None = None
+        refused_since: float | None = None
         while rewritten:
             queue = self.board.backlog_queue(entity, usable, self._rng, exclude=tried)
             if queue is None:
@@ -617,6 +653,9 @@ class PairedSender:
                 if partial.sent:
                     counts[queue] = counts.get(queue, 0) + partial.sent
                     rewritten = rewritten[partial.sent:]
+                if classify(partial.error) is ErrorClass.THROTTLED:  # pushback: the same queue, after a wait
+                    refused_since = self._pushback(partial.error, "secondary", entity, refused_since)
+                    continue
                 if classify(partial.error) is ErrorClass.CONFIGURATION_CREDENTIAL:
                     # the secondary said no to the credential: no queue is to blame, and retrying cannot help
                     raise CredentialRejectedError(

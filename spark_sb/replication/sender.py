@@ -37,8 +37,9 @@ Choices where behaviour.md is silent (also in the report):
   raises :class:`~spark_sb.errors.ReplicationError` (the active side's outage may be what the other side's
   answer hides); messages one side stored before the failure stay there, and a retry sends them again with
   the same ids. Roles stay swapped until the next outage (no failback timer, as the outages page);
-* throttling (``ServiceBusServerBusyError``) on a side waits ``server_busy_backoff`` and retries that side
-  with the messages it has not accepted, for as long as it answers busy (as the paired sender); it never
+* throttling (``ServiceBusServerBusyError``, or a connection refused at the namespace's connection quota) on a
+  side waits what the service asked ("Please wait N seconds") or else ``server_busy_backoff``, and retries that
+  side with the messages it has not accepted, for as long as it answers busy (as the paired sender); it never
   skips a side nor swaps roles;
 * a ``ServiceBusConnectionError`` (the SDK shut a connection down) closes that side's clients only (the sides
   are independent here), rebuilt on next use; when that side had been idle for
@@ -75,6 +76,7 @@ from ..errors import (
     classify,
     is_connection_lost,
     redact,
+    retry_after,
 )
 from ..paired.retry import Clock, Sleep
 
@@ -349,10 +351,12 @@ class ReplicatingSender:
                 return _Outcome(side, sent, exc)
             else:
                 return _Outcome(side, sent + len(pending))
-            if classify(error) is ErrorClass.THROTTLED:
+            if classify(error) is ErrorClass.THROTTLED:  # what the service asked, else server_busy_backoff
+                wait = retry_after(error)
+                wait = self._busy_backoff if wait is None else wait
                 self._count(busy_waits=1)
-                _LOGGER.info("%s busy for %r; waiting %.3g s", side, entity, self._busy_backoff)
-                self._sleep(self._busy_backoff)
+                _LOGGER.info("%s busy for %r; waiting %.3g s", side, entity, wait)
+                self._sleep(wait)
                 continue
             if is_connection_lost(error):
                 namespace.detach()  # the SDK shut the connection down: new handles on next use
