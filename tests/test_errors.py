@@ -404,10 +404,10 @@ def test_retry_after_reads_the_wait_a_throttled_namespace_asks_for() -> None:
 
     from spark_sb.errors import RETRY_AFTER_MAX, retry_after
 
-    busy = ServiceBusServerBusyError("The request was terminated because the namespace 'p' is being throttled. "
-                                     "Error code : 50002. Please wait 2 seconds and try again.")
+    busy = ServiceBusServerBusyError(message="The request was terminated because the namespace 'p' is being throttled. "
+                                             "Error code : 50002. Please wait 2 seconds and try again.")
     assert retry_after(busy) == 2.0
-    assert retry_after(ServiceBusServerBusyError("busy")) is None
+    assert retry_after(ServiceBusServerBusyError(message="busy")) is None
     assert retry_after(RuntimeError("Please wait 3600 seconds")) == RETRY_AFTER_MAX  # bounded
 
 

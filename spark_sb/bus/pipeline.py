@@ -169,11 +169,16 @@ class SenderIo:
                 readable = _readable(handler, 0)
                 if readable is False:
                     handler._link.update_pending_deliveries()
-                elif not handler.do_work():
-                    raise MessageException(condition=ErrorCondition.ClientError,
-                                           description="Send failed - connection not running.")
-                elif _unsent(handler):
-                    handler._link.update_pending_deliveries()
+                else:
+                    # the frames that are there already, under one hold of the lock (a disposition each, often)
+                    for _ in range(_FRAMES_PER_PUMP):
+                        if not handler.do_work():
+                            raise MessageException(condition=ErrorCondition.ClientError,
+                                                   description="Send failed - connection not running.")
+                        if _readable(handler, 0) is not True:
+                            break
+                    if _unsent(handler):
+                        handler._link.update_pending_deliveries()
             except Exception as exc:  # noqa: BLE001 - handed to each waiting send, which maps it as the SDK does
                 for delivery in mine:
                     delivery.fail(exc)
@@ -197,12 +202,18 @@ class SenderIo:
         return True
 
 
+class _Unsettled(Exception):
+    """A send's own wait for its disposition ran out (its try timeout); the link may well be fine."""
+
+
 class SenderClosed(Exception):
     """The sender was closed by another thread (``Namespace.drop_sender``) before this attempt: nothing of the
     attempt was sent; send again on the namespace's new sender."""
 
 #: the longest the pump waits on the socket, and a send on its delivery, before looking again
 _POLL = 0.05
+#: the most frames the pump reads under one hold of the lock, while more are there to read
+_FRAMES_PER_PUMP = 16
 
 
 def _readable(handler: Any, timeout: float) -> bool | None:
@@ -258,13 +269,18 @@ def send_batch(sdk_sender: Any, io: SenderIo, batch: Any) -> None:
             return
         except SenderClosed:
             raise
+        except _Unsettled:
+            # this send's wait ran out, not the link: the SDK would close the handler (its send owns the link),
+            # which here would fail every other send in flight on it, and send again what the service may have
+            # stored already. The link stays open; only this send fails (or is retried) as timed out.
+            error: Exception = OperationTimeoutError(message="Send operation timed out")
         except Exception as exc:  # noqa: BLE001 - mapped (and re-raised when final) by the SDK's own rules
             with io:
                 error = sdk_sender._handle_exception(exc)  # raises when the error is not retryable
-            retried += 1
-            if retried > config.retry_total:
-                raise error from exc
-            sdk_sender._backoff(retried_times=retried, last_exception=error)
+        retried += 1
+        if retried > config.retry_total:
+            raise error
+        sdk_sender._backoff(retried_times=retried, last_exception=error)
 
 
 def _attempt(sdk_sender: Any, io: SenderIo, batch: Any, timeout: float | None) -> None:
@@ -283,7 +299,7 @@ def _attempt(sdk_sender: Any, io: SenderIo, batch: Any, timeout: float | None) -
     try:
         while not delivery.wake.wait(_POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))):
             if deadline is not None and time.monotonic() >= deadline:
-                raise OperationTimeoutError(message="Send operation timed out")
+                raise _Unsettled
     finally:
         io.untrack(delivery)
     if delivery.failure is not None:
