@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from azure.servicebus import ServiceBusClient, ServiceBusReceivedMessage
+from azure.servicebus import ServiceBusClient, ServiceBusReceivedMessage, ServiceBusReceiveMode
 from azure.servicebus.exceptions import ServiceBusError
 
 _prefixes = itertools.count()
@@ -25,6 +25,16 @@ def pair_config(primary: Any, secondary: Any, tag: str, *, prefix: str | None = 
         "send_availability": {"backlog_prefix": prefix or f"{tag}{next(_prefixes)}-{uuid.uuid4().hex[:8]}",
                               **send_availability},
     }
+
+
+def received_ids(connection_string: str, queue: str) -> list[str]:
+    """Every message id in ``queue`` (received and deleted), duplicates kept."""
+    ids: list[str] = []
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client, \
+            client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+        while batch := receiver.receive_messages(max_message_count=500, max_wait_time=1):
+            ids.extend(str(m.message_id) for m in batch)
+    return ids
 
 
 def peek_all(connection_string: str, queue: str, *, retry_total: int = 0,

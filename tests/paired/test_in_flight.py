@@ -13,7 +13,7 @@ from typing import Any
 import pyarrow as pa
 import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode
-from pairing import pair_config
+from pairing import pair_config, received_ids
 
 from spark_sb import sink as sink_module
 from spark_sb.config import load_config
@@ -67,16 +67,6 @@ def _run(config: Any, batches: list[pa.RecordBatch], failed_over: tuple[str, ...
     return {name: summary.column(name)[0].as_py() for name in summary.schema.names}
 
 
-def _ids(connection_string: str, queue: str) -> list[str]:
-    """Every message id in ``queue`` (received and deleted), duplicates kept."""
-    ids: list[str] = []
-    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client, \
-            client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
-        while batch := receiver.receive_messages(max_message_count=500, max_wait_time=1):
-            ids.extend(str(m.message_id) for m in batch)
-    return ids
-
-
 def test_a_failed_over_partition_with_sends_in_flight_lands_once_in_the_chosen_backlog_queue(
         emulator, primary, secondary, make_queue) -> None:
     q = make_queue()
@@ -106,10 +96,10 @@ def test_a_failed_over_partition_with_sends_in_flight_lands_once_in_the_chosen_b
     assert summary["sent"] == ROWS and summary["primary"] == 0
     [(chosen, count)] = summary["backlog"]  # one queue: each (process, entity) keeps the one it picked
     assert count == ROWS and chosen in sender.backlog_queues
-    ids = _ids(secondary.connection_string, chosen)
+    ids = received_ids(secondary.connection_string, chosen)
     assert sorted(ids) == sorted(f"fo-{i}" for i in range(ROWS))  # every message, once
     for other in set(sender.backlog_queues) - {chosen}:
-        assert _ids(secondary.connection_string, other) == []
+        assert received_ids(secondary.connection_string, other) == []
 
 
 def test_an_outage_while_sends_are_in_flight_fails_over_what_was_not_acknowledged_once(
@@ -144,9 +134,9 @@ def test_an_outage_while_sends_are_in_flight_fails_over_what_was_not_acknowledge
         del sender.send
         emulator.heal("primary")
 
-    in_primary = _ids(primary.connection_string, q)
+    in_primary = received_ids(primary.connection_string, q)
     backlog = dict(summary["backlog"])
-    in_backlog = [i for queue in sender.backlog_queues for i in _ids(secondary.connection_string, queue)]
+    in_backlog = [i for queue in sender.backlog_queues for i in received_ids(secondary.connection_string, queue)]
     # reported once: the summary's counts are what each side holds
     assert summary["sent"] == ROWS and summary["primary"] == len(in_primary) and sum(backlog.values()) == len(in_backlog)
     assert len(in_primary) == 2 * 500 and summary["failovers"] >= 1  # the first two chunks
@@ -251,6 +241,6 @@ def test_a_worker_holds_one_sending_connection_per_namespace_whatever_its_sends_
         assert healthy["primary"] == rows and failed_over["primary"] == 0 and failed_over["sent"] == rows
         assert 1 <= near.peak <= 2, f"the worker held {near.peak} connections to the primary"
         assert 1 <= far.peak <= 2, f"the worker held {far.peak} connections to the secondary"
-        assert sorted(_ids(primary.connection_string, q)) == sorted(f"h-{i}" for i in range(rows))
+        assert sorted(received_ids(primary.connection_string, q)) == sorted(f"h-{i}" for i in range(rows))
         [(chosen, _)] = failed_over["backlog"]
-        assert sorted(_ids(secondary.connection_string, chosen)) == sorted(f"f-{i}" for i in range(rows))
+        assert sorted(received_ids(secondary.connection_string, chosen)) == sorted(f"f-{i}" for i in range(rows))

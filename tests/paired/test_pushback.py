@@ -10,8 +10,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
-from pairing import pair_config
+from azure.servicebus import ServiceBusClient, ServiceBusMessage
+from pairing import pair_config, received_ids
 
 from spark_sb import ConnectionQuotaError, PairedSender
 from spark_sb.config import load_config
@@ -35,15 +35,6 @@ def _sender(emu: Emulator, **send_availability: Any) -> PairedSender:
     raw = pair_config(emu["primary"], emu["secondary"], "push", backlog_queue_count=2, ping_primary_interval="30m",
                       primary_try_timeout="5s", **send_availability)
     return PairedSender.from_config(load_config({**raw, "sink": {"entity": QUEUE, "sends_in_flight": 8}}))
-
-
-def _ids(connection_string: str, queue: str) -> list[str]:
-    ids: list[str] = []
-    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client, \
-            client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
-        while batch := receiver.receive_messages(max_message_count=500, max_wait_time=1):
-            ids.extend(str(m.message_id) for m in batch)
-    return ids
 
 
 def _until_closed(emu: Emulator) -> None:
@@ -81,7 +72,7 @@ def test_a_throttled_primary_gets_its_rate_and_never_a_failover(throttled: Emula
     # 800 messages at 100 a second, the first 100 from the full bucket: about 7 s; at least 0.9 of the rate
     # (the limit is the throttle, not this machine: unthrottled, the same sends take well under a second)
     assert 800 / seconds >= 0.9 * 100, f"{800 / seconds:.0f} messages/s under a throttle of 100/s"
-    assert sorted(_ids(throttled["primary"].connection_string, QUEUE)) == sorted(
+    assert sorted(received_ids(throttled["primary"].connection_string, QUEUE)) == sorted(
         m.message_id for chunk in chunks for m in chunk)
 
 
@@ -105,7 +96,7 @@ def test_a_throttled_backlog_queue_is_waited_for_not_taken_out_of_the_rotation(t
         assert sum(result.backlog for result in results) == 400
         assert stats["busy_waits"] > 0
         [used] = {queue for result in results for queue in result.destinations if queue != "primary"}
-        parked = [i for queue in queues for i in _ids(emu["secondary"].connection_string, queue)]
+        parked = [i for queue in queues for i in received_ids(emu["secondary"].connection_string, queue)]
         assert len(parked) == 400 and len(set(parked)) == 400
         assert used in queues
 
@@ -129,7 +120,7 @@ def test_a_connection_quota_is_reported_with_what_to_lower_and_never_fails_over(
             assert "primary" in message and "SharedAccessKey=" not in message
             assert sender.stats()["failovers"] == 0 and sender.state(QUEUE) == "healthy"
             for queue in sender.backlog_queues:
-                assert _ids(emu["secondary"].connection_string, queue) == []
+                assert received_ids(emu["secondary"].connection_string, queue) == []
             held.close()
             holder.close()
             _until_closed(emu)
@@ -138,4 +129,4 @@ def test_a_connection_quota_is_reported_with_what_to_lower_and_never_fails_over(
             sender.close()
             holder.close()
         _until_closed(emu)
-        assert _ids(emu["primary"].connection_string, QUEUE) == ["later"]
+        assert received_ids(emu["primary"].connection_string, QUEUE) == ["later"]
