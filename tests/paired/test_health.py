@@ -207,3 +207,24 @@ def test_a_failing_state_ends_with_the_last_send_living_through_it() -> None:
         clock.now = 10_060
         assert b.state("e") is EntityState.FAILED_OVER
     assert b.state("e") is EntityState.FAILED_OVER  # leaving does not undo a failover
+
+
+def test_retry_for_waits_at_least_what_a_busy_namespace_asks() -> None:
+    """Issue 36: a source riding out a busy namespace waited its own backoff (0.5 s, 1 s, ...) and asked again
+    before the service said it would answer; it waits what the service asked now, within the bound."""
+    from azure.servicebus.exceptions import ServiceBusServerBusyError
+
+    now, slept = [0.0], []
+
+    def sleep(seconds: float) -> None:
+        slept.append(seconds)
+        now[0] += seconds
+
+    def busy() -> None:
+        raise ServiceBusServerBusyError(message="The request was terminated because the namespace 'p' is being "
+                                                "throttled. Error code : 50002. Please wait 2 seconds and try again.")
+
+    retry = RetryFor(7, ExponentialBackoff(0.5, 5.0), clock=lambda: now[0], sleep=sleep)
+    with pytest.raises(ServiceBusServerBusyError):
+        retry.call(busy, lambda e: True, what="receiving")
+    assert slept == [2.0, 2.0, 2.0, 1.0]  # at least the 2 s asked (then 4 s of backoff would pass the bound)
