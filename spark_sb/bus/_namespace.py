@@ -211,10 +211,6 @@ class Namespace:
         with self._lock:
             return self._handle_locks.setdefault(key, threading.RLock())
 
-    def _sender_io(self, key: tuple[str, int]) -> pipeline.SenderIo:
-        with self._lock:
-            return self._sender_ios.setdefault(key, pipeline.SenderIo())
-
     @contextmanager
     def _use(self, cache: Callable[[_Generation], dict[Any, Any]], key: object,
              open_handle: Callable[[Any], Any]) -> Iterator[tuple[_Generation, Any]]:
@@ -245,7 +241,8 @@ class Namespace:
 
     def _sender_lock(self, key: tuple[str, int]) -> pipeline.SenderIo:
         """The lock around every call into the SDK sender ``key`` (:class:`.pipeline.SenderIo`)."""
-        return self._sender_io(key)
+        with self._lock:
+            return self._sender_ios.setdefault(key, pipeline.SenderIo())
 
     def _use_sender(self, key: tuple[str, int]) -> Any:
         return self._use(lambda g: g.senders, key,

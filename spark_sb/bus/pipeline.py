@@ -81,12 +81,12 @@ class _Delivery(_MessageDelivery if _MessageDelivery is not None else object):  
 
 
 class SenderIo:
-    """The lock around every call into one SDK sender's handler: re-entrant (``with io:``), with one rule more. A
-    thread that only pumps the connection while it waits for its disposition (:meth:`pump`) goes after every
-    thread waiting to write (to open the link, write a transfer, or use the sender in a ``with`` block). A
-    plain lock let the pumping threads take it back from each other frame after frame while a thread with a
-    transfer to write waited: the sends in flight went out one at a time (measured: 0.99 of a sequential send
-    against a namespace 40 ms away, where 8 sends in flight on one link reach 2.4)."""
+    """The lock around every call into one SDK sender's handler (re-entrant: ``with io:``), and the sender's pump
+    thread (:meth:`track`), which reads the connection while sends wait for their dispositions. The pump takes
+    the lock only when no thread waits to write (to open the link, write a transfer, or use the sender in a
+    ``with`` block): a plain lock let the readers take it back frame after frame while a thread with a transfer
+    to write waited, and the sends in flight went out one at a time (measured: 0.99 of a sequential send against
+    a namespace 40 ms away, where 8 sends in flight on one link reach 2.4)."""
 
     def __init__(self) -> None:
         self._cv = threading.Condition(threading.Lock())
@@ -146,7 +146,7 @@ class SenderIo:
                 handler = waiting[-1].handler
                 if not _unsent(handler) and _readable(handler, _POLL) is False:
                     continue
-                if not self.pump(lambda: False, _POLL):
+                if not self._take_for_pump(_POLL):
                     continue
                 try:
                     self._pump_once(waiting)
@@ -183,21 +183,16 @@ class SenderIo:
                 for delivery in mine:
                     delivery.fail(exc)
 
-    def pump(self, done: Any, timeout: float | None) -> bool:
-        """Take the lock to pump the connection once nobody holds it and no thread waits to write, unless
-        ``done()`` turns true first (another thread's pumping settled this thread's delivery) or ``timeout``
-        seconds pass. True when taken (release it with ``__exit__``)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _take_for_pump(self, timeout: float) -> bool:
+        """Take the lock for the pump once nobody holds it and no thread waits to write, within ``timeout``
+        seconds. True when taken (release it with ``__exit__``)."""
+        deadline = time.monotonic() + timeout
         with self._cv:
             while self._owner is not None or self._writers:
-                if done():
-                    return False
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     return False
                 self._cv.wait(left)
-            if done():
-                return False
             self._owner, self._depth = threading.get_ident(), 1
         return True
 
