@@ -46,7 +46,7 @@ $(JS_SDK)/node_modules/.installed: $(JS_SDK)/package-lock.json
 	cd $(JS_SDK) && npm ci --silent --no-audit --no-fund
 	touch $@
 
-.PHONY: demo test test-spark-versions $(SPARK_VERSIONS:%=test-spark-%) lint bench chaos soak
+.PHONY: demo test test-spark-versions $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench chaos soak
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
@@ -54,6 +54,7 @@ demo: $(VENV)/.installed
 # intervals (with two, the machine was about half idle), and every test's bounds hold on a loaded machine.
 WORKERS ?= 3
 test: $(VENV)/.installed $(SPARK_VENVS:%=%/.installed) $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed
+	$(MAKE) --no-print-directory docs typecheck
 	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=15
 	$(MAKE) --no-print-directory test-spark-versions
 
@@ -64,6 +65,15 @@ test-spark-versions: $(SPARK_VENVS:%=%/.installed)
 $(SPARK_VERSIONS:%=test-spark-%): test-spark-%: .venv-spark%/.installed
 	@echo "== Spark $* (.venv-spark$*): the Spark tests of the sink, the sources, the syphon job and dedupe"
 	.venv-spark$*/bin/python -m pytest -q -n 2 --dist loadfile --durations=8 $(EVERY_SPARK) tests/spark
+
+# The manual (docs/, mkdocs.yml) into site/, strict: a broken link, a page missing from the nav or a reference to
+# a name that does not exist fails the build. Open site/index.html.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
+# mypy on spark_sb (pyproject.toml, [tool.mypy]: strict for the modules that hold public names)
+typecheck: $(VENV)/.installed
+	$(PY) -m mypy
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check .
