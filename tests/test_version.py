@@ -69,3 +69,11 @@ def test_spark_sb_version_prints_the_version(capsys: pytest.CaptureFixture[str])
         cli.main(["--version"])
     assert exit_.value.code == 0
     assert capsys.readouterr().out.strip() == f"spark-sb {spark_sb.__version__}"
+
+
+def test_the_changelog_has_an_entry_for_the_version_and_the_manual_shows_it() -> None:
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    versions = re.findall(r"^## \[([^\]]+)\]", changelog, re.MULTILINE)
+    assert versions and versions[0] == "Unreleased", versions
+    assert spark_sb.__version__ in versions, f"CHANGELOG.md has no '## [{spark_sb.__version__}]' entry: {versions}"
+    assert '--8<-- "CHANGELOG.md"' in (ROOT / "docs" / "changelog.md").read_text()
