@@ -11,6 +11,8 @@ import re
 import typing
 from pathlib import Path
 
+import pytest
+import yaml
 from pydantic import BaseModel
 
 import spark_sb
@@ -95,3 +97,16 @@ def test_every_option_of_the_configuration_is_on_the_configuration_page_with_its
             f"{model.__name__}: the page lists {listed}, the model has {list(model.model_fields)}")
         undocumented = set(model.model_fields) - _documented_fields(model)
         assert not undocumented, f"{model.__name__}: options without a docstring saying what they mean: {undocumented}"
+
+
+def test_the_configuration_page_s_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The YAML block of docs/reference/configuration.md is a configuration load_config takes, as written."""
+    blocks = re.findall(r"^```yaml\n(.*?)^```", CONFIGURATION.read_text(), re.MULTILINE | re.DOTALL)
+    assert len(blocks) == 1
+    for name, port in (("SB_PRIMARY", 5672), ("SB_SECONDARY", 5673)):
+        monkeypatch.setenv(name, f"Endpoint=sb://localhost:{port};SharedAccessKeyName=RootManageSharedAccessKey;"
+                                 "SharedAccessKey=SAS_KEY_VALUE;UseDevelopmentEmulator=true")
+    loaded = config.load_config(yaml.safe_load(blocks[0]))
+    assert loaded.secondary.fully_qualified_namespace == "localhost:5673"
+    assert loaded.send_availability.failover_interval.total_seconds() == 60
+    assert (loaded.sink.entity, loaded.syphon.ledger) == ("orders", "/delta/syphon_ledger")
