@@ -15,6 +15,7 @@ import importlib
 import importlib.util
 from typing import TYPE_CHECKING, Any
 
+#: the package's version: the one place it is kept (pyproject.toml reads it, ``spark-sb --version`` prints it)
 __version__ = "0.1.0"
 
 #: public name -> the module that defines it

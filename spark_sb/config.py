@@ -544,12 +544,26 @@ class CredentialConfig(_Compact):
     """
 
     type: Literal["default", "client_secret", "managed_identity"] = "default"
+    """``default`` (``DefaultAzureCredential``), ``client_secret`` (``ClientSecretCredential``) or
+    ``managed_identity`` (``ManagedIdentityCredential``)."""
     tenant_id: str | None = None
+    """The Microsoft Entra ID tenant (id or domain); required with ``client_secret``, and only used with it."""
     client_id: str | None = None
+    """The application (client) id: required with ``client_secret``; with ``default`` or ``managed_identity``
+    it selects a user-assigned managed identity."""
     client_secret: SecretText | None = None
+    """The application's secret, with ``client_secret`` only. A secret: write it as a ``${ENV_VAR}``
+    reference."""
     authority: Annotated[str, BeforeValidator(_authority)] | None = None
+    """With ``client_secret`` only: the Entra ID host, ``https://host[:port]`` (default:
+    ``login.microsoftonline.com``, or ``AZURE_AUTHORITY_HOST``), e.g. ``https://login.microsoftonline.us`` or
+    the emulator's ``https://localhost:5310``."""
     disable_instance_discovery: bool | None = None
+    """With ``client_secret`` only: skip MSAL's check of the authority against Microsoft's list (which needs
+    ``login.microsoftonline.com``). None: true for an authority that is not one of Microsoft's, else false."""
     connection_verify: Text | None = None
+    """With ``client_secret`` only: a CA bundle (PEM file) that the token requests trust instead of certifi's
+    (the emulator's ``<data-dir>/tls/ca.pem``); checked to be a readable file when the credential is built."""
 
     @model_validator(mode="after")
     def _fits_the_type(self) -> CredentialConfig:
@@ -675,9 +689,13 @@ class ProxyConfig(_Compact):
     secret."""
 
     host: Text
+    """The proxy's host name or address."""
     port: Annotated[int, BeforeValidator(_whole), Field(ge=1, le=65535)]
+    """The proxy's port (1 to 65535)."""
     username: Text | None = None
+    """For the proxy's Basic authentication, with ``password``."""
     password: SecretText | None = None
+    """For the proxy's Basic authentication. A secret: write it as a ``${ENV_VAR}`` reference."""
 
     def sdk(self) -> dict[str, Any]:
         """The ``http_proxy`` mapping of azure-servicebus."""
@@ -747,22 +765,38 @@ class NamespaceConfig(_Compact):
     """
 
     fully_qualified_namespace: Annotated[str, BeforeValidator(_namespace_address)]
+    """The namespace's host as the SDK wants it (``contoso.servicebus.windows.net``; an emulator's keeps its
+    port: ``localhost:5672``). Read from ``connection_string`` when one is given; else required, with an
+    optional ``credential``."""
     connection_string: ConnectionString | None = None
+    """A Service Bus connection string: Endpoint, SharedAccessKeyName with SharedAccessKey (or a
+    SharedAccessSignature), optional EntityPath, and UseDevelopmentEmulator=true for an emulator. Its key and
+    signature are secrets: never shown in an error, a log line or a dump. Not together with
+    ``fully_qualified_namespace``."""
     credential_config: CredentialConfig | None = Field(default=None, alias="credential")
-    #: the spark-sb emulator reached with a credential (plain TCP and HTTP); only with fully_qualified_namespace
+    """Option ``credential``: how tokens for ``fully_qualified_namespace`` are got (:class:`CredentialConfig`;
+    ``DefaultAzureCredential`` when omitted). Not with ``connection_string``."""
     emulator: bool | None = None
-    #: the emulator's admin REST endpoint (``http://host:port``) for provisioning; only for an emulator (an
-    #: emulator connection string, or ``emulator: true``). ``None``: ``http://<host>:5300``.
+    """The spark-sb emulator reached with a credential (plain TCP and HTTP); only with
+    fully_qualified_namespace."""
     admin_endpoint: Annotated[str, BeforeValidator(_admin_endpoint)] | None = None
-    #: ``amqp`` | ``websockets``; None: ``amqp``, or ``websockets`` with an ``http_proxy``
+    """The emulator's admin REST endpoint (``http://host:port``) for provisioning; only for an emulator (an
+    emulator connection string, or ``emulator: true``). ``None``: ``http://<host>:5300``."""
     transport: Literal["amqp", "websockets"] | None = None
+    """``amqp`` | ``websockets``; None: ``amqp``, or ``websockets`` with an ``http_proxy``."""
     custom_endpoint_address: Annotated[str, BeforeValidator(_custom_endpoint)] | None = None
+    """``sb://host[:port]``: where the SDK connects instead of the namespace's own address (an application
+    gateway, a private endpoint's name, the emulator's TLS or WebSocket port); the tokens still name the
+    namespace."""
     http_proxy: Annotated[ProxyConfig, BeforeValidator(_proxy)] | None = None
-    #: a CA bundle (PEM) that TLS trusts instead of the system's
+    """An HTTP proxy that tunnels (``CONNECT``) to Service Bus: ``http://[user:password@]host:port`` or a
+    mapping (:class:`ProxyConfig`). AMQP over WebSockets and the administration API over https go through it;
+    it implies ``transport: websockets``."""
     connection_verify: Text | None = None
-    #: bounds each call to the administration API (the connect, and each wait for an answer): a management
-    #: endpoint that accepts and never answers costs this, never azure-core's 300 s. None: 10 s
+    """A CA bundle (PEM) that TLS trusts instead of the system's."""
     admin_timeout: Duration | None = Field(default=None, ge=100 * MS, le=5 * MINUTE)
+    """Bounds each call to the administration API (the connect, and each wait for an answer): a management
+    endpoint that accepts and never answers costs this, never azure-core's 300 s. None: 10 s."""
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -959,29 +993,41 @@ class SendAvailabilityConfig(_Frozen):
         pattern=rf"^{_PREFIX_SEGMENT}(?:/{_PREFIX_SEGMENT})*$",
         description="letters, digits, '.', '-' or '_' (segments separated by '/'), starting and ending with a "
         "letter or digit")
+    """The path before ``/x-servicebus-transfer/<n>`` of this pairing's backlog queues on the secondary:
+    letters, digits, '.', '-' or '_', segments separated by '/'. Default: the primary's first DNS label
+    (``localhost-5672`` for an emulator)."""
     backlog_queue_count: Count = Field(default=10, ge=1, le=MAX_BACKLOG_QUEUES)
+    """How many backlog queues pairing provisions on the secondary (1 to 100); a failed-over entity's messages
+    go to one of them, picked at random and kept."""
     failover_interval: Duration = Field(default=60 * SECOND, ge=0 * SECOND, le=60 * MINUTE)
+    """How long an entity's sends keep retrying the primary through an outage before they fail over to a
+    backlog queue (0 to 60 min; 0: fail over on the first outage)."""
     ping_primary_interval: Duration = Field(default=60 * SECOND, ge=SECOND, le=30 * MINUTE)
+    """While an entity is failed over, how often the primary is pinged to fail it back (1 s to 30 min)."""
     server_busy_backoff: Duration = Field(default=10 * SECOND, ge=10 * SECOND)
-    #: how long a backlog queue whose send failed stays out of the rotation for every sender in the process
+    """The wait after a ServerBusy answer that names no wait of its own (at least 10 s). A busy namespace is
+    waited for, never failed over."""
     backlog_cooldown: Duration = Field(default=30 * SECOND, ge=0 * SECOND, le=60 * MINUTE)
-    #: how many times each backlog queue creation is tried (1 = no retry); behaviour.md: up to 3 times
+    """How long a backlog queue whose send failed stays out of the rotation for every sender in the process."""
     provision_retries: Count = Field(default=3, ge=1, le=10)
+    """How many times each backlog queue creation is tried (1 = no retry); behaviour.md: up to 3 times."""
     provision_retry_spacing: Duration = Field(default=SECOND, ge=0 * SECOND, le=5 * MINUTE)
-    #: the deadline of pairing (listing and creating the backlog queues on the secondary): one attempt, and all the
-    #: attempts one send makes together (the last wait before a failover, then the failover itself), stop within
-    #: it with :class:`~spark_sb.errors.PairingError`; each administration request waits at most the secondary's
-    #: ``admin_timeout`` or what is left of it, none (and no retry) starts past it, and a request the endpoint did
-    #: not answer (refused, host not found, timed out) ends the attempt instead of trying the next queue
+    """The wait between two tries of one backlog queue's creation (0 to 5 min)."""
     pairing_timeout: Duration = Field(default=30 * SECOND, ge=SECOND, le=10 * MINUTE)
-    #: SDK ``retry_total`` of the primary's clients
+    """The deadline of pairing (listing and creating the backlog queues on the secondary): one attempt, and
+    all the attempts one send makes together (the last wait before a failover, then the failover itself), stop
+    within it with :class:`~spark_sb.errors.PairingError`; each administration request waits at most the
+    secondary's ``admin_timeout`` or what is left of it, none (and no retry) starts past it, and a request the
+    endpoint did not answer (refused, host not found, timed out) ends the attempt instead of trying the next
+    queue."""
     primary_retry_total: Count = Field(default=0, ge=0, le=10)
-    #: SDK ``retry_backoff_factor`` of the primary's clients
+    """SDK ``retry_total`` of the primary's clients."""
     primary_retry_backoff: Duration = Field(default=800 * MS, ge=0 * SECOND, le=60 * SECOND)
-    #: SDK ``retry_backoff_max`` of the primary's clients (at least ``primary_retry_backoff``)
+    """SDK ``retry_backoff_factor`` of the primary's clients."""
     primary_retry_backoff_max: Duration = Field(default=5 * SECOND, ge=0 * SECOND, le=10 * MINUTE)
-    #: SDK ``try_timeout`` of the primary's clients: bounds one attempt (link open plus send)
+    """SDK ``retry_backoff_max`` of the primary's clients (at least ``primary_retry_backoff``)."""
     primary_try_timeout: Duration = Field(default=5 * SECOND, ge=100 * MS, le=5 * MINUTE)
+    """SDK ``try_timeout`` of the primary's clients: bounds one attempt (link open plus send)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> SendAvailabilityConfig:
@@ -1012,21 +1058,26 @@ class SendAvailabilityConfig(_Frozen):
 
 
 class SyphonConfig(_Frozen):
+    """The syphon's options (``syphon:`` section): :class:`spark_sb.syphon.Syphon` and the syphon job
+    (``spark-sb-syphon``), which moves the messages parked in the backlog queues back to the primary."""
+
     retry_interval: Duration = Field(default=SECOND, ge=SECOND, le=2 * MINUTE)
-    #: messages per receive of :meth:`spark_sb.syphon.Syphon.move`
+    """How soon a destination found down is tried again (1 s to 2 min); also the syphon job's trigger
+    interval, and the pause before another ``--until-empty`` run."""
     receive_batch: Count = Field(default=100, ge=1, le=MAX_RECEIVE_BATCH)
-    #: messages per batch of the syphon job (the source's default ``maxMessagesPerTrigger``): Spark's cost per
-    #: batch (planning, a Delta commit, the offset logs) is spread over this many messages
+    """Messages per receive of :meth:`spark_sb.syphon.Syphon.move`."""
     max_messages_per_trigger: Count = Field(default=4000, ge=1, le=MAX_RECEIVE_BATCH)
-    #: backlog queues received from at once (the source's ``receivesInFlight``), each in a thread with its own
-    #: connection: against a secondary in another region each deferred message costs a round trip
+    """Messages per batch of the syphon job (the source's default ``maxMessagesPerTrigger``): Spark's cost per
+    batch (planning, a Delta commit, the offset logs) is spread over this many messages."""
     receives_in_flight: Count = Field(default=8, ge=1, le=32)
-    #: the syphon job's Spark checkpoint (required by jobs/syphon.py)
+    """Backlog queues received from at once (the source's ``receivesInFlight``), each in a thread with its own
+    connection: against a secondary in another region each deferred message costs a round trip."""
     checkpoint_location: Text | None = None
-    #: the syphon job's Delta ledger: a path (contains ``/`` or ``:``) or a table name (required by the job)
+    """The syphon job's Spark checkpoint (required by jobs/syphon.py)."""
     ledger: Text | None = Field(
         default=None, pattern=r"^(?:.*[/:].*|[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*){0,2}|`[^`]+`)$",
         description="a path (with '/' or a scheme) or a table name ([catalog.][schema.]table)")
+    """The syphon job's Delta ledger: a path (contains ``/`` or ``:``) or a table name (required by the job)."""
 
     @property
     def ledger_is_path(self) -> bool:
@@ -1052,9 +1103,12 @@ class ReplicationConfig(_Frozen):
     is used; :class:`spark_sb.replication.ReplicatingSender` sends."""
 
     mode: Literal["paired", "active", "passive"] = "paired"
-    #: active mode: a namespace whose send failed for an outage is skipped by later sends for this long, then
-    #: the next send tries it again (a send to the other namespace failing tries it at once)
+    """``paired`` (send availability: failover to backlog queues on the secondary, the default), ``active``
+    (every message to both namespaces) or ``passive`` (to the active namespace; the other takes over on an
+    outage)."""
     retry_interval: Duration = Field(default=30 * SECOND, ge=0 * SECOND, le=60 * MINUTE)
+    """Active mode: a namespace whose send failed for an outage is skipped by later sends for this long, then
+    the next send tries it again (a send to the other namespace failing tries it at once)."""
 
     @property
     def replicating(self) -> bool:
@@ -1084,11 +1138,18 @@ class SinkSourceConfig(_Frozen):
 
     format: Annotated[str, StringConstraints(to_lower=True)] = Field(
         default="rate", pattern=r"^[A-Za-z][A-Za-z0-9_.\-]*$", description="a source format name such as rate, delta or parquet")
+    """``rate`` (the default: generated rows, for the demo), or the format of the files or table at ``path``,
+    such as ``delta`` (the default with a ``path``) or ``parquet``."""
     rows_per_second: Count = Field(default=10, ge=1)
+    """The ``rate`` source's rows a second."""
     num_partitions: Count | None = Field(default=None, ge=1)
+    """The ``rate`` source's partitions. None: Spark's default."""
     table: Text | None = None
+    """A table name to read as a stream (not with ``path``)."""
     path: Text | None = None
+    """Files or a Delta table to read as a stream, in ``format`` (not with ``table``)."""
     options: Annotated[FrozenMap, BeforeValidator(_reader_options)] = Field(default_factory=FrozenMap)
+    """Reader options, passed to Spark as given."""
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -1144,22 +1205,37 @@ class SinkConfig(_Frozen):
     """
 
     entity: Text | None = Field(default=None, max_length=_MAX_ENTITY_PATH)
+    """The default entity, a queue or a topic, for rows whose ``entity`` column is null or absent."""
     columns: Annotated[FrozenMap, BeforeValidator(_columns)] = Field(default_factory=FrozenMap)
+    """``{message field: column}`` for the fields read from a column of another name, e.g. ``{body: payload}``
+    (default: each field from the column of its own name)."""
     key_column: Text | None = None
+    """The column whose value is each message's id (not with ``columns.message_id``). None: ids derived from
+    the batch, the partition and the row's content, the same when a batch is replayed."""
     chunk_size: Count = Field(default=500, ge=1, le=_MAX_CHUNK)
-    #: chunks a partition keeps in flight at once (``PairedSender.submit``): a far namespace's round trips
-    #: overlap instead of adding up. 1: one send at a time, in the partition's order
+    """Messages per send: a partition hands its rows to the sender in chunks of this many."""
     sends_in_flight: Count = Field(default=8, ge=1, le=32)
-    #: the sending connections a worker (a Python process) opens per entity and namespace: the sends in flight
-    #: share them, several batches in flight on each link (:mod:`spark_sb.bus.pipeline`). A namespace takes at
-    #: most 5,000 connections: README, "Sizing a job"
+    """Chunks a partition keeps in flight at once (``PairedSender.submit``): a far namespace's round trips
+    overlap instead of adding up. 1: one send at a time, in the partition's order."""
     connections_per_entity: Count = Field(default=1, ge=1, le=32)
+    """The sending connections a worker (a Python process) opens per entity and namespace: the sends in flight
+    share them, several batches in flight on each link (:mod:`spark_sb.bus.pipeline`). A namespace takes at
+    most 5,000 connections: README, "Sizing a job"."""
     reject_table: Text | None = None
+    """A Delta path or table name: rows that can never be sent go there with their reason, instead of failing
+    the batch (the ``servicebus`` writer takes a local path only)."""
     metrics_table: Text | None = None
+    """A Delta path or table name: one row per batch summary, which ``spark-sb report`` draws (the
+    ``servicebus`` writer takes a local path only). Not the same as ``reject_table``."""
     checkpoint_location: Text | None = None
+    """The writer job's Spark checkpoint (``spark-sb-writer``)."""
     source: SinkSourceConfig = Field(default_factory=lambda: SinkSourceConfig())
+    """Where the writer job reads its rows (:class:`SinkSourceConfig`)."""
     trigger: Duration | None = Field(default=None, ge=MS, le=DAY)
+    """The writer job's processing-time trigger, e.g. ``2s`` (1 ms to 1 day). None: each batch as soon as the
+    last one ends."""
     max_batches: Count | None = Field(default=None, ge=1)
+    """The writer job stops after this many batches. None: it runs until stopped."""
 
     @model_validator(mode="after")
     def _consistent(self) -> SinkConfig:
@@ -1196,11 +1272,19 @@ class SparkSbConfig(_Frozen):
     """
 
     primary: NamespaceConfig
+    """The namespace sent to while it is healthy, where the syphon brings the backlog home
+    (:class:`NamespaceConfig`)."""
     secondary: NamespaceConfig
+    """The other namespace: it holds the backlog queues in paired mode, the same entities in active and
+    passive replication (:class:`NamespaceConfig`). Not the same namespace as the primary."""
     send_availability: SendAvailabilityConfig = Field(default_factory=dict, validate_default=True)
+    """The paired sender's options (:class:`SendAvailabilityConfig`)."""
     syphon: SyphonConfig = Field(default_factory=lambda: SyphonConfig())
+    """The syphon's options (:class:`SyphonConfig`)."""
     replication: ReplicationConfig = Field(default_factory=lambda: ReplicationConfig())
+    """How messages reach the two namespaces (:class:`ReplicationConfig`)."""
     sink: SinkConfig = Field(default_factory=lambda: SinkConfig())
+    """The Spark sink's and the writer job's options (:class:`SinkConfig`)."""
 
     _origin_path: str | None = PrivateAttr(None)
     _reference: str | None = PrivateAttr(None)  # the raw mapping as JSON, kept only when it holds no secret
