@@ -1152,7 +1152,7 @@ class SinkConfig(_Frozen):
     sends_in_flight: Count = Field(default=8, ge=1, le=32)
     #: the sending connections a worker (a Python process) opens per entity and namespace: the sends in flight
     #: share them, several batches in flight on each link (:mod:`spark_sb.bus.pipeline`). A namespace takes at
-    #: most 5,000 connections: README, "Sizing a job"
+    #: most 5,000 connections: docs/sizing.md, "Sizing a job"
     connections_per_entity: Count = Field(default=1, ge=1, le=32)
     reject_table: Text | None = None
     metrics_table: Text | None = None
