@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 
 # The other Spark versions `make test` tries, each in its own environment made on first use like .venv
-# (README, "Spark versions"): Databricks 17.3 LTS (Spark 4.0), 18 LTS (Spark 4.1) and, for the sink,
+# (docs/where-it-runs/spark-versions.md): Databricks 17.3 LTS (Spark 4.0), 18 LTS (Spark 4.1) and, for the sink,
 # 16.4 LTS (Spark 3.5). The development pin (.venv) is Spark 4.2, Databricks 19.
 SPARK_VERSIONS := 4.0 4.1 3.5
 PINS_4.0 := 'pyspark[connect]==4.0.2' 'delta-spark==4.0.1'

@@ -4,7 +4,7 @@ runs, while B busy loops take the CPU beside it.
 A run has a late message when some batch comes more than ``--late`` seconds after the batch before it, or the
 source has not read every message by the deadline. The straggler was one or two messages a lock's duration
 (60 s) late, in a batch of their own: two of the SDK's threads listened on a receiver's connection at once and
-settled each other's deliveries (README, "A straggler"). Before the fix it came in 5 of 17 runs of 28,000
+settled each other's deliveries (docs/sizing.md, "A straggler, found and fixed"). Before the fix it came in 5 of 17 runs of 28,000
 messages beside two busy loops (an ad-hoc script: a new Spark session and emulator per run, ``yes`` as the
 load); a batch of 4,000 takes a few seconds, so a 30 s gap is nothing else. This tool is less sensitive than
 that script: with the fix taken out it found 0 late runs of 6 (one run had a 22 s gap over 9 batches, not

@@ -104,4 +104,4 @@ def check_delta_pairing() -> None:
     if built_for is not None and ".".join(delta.split(".")[:2]) not in built_for:
         wanted = " or ".join(f"{minor}.x" for minor in built_for)
         raise UnsupportedSparkError(f"delta-spark {delta} is not built for Spark {spark}: install delta-spark "
-                                    f"{wanted} with it (README, 'Spark versions')")
+                                    f"{wanted} with it (docs/where-it-runs/spark-versions.md)")

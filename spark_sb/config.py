@@ -1220,7 +1220,7 @@ class SinkConfig(_Frozen):
     connections_per_entity: Count = Field(default=1, ge=1, le=32)
     """The sending connections a worker (a Python process) opens per entity and namespace: the sends in flight
     share them, several batches in flight on each link (:mod:`spark_sb.bus.pipeline`). A namespace takes at
-    most 5,000 connections: README, "Sizing a job"."""
+    most 5,000 connections: docs/sizing.md, "Sizing a job"."""
     reject_table: Text | None = None
     """A Delta path or table name: rows that can never be sent go there with their reason, instead of failing
     the batch (the ``servicebus`` writer takes a local path only)."""

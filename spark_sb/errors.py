@@ -356,7 +356,7 @@ class ConnectionQuotaError(SparkSbError):
                 f"concurrent connections (Service Bus: 5,000 per namespace). Nothing was sent and nothing failed "
                 f"over (the secondary would be asked for as many connections). Lower the connections open to it: "
                 f"the Python workers sending at once (partitions or cores), {setting}, or other clients of the "
-                f"namespace (README, \"Sizing a job\")")
+                f"namespace (docs/sizing.md, \"Sizing a job\")")
         if detail:
             text += f". The service said: {detail}"
         super().__init__(redact(text))

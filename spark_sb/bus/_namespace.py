@@ -49,8 +49,8 @@ def _one_listener(sdk_receiver: ServiceBusReceiver) -> ServiceBusReceiver:
     ``connection.listen()`` every 5 s, while the thread that receives and settles calls it too. Two threads then
     process one link's transfers at once, and ``ReceiverLink._incoming_transfer`` keeps the transfer in progress
     on the link: a message comes out with the delivery id and tag of another transfer. Settling it settles that
-    other delivery, and its own stays locked until the lock runs out (a message a lock's duration late: README,
-    "A straggler"). The keep-alive thread is kept, because it also releases messages that reach the receiver
+    other delivery, and its own stays locked until the lock runs out (a message a lock's duration late: docs/sizing.md,
+    "A straggler, found and fixed"). The keep-alive thread is kept, because it also releases messages that reach the receiver
     between calls; each connection the SDK opens for this receiver (on open and on reconnect) gets a lock around
     ``listen``. An SDK without these internals is left as it is."""
     create = getattr(sdk_receiver, "_create_handler", None)

@@ -627,7 +627,7 @@ class PairedSender:
         with self._state_lock:
             self._counters["connection_refusals"] += 1
         _LOGGER.warning("the %s namespace %s refused a connection for %r: it holds its maximum of connections (lower "
-                        "the connections open to it: README, \"Sizing a job\"); waiting %.3g s, no failover", side,
+                        "the connections open to it: docs/sizing.md, \"Sizing a job\"); waiting %.3g s, no failover", side,
                         fqdn, entity, wait)
         self._sleep(wait)
         return since

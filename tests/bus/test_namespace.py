@@ -230,8 +230,8 @@ def test_one_thread_at_a_time_listens_on_a_receivers_connection(namespace, make_
                                                                   monkeypatch) -> None:
     """With prefetch 0 the SDK's keep-alive thread listens on a receiver's connection every 5 s beside the
     thread that receives; two threads processing one link's transfers built messages with each other's delivery
-    tags, and a message whose own delivery was never settled came back a lock's duration late (README, "A
-    straggler"). The namespace's receivers keep the thread (it releases messages that reach an idle receiver)
+    tags, and a message whose own delivery was never settled came back a lock's duration late (docs/sizing.md, "A
+    straggler, found and fixed"). The namespace's receivers keep the thread (it releases messages that reach an idle receiver)
     but never let it listen at the same time as the receiving thread, also on the connection the same SDK
     receiver opens again after its connection dropped."""
     queue = make_queue()

@@ -153,8 +153,8 @@ def test_bad_read_options_are_refused_before_anything_is_read(read, spark, conf,
          .load().writeStream.format("noop").start().awaitTermination(30))
 
 
-#: the README's dead-letter round trip, run as written
-ROUND_TRIP_MARK = "<!-- the dead-letter round trip test runs this block -->"
+#: the dead-letter round trip of docs/dead-letters.md, run as written
+ROUND_TRIP_MARK = "<!-- run by tests/spark/test_batch_read.py: the dead-letter round trip -->"
 
 
 def test_the_readme_round_trip_runs_as_written(read, conf, primary, make_queue, tmp_path, capsys) -> None:
@@ -164,7 +164,7 @@ def test_the_readme_round_trip_runs_as_written(read, conf, primary, make_queue, 
     import yaml
     from pyspark.sql import functions as F
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "dead-letters.md").read_text()
     block = re.search(r"```python\n(.*?)```", text[text.index(ROUND_TRIP_MARK):], re.S).group(1)
     queue = make_queue(requires_duplicate_detection=True)
     _send(primary, queue, [ServiceBusMessage(f"bad {i}", message_id=i) for i in "abcd"])
@@ -173,7 +173,7 @@ def test_the_readme_round_trip_runs_as_written(read, conf, primary, make_queue, 
     path.write_text(yaml.safe_dump(conf))
     assert '"conf/local.yaml"' in block
     names = {"dlq": read(f"{queue}/$DeadLetterQueue"), "fix": lambda body: F.concat(F.lit("fixed "), body)}
-    exec(compile(block.replace('"conf/local.yaml"', repr(str(path))), "README.md", "exec"), names)  # noqa: S102
+    exec(compile(block.replace('"conf/local.yaml"', repr(str(path))), "dead-letters.md", "exec"), names)  # noqa: S102
     assert capsys.readouterr().out.splitlines() == ["sent 3, rejected 0; removed 3, not found 0, left 0"]
     assert [r["message_id"] for r in read(f"{queue}/$DeadLetterQueue").collect()] == ["d"]
     with ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) as client:

@@ -1,8 +1,9 @@
-"""The README's commands, run as written: the block after ``<!-- the README test runs this block -->`` is run
-line by line (a line ending in ``&`` in the background) in a folder that holds the project's ``.venv``,
-``conf`` and ``jobs``, against the emulator on its default ports; then every row the writer produced is in
-the primary once and the picture exists. Every other ``.venv/bin/...`` command the README shows answers
-``--help``."""
+"""The commands of the README and the manual, run as written: the step-by-step block of docs/getting-started.md
+(after ``<!-- run by tests/spark/test_readme.py: the step-by-step block -->``) is run line by line (a line ending
+in ``&`` in the background) in a folder that holds the project's ``.venv``, ``conf`` and ``jobs``, against the
+emulator on its default ports; then every row the writer produced is in the primary once and the picture exists.
+Then the first pipeline of README.md (the same block as docs/getting-started.md's) runs against that emulator.
+Every other ``.venv/bin/...`` command that README.md or a page of docs/ shows answers ``--help``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,10 @@ from .conftest import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
-MARK = "<!-- the README test runs this block -->"
+GUIDE = ROOT / "docs" / "getting-started.md"
+PAGES = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+MARK = "<!-- run by tests/spark/test_readme.py: the step-by-step block -->"
+FIRST_PIPELINE = "<!-- run by tests/spark/test_readme.py: the first pipeline -->"
 DEFAULT_PORTS = (5672, 5673, 5300, 5301)
 PRIMARY = ("Endpoint=sb://localhost:5672;SharedAccessKeyName=RootManageSharedAccessKey;SharedAccessKey=SAS_KEY_VALUE;"
            "UseDevelopmentEmulator=true")
@@ -46,9 +50,15 @@ def _commands(block: str) -> list[str]:
 
 
 def walkthrough() -> list[str]:
-    text = README.read_text()
+    text = GUIDE.read_text()
     at = text.index(MARK)
     return _commands(next(body for offset, body in _blocks(text) if offset > at))
+
+
+def first_pipeline(page: Path = README) -> str:
+    """The python block after the first pipeline's mark."""
+    text = page.read_text()
+    return re.search(r"```python\n(.*?)```", text[text.index(FIRST_PIPELINE):], re.S).group(1)
 
 
 def _port_free(port: int) -> bool:
@@ -87,7 +97,7 @@ def test_the_walkthrough_block_is_there_and_runnable() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(780)  # the step-by-step block (about 6 min here), then the first pipeline (about 1 min)
 def test_the_readme_commands_work_as_written(tmp_path: Path) -> None:
     busy = [port for port in DEFAULT_PORTS if not _port_free(port)]
     assert not busy, f"the README's emulator needs ports {DEFAULT_PORTS}; in use: {busy}"
@@ -113,6 +123,12 @@ def test_the_readme_commands_work_as_written(tmp_path: Path) -> None:
             assert done.returncode == 0, "\n".join(outputs)[-5000:]
         bodies = _primary_orders()
         backlog_left = _backlog_left()
+        # the README's first pipeline, against the same emulator (its rows are not the walkthrough's: counted apart)
+        pipeline = first_pipeline()
+        assert pipeline == first_pipeline(GUIDE)
+        done = subprocess.run([str(ROOT / ".venv" / "bin" / "python"), "-c", pipeline], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-5000:]
     finally:
         for process in background:
             os.killpg(process.pid, signal.SIGTERM)
@@ -131,26 +147,42 @@ def test_the_readme_commands_work_as_written(tmp_path: Path) -> None:
     status = next(o for o in outputs if "spark-sb status" in o.splitlines()[0])
     parked = sum(int(line.split()[1]) for line in status.splitlines() if "x-servicebus-transfer/" in line)
     assert parked > 0, f"the outage parked nothing:\n{status}"
+    totals = re.match(r"(\d+) rows: (\d+) -> primary, .*0 rejected", done.stdout.strip().splitlines()[-1])
+    assert totals and int(totals[1]) > 0 and totals[1] == totals[2], done.stdout[-2000:]
     picture = next(tmp_path.glob("data/*.png"))
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
 
 
-def test_every_other_readme_command_answers_help() -> None:
-    text = README.read_text()
-    at = text.index(MARK)
+def _other_commands() -> list[str]:
+    """The commands of every bash block of README.md and docs/ but the step-by-step block (which is run)."""
+    commands: list[str] = []
+    for page in PAGES:
+        text = page.read_text()
+        for offset, body in _blocks(text):
+            if text[:offset].rstrip().endswith(MARK):
+                continue
+            commands += _commands(body)
+    return commands
+
+
+def test_the_pages_show_commands() -> None:
+    commands = _other_commands()
+    assert any(c.startswith(".venv/bin/spark-sb report") for c in commands)  # README.md
+    assert any("emulator fault --admin" in c for c in commands)  # docs/emulator.md
+    assert any(c.startswith(".venv/bin/spark-sb provision") for c in commands)  # docs/paired-sender.md
+
+
+def test_every_other_command_the_pages_show_answers_help() -> None:
     seen: set[tuple[str, ...]] = set()
-    for offset, body in _blocks(text):
-        if offset > at and body in text[at:at + len(MARK) + len(body) + 20]:
+    for command in _other_commands():
+        words = shlex.split(command.rstrip("&"))
+        if not words[0].startswith(".venv/bin/"):
             continue
-        for command in _commands(body):
-            words = shlex.split(command.rstrip("&"))
-            if not words[0].startswith(".venv/bin/"):
-                continue
-            program = [str(ROOT / words[0])] + [w for w in words[1:] if w.endswith(".py")][:1]
-            subcommands = tuple(w for w in words[1:3] if re.fullmatch(r"[a-z]+", w)) if len(program) == 1 else ()
-            key = (*program, *subcommands)
-            if key in seen or "bench/" in command:
-                continue
-            seen.add(key)
-            done = subprocess.run([*key, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
-            assert done.returncode == 0, f"{command}: {done.stderr[-1000:]}"
+        program = [str(ROOT / words[0])] + [w for w in words[1:] if w.endswith(".py")][:1]
+        subcommands = tuple(w for w in words[1:3] if re.fullmatch(r"[a-z]+", w)) if len(program) == 1 else ()
+        key = (*program, *subcommands)
+        if key in seen or "bench/" in command:
+            continue
+        seen.add(key)
+        done = subprocess.run([*key, "--help"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert done.returncode == 0, f"{command}: {done.stderr[-1000:]}"

@@ -98,7 +98,7 @@ def test_a_dead_lettered_message_written_back_keeps_its_property_types_ttl_and_f
     })
     _dead_letter_one(primary, queue, _original())
     dlq = read(f"{queue}/$DeadLetterQueue")
-    # as the README's recipe does: a new id, the same on every run, and nothing else changed
+    # as the round trip in docs/dead-letters.md does: a new id, the same on every run, and nothing else changed
     resend = dlq.withColumn("message_id", F.concat_ws("-", "message_id", F.lit("resent"), "sequence_number"))
     resend.write.format("servicebus").options(**config_options(conf)).mode("append").save()
     resend.withColumn("entity", F.lit(topic)).write.format("servicebus").options(**config_options(conf)) \

@@ -1,4 +1,4 @@
-"""What each supported Spark runs (README, "Spark versions"): on Spark 4.0 and later both sources load and
+"""What each supported Spark runs (docs/where-it-runs/spark-versions.md): on Spark 4.0 and later both sources load and
 register; on Spark 3.5, which has no Python data sources, the sources and the syphon job refuse with an error
 naming the Spark version and what is missing, never an install hint; the sink runs everywhere (test_sink)."""
 

@@ -1,6 +1,6 @@
 """Issue 39: a syphon job (``jobs/syphon.py``, its own process and Spark) killed with SIGKILL mid-run leaves its
 batch deferred in the backlog queues, and a deferred message is never delivered to a receive. ``Syphon.drain``,
-run alone without Spark as the README offers, takes them back and moves them home once."""
+run alone without Spark as docs/syphon.md offers, takes them back and moves them home once."""
 
 from __future__ import annotations
 
