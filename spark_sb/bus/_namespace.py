@@ -59,7 +59,7 @@ def _one_listener(sdk_receiver: ServiceBusReceiver) -> ServiceBusReceiver:
 
     def create_handler(auth: Any) -> None:
         create(auth)
-        handler = getattr(sdk_receiver, "_handler", None)
+        handler: Any = getattr(sdk_receiver, "_handler", None)
         open_handler = getattr(handler, "open", None)
         if open_handler is None:
             return
