@@ -95,7 +95,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from .capabilities import admission_control, require_python_data_sources, trigger_available_now
 
@@ -141,6 +141,10 @@ from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
 from .options import positive as _positive  # noqa: E402
 from .paired.retry import ExponentialBackoff, RetryFor  # noqa: E402
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
 
 if admission_control():  # Spark 4.2 and later
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
@@ -227,14 +231,14 @@ RECEIVES_IN_FLIGHT = 8
 RESOLVE_RETRY_SECONDS = 30.0
 
 
-def register(spark: Any) -> None:
+def register(spark: SparkSession | ConnectSession) -> None:
     """Register the ``servicebus`` and ``servicebus-backlog`` formats with ``spark``."""
     spark.dataSource.register(ServiceBusDataSource)
     spark.dataSource.register(BacklogDataSource)
 
 
-def dedupe(df: Any, window: str | float | datetime.timedelta = "10 minutes", *, id_column: str = "message_id",
-           time_column: str = "enqueued_time") -> Any:
+def dedupe(df: DataFrame, window: str | float | datetime.timedelta = "10 minutes", *, id_column: str = "message_id",
+           time_column: str = "enqueued_time") -> DataFrame:
     """Drop the second copy of each message of a streaming DataFrame (the ``servicebus`` source over both
     namespaces in active or passive replication): Spark's ``withWatermark(time_column, window)`` followed by
     ``dropDuplicatesWithinWatermark([id_column])``. Spark keeps each id in the query's state store (in its
@@ -997,7 +1001,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         try:
             with admin_client(getattr(self.config, entity.side), retry_total=0) as admin:
                 found = admin.get_subscription(topic, subscription) if marker else admin.get_queue(entity.path)
-            return float(found.lock_duration.total_seconds())
+            lock = found.lock_duration  # the SDK types it timedelta | str | None: the last two take the default
+            return float(lock.total_seconds()) if isinstance(lock, datetime.timedelta) else 60.0
         except Exception:  # noqa: BLE001 - a bound on a wait, not the batch
             return 60.0
 

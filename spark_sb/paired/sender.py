@@ -54,6 +54,7 @@ from datetime import timedelta
 from typing import Any
 
 from azure.servicebus import ServiceBusMessage
+from azure.servicebus.management import ServiceBusAdministrationClient
 
 from .. import bus
 from .. import messages as msgs
@@ -287,7 +288,7 @@ class PairedSender:
         """The usable backlog queue count after pairing (0 before)."""
         return len(self.backlog_queues)
 
-    def admin_client(self, namespace: NamespaceConfig | None = None) -> Any:
+    def admin_client(self, namespace: NamespaceConfig | None = None) -> ServiceBusAdministrationClient:
         """A ``ServiceBusAdministrationClient`` for ``namespace`` (default: the secondary), without SDK retries
         (provisioning retries by itself). Close it."""
         return bus.admin_client(namespace or self.config.secondary, retry_total=0)
@@ -333,7 +334,7 @@ class PairedSender:
         retry = Retry(ConstantBackoff(sa.provision_retry_spacing.total_seconds()), sa.provision_retries,
                       sleep=self._sleep, clock=self._clock)
 
-        def bounded() -> dict[str, float]:
+        def bounded() -> dict[str, Any]:  # the SDK's timeout keywords (its **kwargs)
             """The next request's connect and read timeouts: ``admin_timeout``, or what is left before the
             deadline; :class:`_OutOfTime` when nothing is."""
             left = deadline - self._clock()
