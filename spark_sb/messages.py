@@ -103,6 +103,7 @@ __all__ = [
     "keeping_property_types",
     "message_size",
     "received_bytes",
+    "parked_session",
     "ping_message",
     "property_types",
     "property_types_on_wire",
@@ -1167,6 +1168,19 @@ def is_ping(message: ServiceBusMessage | AmqpAnnotatedMessage) -> bool:
     properties = _raw(message).properties
     content_type = _as_str(properties.content_type) if properties is not None else None
     return content_type is not None and content_type.strip().lower() == PING_CONTENT_TYPE
+
+
+def parked_session(received: ServiceBusMessage | AmqpAnnotatedMessage) -> tuple[str | None, str | None]:
+    """``(entity, session id)`` of a backlog message, read from ``x-ms-path`` and ``x-ms-sessionid``; ``None``
+    for either when it is missing or not a string (never raises: the syphon dead-letters such a message)."""
+    try:
+        raw = _raw(received)
+    except TypeError:
+        return None, None
+    entries = {_key(key): value for key, value in (raw.application_properties or {}).items()}
+    entity = _as_str(_plain(entries.get(X_MS_PATH))) or None
+    session = _as_str(_plain(entries.get(X_MS_SESSION_ID))) if X_MS_SESSION_ID in entries else None
+    return entity, session
 
 
 def ping_message(session_id: str | None = None) -> ServiceBusMessage:

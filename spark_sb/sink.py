@@ -558,6 +558,8 @@ class PartitionRun:
         if isinstance(self.sender, PairedSender):
             for entity in failed_over:
                 self.sender.board.assume_failed_over(entity)
+            # another executor may have parked a session's messages in an earlier batch: ask the backlog again
+            self.sender.new_batch()
         self.started = time.monotonic()
         self.rows = 0
         self.sent = 0

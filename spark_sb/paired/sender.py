@@ -85,6 +85,7 @@ from ..errors import (
     unreachable_reason,
 )
 from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, Sleep
+from .sessions import ParkedSessions, session_queue, sessions_of
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -242,6 +243,9 @@ class PairedSender:
         self._counters: dict[str, int] = {"sent_primary": 0, "sent_backlog": 0, "busy_waits": 0,
                                           "connection_refusals": 0}
         self._pool = SendPool(config.sink.sends_in_flight)
+        #: which sessions have messages in the backlog (spark_sb.paired.sessions: sessions keep their order)
+        self.sessions = ParkedSessions(self._peek_receiver, sa.ping_primary_interval.total_seconds(), clock,
+                                       self._backlog_queue_exists)
         # joined last (nothing after it can fail); close() leaves it
         self._attached = False  # to the board's ping task
         self.board: HealthBoard = join_board(key, settings, clock, pairing, ping_wait)
@@ -524,6 +528,12 @@ class PairedSender:
         self._check_open()
         return self._pool.submit(self.send, entity, message)
 
+    def new_batch(self) -> None:
+        """Forget what the backlog was seen to hold for sessions: the next session message asks it again
+        (:mod:`spark_sb.paired.sessions`). The sink and the writer call it for every partition: another executor
+        may have parked a session's messages in an earlier batch."""
+        self.sessions.new_batch()
+
     def _send(self, entity: str, batch: list[ServiceBusMessage]) -> dict[str, int]:
         """The loop of :meth:`send`: returns ``{destination: count}``."""
         counts: dict[str, int] = {}
@@ -532,6 +542,11 @@ class PairedSender:
         refused_since: float | None = None  # when the primary began refusing connections (its quota), if it is
         # what this send may spend pairing, over the last wait before a failover and the failover itself
         pairing_time = _PairingTime(self._sa.pairing_timeout.total_seconds())
+        if sessions_of(pending) and self.board.state(entity) is not EntityState.FAILED_OVER:
+            follow, pending = self._split_parked(entity, pending)
+            if follow:  # behind the session's parked messages, whatever the primary's health
+                self.sessions.follow(len(follow))
+                counts.update(self._send_backlog(entity, follow, pairing_time))
         while pending:
             self.ping_if_due(entity)
             refused = self.board.refused(entity)
@@ -620,12 +635,50 @@ class PairedSender:
 
     def stats(self) -> dict[str, int]:
         """Counters for monitoring: ``sent_primary``, ``sent_backlog``, ``busy_waits`` (server-busy waits) and
-        ``connection_refusals`` (waits after a connection refused at the namespace's quota) of this sender, plus the ``failovers``, ``failbacks`` and ``assumed_failovers`` of its shared
+        ``connection_refusals`` (waits after a connection refused at the namespace's quota) of this sender, its
+        sessions' ``session_follows`` (messages sent behind their session's parked ones), ``session_peeks`` and
+        ``session_peek_failures`` (:mod:`spark_sb.paired.sessions`), plus the ``failovers``, ``failbacks`` and
+        ``assumed_failovers`` of its shared
         :class:`~spark_sb.bus.health.HealthBoard` (every sender of the pairing in this process)."""
         with self._state_lock:
             counters = dict(self._counters)
+        counters.update(self.sessions.stats())
         counters.update(self.board.stats())
         return counters
+
+    def _split_parked(self, entity: str, batch: list[ServiceBusMessage]
+                      ) -> tuple[list[ServiceBusMessage], list[ServiceBusMessage]]:
+        """``batch`` as (the messages of sessions with messages parked in the backlog, the others), each in its
+        order."""
+        names = self._sa.backlog_queue_names()
+        follow: list[ServiceBusMessage] = []
+        rest: list[ServiceBusMessage] = []
+        answers: dict[str, bool] = {}
+        for message in batch:
+            session_id = message.session_id
+            if session_id and session_id not in answers:
+                answers[session_id] = self.sessions.parked(session_queue(entity, session_id, names), entity,
+                                                           session_id)
+            (follow if session_id and answers[session_id] else rest).append(message)
+        return follow, rest
+
+    def _backlog_queue_exists(self, queue: str) -> bool:
+        """Whether backlog queue ``queue`` exists on the secondary: paired here, or the administration API says
+        so (one request; its errors are the caller's)."""
+        if queue in (self._usable or ()):
+            return True
+        with self.admin_client() as admin:
+            try:
+                admin.get_queue(queue)
+            except Exception as exc:
+                if classify(exc) is ErrorClass.CONFIGURATION_NOT_FOUND:
+                    return False
+                raise
+        return True
+
+    def _peek_receiver(self, queue: str) -> Any:
+        """The secondary's receiver of backlog queue ``queue``, for a peek (:class:`ParkedSessions`)."""
+        return self._secondary.receiver(queue)
 
     def _send_backlog(self, entity: str, items: Sequence[ServiceBusMessage],
                       pairing_time: _PairingTime | None = None) -> dict[str, int]:
@@ -638,6 +691,21 @@ class PairedSender:
             msgs.check_time_to_live(item, entity)
         rewritten = [msgs.to_backlog(item, entity, check=False) for item in items]
         counts: dict[str, int] = {}
+        if sessions_of(items):
+            # a session's messages go to its own backlog queue, in order (spark_sb.paired.sessions)
+            names = self._sa.backlog_queue_names()
+            groups: dict[str, list[tuple[ServiceBusMessage, ServiceBusMessage]]] = {}
+            rest: list[ServiceBusMessage] = []
+            for item, backlog_message in zip(items, rewritten, strict=True):
+                if item.session_id:
+                    queue = session_queue(entity, item.session_id, names)
+                    self.sessions.park(queue, entity, item.session_id)
+                    groups.setdefault(queue, []).append((item, backlog_message))
+                else:
+                    rest.append(backlog_message)
+            for queue, group in groups.items():
+                counts[queue] = counts.get(queue, 0) + self._send_session_queue(entity, queue, group, usable)
+            rewritten = rest
         tried: list[str] = []
         last_error: BaseException | None = None
         refused_since: float | None = None
@@ -672,6 +740,43 @@ class PairedSender:
             counts[queue] = counts.get(queue, 0) + len(rewritten)
             break
         return counts
+
+    def _send_session_queue(self, entity: str, queue: str,
+                            group: list[tuple[ServiceBusMessage, ServiceBusMessage]], usable: Sequence[str]) -> int:
+        """Send ``group`` (session messages and their backlog rewrites, in order) to ``queue``, their sessions'
+        backlog queue, and to no other: one that does not accept fails the send (another queue would split the
+        sessions, and the syphon could then move a later message before an earlier one)."""
+        if queue not in usable:
+            raise BacklogUnavailableError(entity, [queue], "it is the backlog queue of the message's session, and "
+                                          "pairing could not provision it")
+        items = [item for item, _ in group]
+        pending = [backlog_message for _, backlog_message in group]
+        sent = 0
+        refused_since: float | None = None
+        while pending:
+            try:
+                send_batches(self._secondary, queue, pending, entity)
+            except BadMessageError as bad:
+                raise _explained(bad, items, entity) from bad.__cause__
+            except PartialSend as partial:
+                sent += partial.sent
+                pending = pending[partial.sent:]
+                if classify(partial.error) is ErrorClass.THROTTLED:
+                    refused_since = self._pushback(partial.error, "secondary", entity, refused_since)
+                    continue
+                if classify(partial.error) is ErrorClass.CONFIGURATION_CREDENTIAL:
+                    raise CredentialRejectedError(
+                        f"secondary {self.config.secondary.fully_qualified_namespace}",
+                        f"sending to backlog queue {queue!r} for entity {entity!r}: {redact(str(partial.error))}",
+                    ) from partial.error
+                self._after_connection_error(partial.error)
+                raise BacklogUnavailableError(
+                    entity, [queue], f"the backlog queue of the message's session (another would break the "
+                    f"session's order): {redact(str(partial.error))}") from partial.error
+            else:
+                sent += len(pending)
+                pending = []
+        return sent
 
     def _prepare_backlog(self, entity: str, pairing_time: _PairingTime | None = None) -> None:
         """Open the sender of the backlog queue this entity will use, so that the first backlog send after

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -63,7 +64,17 @@ def test_a_namespace_outage_that_heals_by_itself_loses_nothing(
     primary_count = sum(r.primary for r in results)
     backlog_counts = {queue: sum(r.destinations.get(queue, 0) for r in results) for queue in sender.backlog_queues}
     assert len(results) == 80 and sum(backlog_counts.values()) > 0 and primary_count > 0
-    ids = [m.message_id for m in drain(primary.connection_string, q, primary_count)]
+    ids = _drain_all(drain, primary.connection_string, q, primary_count)
     for queue, expected in backlog_counts.items():
-        ids += [m.message_id for m in drain(secondary.connection_string, queue, expected)]
-    assert sorted(ids) == sorted(f"{w}-{i}" for w in range(2) for i in range(40))
+        ids += _drain_all(drain, secondary.connection_string, queue, expected)
+    copies = collections.Counter(ids)
+    assert set(copies) == {f"{w}-{i}" for w in range(2) for i in range(40)}  # nothing lost
+    # At least once (README, the guarantee): a send in flight when the namespace dropped its connections may have
+    # been stored without its answer, and is sent again; each worker had at most one send in flight then.
+    assert sum(n - 1 for n in copies.values()) <= 2, {i: n for i, n in copies.items() if n > 1}
+
+
+def _drain_all(drain, connection_string: str, queue: str, expected: int) -> list[str]:
+    """The ids of ``expected`` messages, and of any copy beyond them (a second copy is not left unseen)."""
+    ids = [m.message_id for m in drain(connection_string, queue, expected)]
+    return ids + [m.message_id for m in drain(connection_string, queue, 2, wait=0.5)]
