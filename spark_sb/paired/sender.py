@@ -691,6 +691,7 @@ class PairedSender:
             msgs.check_time_to_live(item, entity)
         rewritten = [msgs.to_backlog(item, entity, check=False) for item in items]
         counts: dict[str, int] = {}
+        queue: str | None  # a session's backlog queue below, then each one the loop tries
         if sessions_of(items):
             # a session's messages go to its own backlog queue, in order (spark_sb.paired.sessions)
             names = self._sa.backlog_queue_names()
