@@ -48,7 +48,7 @@ class _ToEmulator:
 
     def __init__(self, admin_endpoint: str, **kwargs: Any) -> None:
         kwargs.setdefault("use_env_settings", False)
-        super().__init__(**kwargs)  # type: ignore[call-arg]
+        super().__init__(**kwargs)
         self._scheme, self._netloc = _split_endpoint(admin_endpoint)
 
     @property
@@ -65,10 +65,11 @@ class _ToEmulator:
         return urllib.parse.urlunsplit((self._scheme, self._netloc, parts.path, parts.query, parts.fragment))
 
 
-class EmulatorAdminTransport(_ToEmulator, RequestsTransport):
+# azure-core exports its transports through an unannotated module __getattr__: to mypy they are Any
+class EmulatorAdminTransport(_ToEmulator, RequestsTransport):  # type: ignore[misc]
     """A ``RequestsTransport`` that sends every request to the emulator's admin endpoint (see ``_ToEmulator``)."""
 
-    def send(self, request: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def send(self, request: Any, **kwargs: Any) -> Any:
         request.url = self.rewrite(request.url)
         return super().send(request, **kwargs)
 
@@ -83,8 +84,8 @@ def _async_classes() -> tuple[type, type]:
         raise ImportError("async_admin_client needs aiohttp, as the SDK's async admin client does: "
                           "pip install aiohttp") from err
 
-    class AsyncEmulatorAdminTransport(_ToEmulator, AioHttpTransport):
-        async def send(self, request: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    class AsyncEmulatorAdminTransport(_ToEmulator, AioHttpTransport):  # type: ignore[misc]  # Any, as above
+        async def send(self, request: Any, **kwargs: Any) -> Any:
             request.url = self.rewrite(request.url)
             return await super().send(request, **kwargs)
 
@@ -157,8 +158,10 @@ def admin_client(
     Anything else is the SDK's own client with TLS; ``admin_endpoint`` is refused there. Other keyword
     arguments go to the SDK (``retry_total``, ``api_version``, ``connection_timeout``...).
     """
-    return _build(ServiceBusAdministrationClient, EmulatorAdminTransport, connection_string,
-                  fully_qualified_namespace, credential, admin_endpoint, use_tls, kwargs)
+    client: ServiceBusAdministrationClient = _build(ServiceBusAdministrationClient, EmulatorAdminTransport,
+                                                    connection_string, fully_qualified_namespace, credential,
+                                                    admin_endpoint, use_tls, kwargs)
+    return client
 
 
 def async_admin_client(
@@ -174,8 +177,10 @@ def async_admin_client(
     client (``async with async_admin_client(conn) as admin: await admin.create_queue(...)``). Needs aiohttp;
     ``credential`` is an async credential (``azure.identity.aio``)."""
     client_class, transport_class = _async_classes()
-    return _build(client_class, transport_class, connection_string, fully_qualified_namespace, credential,
-                  admin_endpoint, use_tls, kwargs)
+    client: AsyncAdministrationClient = _build(client_class, transport_class, connection_string,
+                                               fully_qualified_namespace, credential, admin_endpoint, use_tls,
+                                               kwargs)
+    return client
 
 
 def _build(client_class: Any, transport_class: type, connection_string: str | None,

@@ -29,7 +29,7 @@ def _timeout_seconds(text: str) -> float:
     return 0.0 if text.strip() in ("0", "0s") else _duration_seconds(text)
 
 
-def _emulator_parser(sub: argparse._SubParsersAction) -> None:
+def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     emu = sub.add_parser("emulator", help="run and control the local Service Bus emulator")
     esub = emu.add_subparsers(dest="action", required=True)
 
@@ -152,7 +152,7 @@ def _emulator_proxy(args: argparse.Namespace) -> int:
         return 2
 
 
-def _paired_parsers(sub: argparse._SubParsersAction) -> None:
+def _paired_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     provision = sub.add_parser("provision", help="create the missing backlog queues on the secondary and print "
                                                  "the usable count")
     provision.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
@@ -162,7 +162,7 @@ def _paired_parsers(sub: argparse._SubParsersAction) -> None:
     status.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
 
 
-def _report_parser(sub: argparse._SubParsersAction) -> None:
+def _report_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     report = sub.add_parser(
         "report", help="draw the picture of an outage (a PNG) from a run's metrics table and syphon ledger "
                        "(needs spark-sb[spark])",

@@ -72,7 +72,7 @@ from dataclasses import FrozenInstanceError
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
-from urllib.parse import quote, unquote, urlparse
+from urllib.parse import ParseResult, quote, unquote, urlparse
 
 import yaml
 from pydantic import (
@@ -288,7 +288,8 @@ class FrozenMap(Mapping[str, Any]):
         return f"FrozenMap({_redacted_tree(self._data)!r})"
 
     def to_dict(self) -> dict[str, Any]:
-        return _thaw(self)
+        thawed: dict[str, Any] = _thaw(self)
+        return thawed
 
     @classmethod
     def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> core_schema.CoreSchema:
@@ -675,7 +676,7 @@ def _userinfo_masked(text: str) -> str:
     return f"{scheme}{sep}{userinfo.split(':', 1)[0]}:{_REDACTED}@{tail}"
 
 
-def _proxy_shown(parsed: Any) -> str:
+def _proxy_shown(parsed: ParseResult) -> str:
     """A proxy URL as it may be shown: its password masked."""
     netloc = parsed.netloc
     if parsed.password is not None:
@@ -930,7 +931,7 @@ class NamespaceConfig(_Compact):
             sdk_kwargs.pop("use_tls", None)  # the string says it
             return ServiceBusClient.from_connection_string(self.connection_string.reveal(), **sdk_kwargs)
         # a credential; or an emulator connection string over TLS, which from_connection_string would make plain
-        return ServiceBusClient(self.fully_qualified_namespace, self.credential(), **sdk_kwargs)  # type: ignore[arg-type]
+        return ServiceBusClient(self.fully_qualified_namespace, self.credential(), **sdk_kwargs)
 
     @model_serializer(mode="wrap")
     def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -1179,7 +1180,8 @@ class SinkSourceConfig(_Frozen):
 
     def to_dict(self) -> dict[str, Any]:
         """The section in the YAML shape (only the options of its kind of source), secrets included."""
-        return _escape_references(self.model_dump(mode="json", context={"secrets": True}))
+        escaped: dict[str, Any] = _escape_references(self.model_dump(mode="json", context={"secrets": True}))
+        return escaped
 
 
 def _columns(value: Any) -> Any:
@@ -1257,7 +1259,8 @@ class SinkConfig(_Frozen):
 
     def to_dict(self) -> dict[str, Any]:
         """The section in the YAML shape, secrets included (reader options)."""
-        return _escape_references(self.model_dump(mode="json", context={"secrets": True}))
+        escaped: dict[str, Any] = _escape_references(self.model_dump(mode="json", context={"secrets": True}))
+        return escaped
 
 
 # --- the whole configuration -----------------------------------------------------------------------------
@@ -1345,7 +1348,9 @@ class SparkSbConfig(_Frozen):
     def to_dict(self, *, secrets: bool = False) -> dict[str, Any]:
         """The configuration in the YAML shape; secrets as ``***`` unless ``secrets=True``, in which case
         ``load_config(config.to_dict(secrets=True)) == config``."""
-        return _escape_references(self.model_dump(mode="json", by_alias=True, context={"secrets": secrets}))
+        escaped: dict[str, Any] = _escape_references(self.model_dump(mode="json", by_alias=True,
+                                                                    context={"secrets": secrets}))
+        return escaped
 
     def fingerprint(self) -> str:
         """A stable hash of the whole configuration, secrets included in its input (a different key gives a

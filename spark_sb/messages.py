@@ -200,8 +200,8 @@ def _utc(value: Any) -> datetime.datetime | None:
     if isinstance(value, datetime.datetime):
         if value.tzinfo is None:  # the SDK's encoder reads a naive datetime as UTC
             value = value.replace(tzinfo=datetime.UTC)
-        value = value.astimezone(datetime.UTC)
-        return value.replace(microsecond=(value.microsecond // 1000) * 1000)
+        utc: datetime.datetime = value.astimezone(datetime.UTC)
+        return utc.replace(microsecond=(utc.microsecond // 1000) * 1000)
     if isinstance(value, int) and not isinstance(value, bool):
         try:
             return _EPOCH + datetime.timedelta(milliseconds=value)
@@ -553,10 +553,10 @@ def to_backlog(message: ServiceBusMessage, entity: str, *, check: bool = True) -
         for key, value in (raw.annotations or {}).items()
         if _key(key) not in (_X_OPT_PARTITION_KEY, _X_OPT_SCHEDULED_ENQUEUE_TIME, *_BROKER_ANNOTATIONS)
     }
-    new_header = None
+    new_header: dict[str, Any] | None = None
     if header is not None and (header.durable is not None or header.priority is not None):
         new_header = {"durable": header.durable, "priority": header.priority}
-    new_properties = None
+    new_properties: dict[str, Any] | None = None
     if source is not None:
         new_properties = {
             "message_id": source.message_id,
@@ -574,8 +574,9 @@ def to_backlog(message: ServiceBusMessage, entity: str, *, check: bool = True) -
     # A shallow copy that shares the body (nothing here or in the encoder modifies it) with every other section
     # replaced: a third of the cost of AmqpAnnotatedMessage(...), which copies the body and checks its arguments
     annotated = copy.copy(raw)
-    annotated.header = AmqpMessageHeader(**new_header) if new_header else None
-    annotated.properties = AmqpMessageProperties(**new_properties) if new_properties is not None else None
+    # the SDK types these setters without None, which its getters and constructor allow
+    annotated.header = AmqpMessageHeader(**new_header) if new_header else None  # type: ignore[assignment]
+    annotated.properties = AmqpMessageProperties(**new_properties) if new_properties is not None else None  # type: ignore[assignment]
     annotated.application_properties = properties
     annotated.annotations = annotations or None
     annotated.delivery_annotations = None

@@ -95,7 +95,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from .capabilities import admission_control, require_python_data_sources, trigger_available_now
 
@@ -141,6 +141,10 @@ from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
 from .options import positive as _positive  # noqa: E402
 from .paired.retry import ExponentialBackoff, RetryFor  # noqa: E402
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.connect.session import SparkSession as ConnectSession
 
 if admission_control():  # Spark 4.2 and later
     from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
@@ -227,14 +231,14 @@ RECEIVES_IN_FLIGHT = 8
 RESOLVE_RETRY_SECONDS = 30.0
 
 
-def register(spark: Any) -> None:
+def register(spark: SparkSession | ConnectSession) -> None:
     """Register the ``servicebus`` and ``servicebus-backlog`` formats with ``spark``."""
     spark.dataSource.register(ServiceBusDataSource)
     spark.dataSource.register(BacklogDataSource)
 
 
-def dedupe(df: Any, window: str | float | datetime.timedelta = "10 minutes", *, id_column: str = "message_id",
-           time_column: str = "enqueued_time") -> Any:
+def dedupe(df: DataFrame, window: str | float | datetime.timedelta = "10 minutes", *, id_column: str = "message_id",
+           time_column: str = "enqueued_time") -> DataFrame:
     """Drop the second copy of each message of a streaming DataFrame (the ``servicebus`` source over both
     namespaces in active or passive replication): Spark's ``withWatermark(time_column, window)`` followed by
     ``dropDuplicatesWithinWatermark([id_column])``. Spark keeps each id in the query's state store (in its
@@ -382,10 +386,11 @@ def _utc(value: Any) -> datetime.datetime | None:
         return None
     if value.tzinfo is None:
         value = value.replace(tzinfo=datetime.UTC)
-    return value.astimezone(datetime.UTC)
+    utc: datetime.datetime = value.astimezone(datetime.UTC)
+    return utc
 
 
-def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
+def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple[Any, ...]:
     """The row of one received backlog message (see :data:`SCHEMA`)."""
     text = msgs.text
     enqueued = _utc(received.enqueued_time_utc)
@@ -415,7 +420,7 @@ def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple:
 
 
 def servicebus_row(received: Any, entity: Entity, now: datetime.datetime, *, leave_out: Collection[str] = ()
-                   ) -> tuple:
+                   ) -> tuple[Any, ...]:
     """The row of one message of the ``servicebus`` source (see :data:`SERVICEBUS_SCHEMA`), without the application
     properties named in ``leave_out``. Each property's text is what :func:`_property_text` makes of it (a binary
     as base64), and its AMQP type is in ``application_property_types`` (:func:`spark_sb.messages.property_types`),
@@ -572,11 +577,11 @@ class _Completions:
     #: how many completed batch numbers are remembered
     REMEMBERED = 1024
 
-    def __init__(self, complete: Callable[[dict], None], field: str, what: str) -> None:
+    def __init__(self, complete: Callable[[dict[str, Any]], None], field: str, what: str) -> None:
         self._complete = complete
         self._field = field
         self._what = what
-        self.pending: list[dict] = []
+        self.pending: list[dict[str, Any]] = []
         self._done: dict[int, None] = {}  # insertion-ordered: the oldest is forgotten first
 
     def numbers(self) -> dict[str, set[int]]:
@@ -587,7 +592,7 @@ class _Completions:
                 numbers.setdefault(key, set()).update(batch)
         return numbers
 
-    def complete(self, offset: dict) -> None:
+    def complete(self, offset: dict[str, Any]) -> None:
         """Complete ``offset``'s batch unless done already; when that fails, it is pending and the error raised."""
         number = int(offset.get("batch", 0))
         if number in self._done or not offset.get(self._field):
@@ -604,7 +609,7 @@ class _Completions:
         while len(self._done) > self.REMEMBERED:
             del self._done[next(iter(self._done))]
 
-    def retry(self, latest: dict) -> None:
+    def retry(self, latest: dict[str, Any]) -> None:
         """Complete every pending batch, then ``latest``; a failure is logged and its batch stays pending."""
         for offset in [*self.pending, latest]:
             try:
@@ -614,7 +619,8 @@ class _Completions:
                                 self._what, offset.get("batch"), type(exc).__name__, redact(str(exc))[:200])
 
 
-class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_NOW):
+# mypy cannot follow a starred base: SupportsTriggerAvailableNow where pyspark has it (4.2), else none
+class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_NOW):  # type: ignore[misc]
     """The machinery both sources share (see the module docstring): deferring in ``latestOffset``, peeking by
     sequence number in ``read``, completing in ``commit``, taking back what a dead run left deferred, receiving
     ahead. A subclass names its entities and turns a peeked message into a row (:meth:`row`).
@@ -662,16 +668,16 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         self._depth: int | None = None
         self._ahead: _Ahead | None = None
         self._started_ahead = False  # batches after the first are received ahead, in the background
-        self._last: dict | None = None  # the newest offset returned or planned (the start on Spark 4.0 and 4.1)
+        self._last: dict[str, Any] | None = None  # the newest offset returned or planned (the start on Spark 4.0 and 4.1)
         #: Trigger.AvailableNow: per entity key, how many of the messages it held at the start are still to read
         self._available_now: dict[str, int] | None = None
 
-    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple[Any, ...]:
         raise NotImplementedError
 
     # --- offsets -------------------------------------------------------------------------------------------
 
-    def initialOffset(self) -> dict:
+    def initialOffset(self) -> dict[str, Any]:
         """A fresh checkpoint starts at batch 0; messages an abandoned run left deferred are taken back by the
         first :meth:`latestOffset`."""
         return {"batch": 0, self.OFFSET_FIELD: {}}
@@ -682,8 +688,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         a receive of this reader that failed part way (a message deferred at the broker whose answer was lost).
         An entity is received from only once swept, so that a sweep never races a receive of this reader."""
         exclude: dict[str, set[int]] = {key: set(numbers) for key, numbers in self._taken_back.items()}
-        for key, numbers in self._completions.numbers().items():
-            exclude.setdefault(key, set()).update(numbers)
+        for key, pending in self._completions.numbers().items():
+            exclude.setdefault(key, set()).update(pending)
         taken: dict[str, int] = {}
         for key in list(self._unswept):
             entity = self._by_key[key]
@@ -739,14 +745,14 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         return retry.call(attempt, lambda exc: isinstance(exc, _CountUnknown), what=f"{self.WHAT}: {doing}",
                           give_up=give_up)
 
-    def latestOffset(self, start: dict | None = None, limit: ReadLimit | None = None) -> dict:
+    def latestOffset(self, start: dict[str, Any] | None = None, limit: ReadLimit | None = None) -> dict[str, Any]:
         if start is None:  # Spark 4.0 and 4.1: no admission control, the reader keeps its start and its cap
             start = self._last if self._last is not None else self.initialOffset()
         offset = self._next_offset(start, limit)
         self._last = offset
         return offset
 
-    def _next_offset(self, start: dict, limit: ReadLimit | None) -> dict:
+    def _next_offset(self, start: dict[str, Any], limit: ReadLimit | None) -> dict[str, Any]:
         # the batch ending at ``start`` finished: complete what its sink left deferred, and every earlier batch
         # whose completion failed
         self._completions.retry(start)
@@ -924,7 +930,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
             if entity.key not in self._unswept:
                 self._unswept.append(entity.key)
 
-    def reportLatestOffset(self) -> dict | None:
+    def reportLatestOffset(self) -> dict[str, Any] | None:
         if self._depth is None:
             return None
         return {self.DEPTH_FIELD: self._depth}
@@ -995,11 +1001,12 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         try:
             with admin_client(getattr(self.config, entity.side), retry_total=0) as admin:
                 found = admin.get_subscription(topic, subscription) if marker else admin.get_queue(entity.path)
-            return float(found.lock_duration.total_seconds())
+            lock = found.lock_duration  # the SDK types it timedelta | str | None: the last two take the default
+            return float(lock.total_seconds()) if isinstance(lock, datetime.timedelta) else 60.0
         except Exception:  # noqa: BLE001 - a bound on a wait, not the batch
             return 60.0
 
-    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         self._last = end  # on a restart, Spark plans the checkpoint's last batch before asking for the next
         if end == start:
             return []
@@ -1007,7 +1014,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
                 for key, numbers in sorted(end.get(self.OFFSET_FIELD, {}).items())
                 for i in range(0, len(numbers), _PARTITION)]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple]:
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, DeferredPartition)
         entity = self._by_key[partition.key]
         now = datetime.datetime.now(datetime.UTC)
@@ -1019,7 +1026,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         found = self._retrying(entity, "reading a planned batch", peek)
         yield from (self.row(m, entity, now) for m in found)
 
-    def commit(self, end: dict) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         """Complete what the batch's sink left deferred (the syphon's sink leaves nothing). A namespace that does
         not answer fails nothing: the completion is retried by each later ``latestOffset`` until it succeeds."""
         try:
@@ -1030,7 +1037,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
             _LOGGER.warning("completing %s batch %s failed (%s: %s); trying again with the next batch", self.WHAT,
                             end.get("batch"), type(exc).__name__, redact(str(exc))[:200])
 
-    def _complete(self, offset: dict) -> None:
+    def _complete(self, offset: dict[str, Any]) -> None:
         """Complete the messages of the batch ending at ``offset`` that are still deferred."""
         number = int(offset.get("batch", 0))
         done = 0
@@ -1108,7 +1115,7 @@ class BacklogStreamReader(DeferringStreamReader):
                          config.syphon.max_messages_per_trigger, config.syphon.receives_in_flight)
         self.queues = queues
 
-    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple[Any, ...]:
         return backlog_row(received, entity.path, now)
 
 
@@ -1137,7 +1144,7 @@ class ServiceBusStreamReader(DeferringStreamReader):
         for entity in self.entities:
             self._check(entity)
 
-    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+    def row(self, received: Any, entity: Entity, now: datetime.datetime) -> tuple[Any, ...]:
         return servicebus_row(received, entity, now)
 
 def _entity_option(options: Mapping[str, str]) -> str:
@@ -1187,7 +1194,7 @@ class PeekPartition(InputPartition):
     key: str
 
 
-def dead_letter_row(received: Any, entity: Entity, now: datetime.datetime) -> tuple:
+def dead_letter_row(received: Any, entity: Entity, now: datetime.datetime) -> tuple[Any, ...]:
     """The row of one message of a dead-letter queue (see :data:`DEAD_LETTER_SCHEMA`): ``entity`` is the queue or
     subscription the dead-letter queue belongs to. The reason and the description the service keeps among the
     message's application properties (:data:`DEAD_LETTER_PROPERTIES`) are in their own columns only, so that a row
@@ -1228,7 +1235,7 @@ class ServiceBusBatchReader(_EntityAccess, DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         return [PeekPartition(entity.key) for entity in self.entities]
 
-    def read(self, partition: InputPartition) -> Iterator[tuple]:
+    def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, PeekPartition)
         entity = next(e for e in self.entities if e.key == partition.key)
         row = dead_letter_row if self.dead_letter else servicebus_row

@@ -54,6 +54,7 @@ import contextlib
 import datetime
 import functools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -213,7 +214,8 @@ class Syphon:
         self.lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, source: Any, *, clock: Callable[[], float] = time.time, repark: bool = False) -> Syphon:
+    def from_config(cls, source: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConfig, *,
+                    clock: Callable[[], float] = time.time, repark: bool = False) -> Syphon:
         """From a YAML path, a dict or a :class:`SparkSbConfig`."""
         return cls(load_config(source), clock=clock, repark=repark)
 

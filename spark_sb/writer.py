@@ -189,7 +189,7 @@ class _Writing:
         partition appended to the reject table (once per batch and partition: a retried task or a replayed
         batch finds its rows there and appends nothing, :func:`spark_sb.tables.append_once`)."""
         sent = PartitionSent(run_key=self._run_key())
-        rejects: list[tuple] = []
+        rejects: list[tuple[Any, ...]] = []
         for batch in output:
             for row in batch.to_pylist():
                 if row["kind"] == "reject":
@@ -435,7 +435,7 @@ _METRICS = pa.schema(
        pa.field("partitions", pa.int32()), pa.field("seconds", pa.float64())])
 
 
-def _rejects_table(batch_id: int | None, rejects: list[tuple]) -> pa.Table:
+def _rejects_table(batch_id: int | None, rejects: list[tuple[Any, ...]]) -> pa.Table:
     """The reject table's rows (the columns the sink writes)."""
     now = datetime.datetime.now(datetime.UTC)
     return pa.Table.from_pylist([

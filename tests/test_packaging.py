@@ -115,6 +115,7 @@ def test_pip_wheel_gives_one_wheel_with_the_package_and_the_three_commands(wheel
     with zipfile.ZipFile(wheel) as archive:
         files = archive.namelist()
     assert "spark_sb/__init__.py" in files and "spark_sb/jobs.py" in files and "spark_sb/emulator/__init__.py" in files
+    assert "spark_sb/py.typed" in files, "the wheel marks the package as typed (PEP 561)"
     assert not [f for f in files if f.split("/")[0] in ("tests", "jobs", "bench", "conf")], "only the package ships"
     points = wheel_entry_points(wheel)
     assert points == SCRIPTS

@@ -30,6 +30,7 @@ from typing import Any, Literal, TypeVar
 
 from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode, ServiceBusReceiver, ServiceBusSender
 from azure.servicebus.exceptions import ServiceBusConnectionError
+from azure.servicebus.management import ServiceBusAdministrationClient
 
 from .. import messages as msgs
 from ..admin import admin_client as build_admin_client
@@ -59,7 +60,7 @@ def _one_listener(sdk_receiver: ServiceBusReceiver) -> ServiceBusReceiver:
 
     def create_handler(auth: Any) -> None:
         create(auth)
-        handler = getattr(sdk_receiver, "_handler", None)
+        handler: Any = getattr(sdk_receiver, "_handler", None)
         open_handler = getattr(handler, "open", None)
         if open_handler is None:
             return
@@ -433,7 +434,7 @@ class Namespace:
             self.force_close()
 
 
-def admin_client(namespace: NamespaceConfig, **kwargs: Any) -> Any:
+def admin_client(namespace: NamespaceConfig, **kwargs: Any) -> ServiceBusAdministrationClient:
     """A ``ServiceBusAdministrationClient`` for ``namespace`` (its connection string, or its namespace and
     credential), built by :func:`spark_sb.admin.admin_client`; ``kwargs`` go to the SDK. Close it. A real
     namespace's client goes through the namespace's ``http_proxy`` and trusts its ``connection_verify``; the

@@ -46,7 +46,7 @@ try:  # the SDK's pyamqp, vendored under azure.servicebus
     from azure.servicebus._pyamqp.error import ErrorCondition, MessageException
     from azure.servicebus._pyamqp.message import BatchMessage, _MessageDelivery
 except ImportError:  # pragma: no cover - another SDK layout: sends go one at a time
-    _MessageDelivery = None
+    _MessageDelivery = None  # type: ignore[assignment,misc]  # mypy: an optional import's fallback (python/mypy#1153)
 
 
 class _Delivery(_MessageDelivery if _MessageDelivery is not None else object):  # type: ignore[misc]

@@ -109,7 +109,7 @@ class PollSelector:
             heapq.heappop(heap)  # stale: the selectable moved its deadline or is gone
         return None
 
-    def select(self, timeout: float | None) -> tuple[list, list, list]:
+    def select(self, timeout: float | None) -> tuple[list[Any], list[Any], list[Any]]:
         deadline = self._next_deadline()
         now = time.time()
         if deadline is not None:
@@ -167,5 +167,5 @@ def install() -> None:
         from proton import _io
 
         _io.IO.Selector = PollSelector  # type: ignore[misc,assignment]
-        _io.IO.listen = staticmethod(_listen)  # type: ignore[method-assign,assignment]
+        _io.IO.listen = staticmethod(_listen)  # type: ignore[method-assign]
         _installed = True

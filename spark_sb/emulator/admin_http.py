@@ -160,7 +160,8 @@ def parse_body(body: bytes) -> ET.Element:
         content = next((c for c in root if _local(c.tag) == "content"), None)
     if content is None or len(content) == 0:
         raise _HttpError(400, "the Atom entry has no <content> with a description")
-    return content[0]
+    description: ET.Element = content[0]
+    return description
 
 
 def _to_bool(text: str | None, field: str) -> bool:
@@ -694,7 +695,7 @@ class AdminServer:
         call: BrokerCall,
         keys: dict[str, str],
         fault: Callable[[str | None], str | None] | None = None,
-        control: Callable[[str, str, dict], tuple[int, dict]] | None = None,
+        control: Callable[[str, str, dict[str, Any]], tuple[int, dict[str, Any]]] | None = None,
         namespace_port: int | None = None,
         other_ports: Callable[[], Iterable[int | None]] | None = None,
         authority: aad.Authority | None = None,
@@ -1096,7 +1097,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         self._send_json(status, answer)
 
-    def _send_json(self, status: int, data: dict) -> None:
+    def _send_json(self, status: int, data: dict[str, Any]) -> None:
         self._send(status, json.dumps(data).encode("utf-8"), _CT_JSON)
 
     def _identity_token(self, method: str, query_text: str) -> None:

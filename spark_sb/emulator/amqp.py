@@ -229,7 +229,7 @@ class NamespaceServer(Handler):
         self.faults: dict[str | None, Fault] = {}
         self._container: Container | None = None
         self._injector: EventInjector | None = None
-        self._calls: queue.Queue[tuple[Callable[[], Any], Future]] = queue.Queue()
+        self._calls: queue.Queue[tuple[Callable[[], Any], Future[Any]]] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
@@ -328,7 +328,7 @@ class NamespaceServer(Handler):
             return fn()
         if not self._running:
             raise self._down()
-        fut: Future = Future()
+        fut: Future[T] = Future()
         self._calls.put((fn, fut))
         assert self._injector is not None
         self._injector.trigger(ApplicationEvent("emulator_call"))
@@ -1354,7 +1354,7 @@ def _condition(name: str, description: str) -> Condition:
     return Condition(name, description, _tracking_info())
 
 
-def _tracking_info() -> dict:
+def _tracking_info() -> dict[Any, Any]:
     return {symbol("com.microsoft:tracking-id"): uuid.uuid4().hex}
 
 
@@ -1422,7 +1422,7 @@ def _decode_request(data: bytes) -> Message:
     return msg
 
 
-def _annotations(v: Any) -> dict | None:
+def _annotations(v: Any) -> dict[Any, Any] | None:
     if not v:
         return None
     return {str(k): val for k, val in dict(v).items()}

@@ -150,7 +150,8 @@ _TTL_EXPIRY = 3
 
 
 def _path_of(spec: Any) -> str:
-    return spec.path if spec.kind == SUBSCRIPTION else spec.name
+    path: str = spec.path if spec.kind == SUBSCRIPTION else spec.name
+    return path
 
 
 def _min_ttl(a: float | None, b: float | None) -> float | None:
@@ -574,7 +575,7 @@ class Broker:
         if box.topic is not None:
             self._unref(box.topic, msg.sequence_number, len(msg.raw))
 
-    def _modify(self, box: _Box, msg: Stored, properties_to_modify: dict | None) -> None:
+    def _modify(self, box: _Box, msg: Stored, properties_to_modify: dict[str, Any] | None) -> None:
         """A settlement's properties-to-modify, merged into the stored message's application properties."""
         if not properties_to_modify:
             return
@@ -795,7 +796,8 @@ class Broker:
         _LOGGER.debug("deleted %s %s", kind, canon)
 
     def get_entity(self, kind: str, path: str) -> QueueSpec | TopicSpec | SubscriptionSpec:
-        return copy.deepcopy(self._spec_of(kind, path))
+        spec: QueueSpec | TopicSpec | SubscriptionSpec = copy.deepcopy(self._spec_of(kind, path))
+        return spec
 
     def list_entities(self, kind: str, topic: str | None = None) -> list[Any]:
         """Queues or topics of the namespace, or the subscriptions of ``topic``, sorted by name."""
@@ -1104,7 +1106,7 @@ class Broker:
         lock = self._session_locks.get((box.path, session_id))
         if lock is None or lock[1] <= now or (owner is not None and lock[0] != owner):
             raise self._session_lock_lost(box.path, session_id)
-        until = now + self._specs[box.owner].lock_duration
+        until: float = now + self._specs[box.owner].lock_duration
         self._session_locks[(box.path, session_id)] = (lock[0], until)
         self._push_deadline(until, _SESSION_LOCK_EXPIRY, box.path, session_id)
         self._extend_session_messages(box, session_id, until)
@@ -1245,7 +1247,7 @@ class Broker:
         msg = self._locked(box, lock_token, self._clock())
         self._drop(box, msg)
 
-    def abandon(self, path: str, lock_token: uuid.UUID, properties_to_modify: dict | None = None) -> None:
+    def abandon(self, path: str, lock_token: uuid.UUID, properties_to_modify: dict[str, Any] | None = None) -> None:
         """Unlock; when delivery_count >= max_delivery_count the message is dead-lettered with reason
         ``MaxDeliveryCountExceeded``. LOCK_LOST as for complete.
 
@@ -1272,7 +1274,7 @@ class Broker:
             self._release(box, msg, now, abandoned=False)
         self._flush()
 
-    def defer(self, path: str, lock_token: uuid.UUID, properties_to_modify: dict | None = None) -> None:
+    def defer(self, path: str, lock_token: uuid.UUID, properties_to_modify: dict[str, Any] | None = None) -> None:
         """The message becomes DEFERRED: never delivered by receive, only by receive_deferred.
         ``properties_to_modify`` as for abandon."""
         box = self._box(path)
@@ -1285,7 +1287,7 @@ class Broker:
 
     def dead_letter(
         self, path: str, lock_token: uuid.UUID, reason: str | None, description: str | None,
-        properties_to_modify: dict | None = None,
+        properties_to_modify: dict[str, Any] | None = None,
     ) -> None:
         """Move to ``path + '/$DeadLetterQueue'`` keeping message id, body and properties; the DLQ copy
         carries dead_letter_reason/description and dead_letter_source = path. ``properties_to_modify`` as

@@ -224,7 +224,7 @@ class DeliveryIdRenumbering:
         return struct.pack(">I", size) + rewritten, positions[2]
 
 
-def install(transport: Any, info: dict, label: str = "") -> DeliveryIdRenumbering:
+def install(transport: Any, info: dict[str, Any], label: str = "") -> DeliveryIdRenumbering:
     """Puts the renumbering between the socket and ``transport`` (the Proton ``Transport`` object the reactor
     pushes a connection's bytes into).
 

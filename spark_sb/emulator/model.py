@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..durations import DurationError, parse_seconds
 
@@ -152,18 +152,18 @@ def validate(spec: QueueSpec | TopicSpec | SubscriptionSpec) -> None:
             v = getattr(spec, fname)
             _check(label, fname, v, isinstance(v, int | float) and 5 <= v <= 300, "between 5 s and 5 min")
     if hasattr(spec, "max_delivery_count"):
-        v = spec.max_delivery_count  # type: ignore[union-attr]
+        v = spec.max_delivery_count
         _check(label, "max_delivery_count", v, isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                "an integer >= 1")
     v = spec.default_message_time_to_live
     _check(label, "default_message_time_to_live", v, v is None or (isinstance(v, int | float) and v > 0),
            "a positive duration")
     if hasattr(spec, "duplicate_detection_history_time_window"):
-        v = spec.duplicate_detection_history_time_window  # type: ignore[union-attr]
+        v = spec.duplicate_detection_history_time_window
         _check(label, "duplicate_detection_history_time_window", v,
                isinstance(v, int | float) and 20 <= v <= 7 * 86400, "between 20 s and 7 days")
     if hasattr(spec, "max_size_in_megabytes"):
-        v = spec.max_size_in_megabytes  # type: ignore[union-attr]
+        v = spec.max_size_in_megabytes
         _check(label, "max_size_in_megabytes", v, isinstance(v, int) and not isinstance(v, bool) and v >= 1,
                "an integer >= 1")
     _check(label, "status", spec.status, spec.status in _STATUSES, f"one of {', '.join(_STATUSES)}")
@@ -221,7 +221,10 @@ _DURATION_FIELDS = {
 }
 
 
-def _build(cls: type, data: dict[str, Any], label: str, **fixed: Any) -> Any:
+_Spec = TypeVar("_Spec", QueueSpec, TopicSpec, SubscriptionSpec, RuleSpec)
+
+
+def _build(cls: type[_Spec], data: dict[str, Any], label: str, **fixed: Any) -> _Spec:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - known - set(fixed))
     if unknown:

@@ -57,7 +57,7 @@ class HttpProxy(LoopService):
         self._head_timeout = head_timeout
         self._server: asyncio.AbstractServer | None = None
         self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         #: connections opened to each (host, port) target
         self.tunnels: collections.Counter[tuple[str, int]] = collections.Counter()
         #: requests turned away: no or wrong credentials (407), a port not allowed (403), a bad request (400)

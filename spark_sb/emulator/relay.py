@@ -60,7 +60,7 @@ class Relay(LoopService):
         self._handshake_timeout = handshake_timeout
         self._servers: list[asyncio.AbstractServer] = []
         self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     @property
     def connections(self) -> int:

@@ -18,6 +18,7 @@ As a subprocess (what tests and the demo use when they need kill -9)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -319,7 +320,7 @@ class Emulator:
         namespaces: Sequence[NamespaceOptions] = DEFAULT_NAMESPACES,
         *,
         data_dir: str | Path | None = None,
-        entities: str | Path | dict | model.EntitiesFile | None = None,
+        entities: str | Path | dict[str, Any] | model.EntitiesFile | None = None,
         clock: Callable[[], float] = time.time,
         aad: _aad.AadOptions | None = None,
         tls: bool = False,
@@ -436,13 +437,13 @@ class Emulator:
                     opt.host, opt.admin_port,
                     broker=_BrokerProxy(server), call=server.call, keys={opt.key_name: opt.key},
                     fault=_fault_reader(server), control=_control(server), namespace_port=server.port,
-                    other_ports=lambda name=opt.name: self._ports_of(name),
+                    other_ports=functools.partial(self._ports_of, opt.name),
                     authority=self.authority, allowed_hosts=[o.host for o in self.options],
                 )
                 admin.start()
                 self._admins[opt.name] = admin
                 self.info[opt.name] = NamespaceInfo(opt.name, server.port, admin.port, opt.key_name, opt.key)
-                server.other_ports = lambda name=opt.name: self._ports_of(name)
+                server.other_ports = functools.partial(self._ports_of, opt.name)
                 _LOGGER.info("namespace %s: AMQP on %s:%d, admin on http://%s:%d", opt.name, opt.host,
                              server.port, opt.host, admin.port)
             self._start_latency()
@@ -652,10 +653,10 @@ def _fault_reader(server: NamespaceServer) -> Callable[[str | None], str | None]
     return read
 
 
-def _control(server: NamespaceServer) -> Callable[[str, str, dict], tuple[int, dict]]:
+def _control(server: NamespaceServer) -> Callable[[str, str, dict[str, Any]], tuple[int, dict[str, Any]]]:
     """The ``/$emulator/`` endpoints of the admin port: fault, heal, faults."""
 
-    def handle(method: str, path: str, body: dict) -> tuple[int, dict]:
+    def handle(method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         op = path.rstrip("/").rsplit("/", 1)[-1]
         if method == "POST" and op == "fault":
             kind = body.get("kind")
@@ -678,7 +679,7 @@ def _control(server: NamespaceServer) -> Callable[[str, str, dict], tuple[int, d
             return 200, server.call(server.stats)
         return 404, {"error": f"unknown control endpoint {method} {path}"}
 
-    def guarded(method: str, path: str, body: dict) -> tuple[int, dict]:
+    def guarded(method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         try:
             return handle(method, path, body)
         except NamespaceDown as err:
@@ -688,7 +689,7 @@ def _control(server: NamespaceServer) -> Callable[[str, str, dict], tuple[int, d
 
 
 # ---------------------------------------------------------------------- remote control (CLI, other processes)
-def send_control(admin_url: str, op: str, body: dict | None = None, timeout: float = 10.0) -> dict:
+def send_control(admin_url: str, op: str, body: dict[str, Any] | None = None, timeout: float = 10.0) -> dict[str, Any]:
     import urllib.error
     import urllib.request
 
@@ -701,7 +702,8 @@ def send_control(admin_url: str, op: str, body: dict | None = None, timeout: flo
                                  headers={"Content-Type": "application/json", CONTROL_HEADER: "1"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"{}")
+            answer: dict[str, Any] = json.loads(resp.read() or b"{}")
+            return answer
     except urllib.error.HTTPError as err:
         detail = err.read().decode(errors="replace")
         try:
@@ -713,12 +715,12 @@ def send_control(admin_url: str, op: str, body: dict | None = None, timeout: flo
         raise ConnectionError(f"cannot reach the emulator's admin API at {admin_url}: {err.reason}") from None
 
 
-def fault(admin_url: str, kind: str, entity: str | None = None, duration: float | None = None) -> dict:
+def fault(admin_url: str, kind: str, entity: str | None = None, duration: float | None = None) -> dict[str, Any]:
     """Inject a fault into the namespace whose admin API is at ``admin_url``."""
     return send_control(admin_url, "fault", {"kind": kind, "entity": entity, "duration": duration})
 
 
-def heal(admin_url: str, entity: str | None = None) -> dict:
+def heal(admin_url: str, entity: str | None = None) -> dict[str, Any]:
     return send_control(admin_url, "heal", {"entity": entity})
 
 
@@ -726,7 +728,7 @@ def heal(admin_url: str, entity: str | None = None) -> dict:
 class EmulatorProcess:
     """The emulator in a child process (``spark-sb emulator start``), for kill -9 tests and the demo."""
 
-    def __init__(self, proc: subprocess.Popen, info: dict[str, NamespaceInfo], args: list[str],
+    def __init__(self, proc: subprocess.Popen[bytes], info: dict[str, NamespaceInfo], args: list[str],
                  namespaces: Sequence[NamespaceOptions] = ()) -> None:
         self.proc = proc
         self.info = info

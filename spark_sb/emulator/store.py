@@ -50,7 +50,8 @@ class Loaded:
 
 def entity_path(spec: Any) -> str:
     """The path an entity is known by: the queue or topic name, or ``topic/subscriptions/name``."""
-    return spec.path if spec.kind == "subscription" else spec.name
+    path: str = spec.path if spec.kind == "subscription" else spec.name
+    return path
 
 
 def _row(m: Stored) -> tuple[Any, ...]:

@@ -80,7 +80,7 @@ class ExponentialBackoff:
 
     def compute(self, failures: int) -> float:
         exponent = min(max(failures, 1) - 1, 62)
-        value = min(self.cap, self.base * (2**exponent))
+        value: float = min(self.cap, self.base * (2**exponent))
         if self.jitter:
             value = self._rng.uniform(value / 2, value)
         return value

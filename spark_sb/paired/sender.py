@@ -54,6 +54,7 @@ from datetime import timedelta
 from typing import Any
 
 from azure.servicebus import ServiceBusMessage
+from azure.servicebus.management import ServiceBusAdministrationClient
 
 from .. import bus
 from .. import messages as msgs
@@ -291,7 +292,7 @@ class PairedSender:
         """The usable backlog queue count after pairing (0 before)."""
         return len(self.backlog_queues)
 
-    def admin_client(self, namespace: NamespaceConfig | None = None) -> Any:
+    def admin_client(self, namespace: NamespaceConfig | None = None) -> ServiceBusAdministrationClient:
         """A ``ServiceBusAdministrationClient`` for ``namespace`` (default: the secondary), without SDK retries
         (provisioning retries by itself). Close it."""
         return bus.admin_client(namespace or self.config.secondary, retry_total=0)
@@ -337,7 +338,7 @@ class PairedSender:
         retry = Retry(ConstantBackoff(sa.provision_retry_spacing.total_seconds()), sa.provision_retries,
                       sleep=self._sleep, clock=self._clock)
 
-        def bounded() -> dict[str, float]:
+        def bounded() -> dict[str, Any]:  # the SDK's timeout keywords (its **kwargs)
             """The next request's connect and read timeouts: ``admin_timeout``, or what is left before the
             deadline; :class:`_OutOfTime` when nothing is."""
             left = deadline - self._clock()
@@ -690,6 +691,7 @@ class PairedSender:
             msgs.check_time_to_live(item, entity)
         rewritten = [msgs.to_backlog(item, entity, check=False) for item in items]
         counts: dict[str, int] = {}
+        queue: str | None  # a session's backlog queue below, then each one the loop tries
         if sessions_of(items):
             # a session's messages go to its own backlog queue, in order (spark_sb.paired.sessions)
             names = self._sa.backlog_queue_names()

@@ -232,7 +232,7 @@ class DedupeReceiver:
     :class:`~spark_sb.bus.Namespace` objects by name, which it owns and closes) and returns each message id
     once within ``window`` (see the module docstring). Built by :meth:`from_config`; a context manager."""
 
-    def __init__(self, namespaces: Mapping[str, Namespace], entity: str, *, window: object = "10m",
+    def __init__(self, namespaces: Mapping[str, Namespace], entity: str, *, window: str | float | datetime.timedelta = "10m",
                  state_path: str | os.PathLike[str] | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.entity = entity_path(entity)
@@ -257,7 +257,7 @@ class DedupeReceiver:
 
     @classmethod
     def from_config(cls, conf: SparkSbConfig | Mapping[str, Any] | str | os.PathLike[str], entity: str, *,
-                    window: object = "10m", state_path: str | os.PathLike[str] | None = None,
+                    window: str | float | datetime.timedelta = "10m", state_path: str | os.PathLike[str] | None = None,
                     namespaces: Sequence[str] = NAMESPACE_NAMES, clock: Callable[[], float] = time.time,
                     client_kwargs: Mapping[str, Any] | None = None) -> DedupeReceiver:
         """A receiver of ``entity`` on the ``namespaces`` of ``conf`` (a :class:`~spark_sb.config.SparkSbConfig`,
