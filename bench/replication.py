@@ -72,7 +72,7 @@ def sink_rate(spark: Any, config: dict, mode: str, entity: str, rows: int, parti
     warm(frame(partitions * 10), 0)  # starts the workers' senders of this mode
     sink = PairedSink.from_config(conf)
     started = time.perf_counter()
-    summary = sink(frame(rows), 1)
+    summary = sink.send_batch(frame(rows), 1)
     rate = rows / (time.perf_counter() - started)
     assert summary.sent == rows, summary
     return rate, summary

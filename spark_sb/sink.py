@@ -432,7 +432,15 @@ class PairedSink:
 
         return check_columns(self.config.sink, batch_df.schema, refuse)
 
-    def __call__(self, batch_df: DataFrame, batch_id: int) -> BatchSummary:
+    def __call__(self, batch_df: DataFrame, batch_id: int) -> None:
+        """``foreachBatch``'s function: :meth:`send_batch` (its summary is :attr:`latest`; PySpark's
+        ``foreachBatch`` takes a function that returns nothing, so ``foreachBatch(sink)`` type-checks)."""
+        self.send_batch(batch_df, batch_id)
+
+    def send_batch(self, batch_df: DataFrame, batch_id: int) -> BatchSummary:
+        """Send ``batch_df`` as batch ``batch_id`` from the executors and return what happened to its rows
+        (also in :attr:`latest`, and added to :attr:`totals`). Raises when a row could be neither sent nor
+        rejected (the batch is then replayed from the checkpoint when the query restarts)."""
         started = time.monotonic()
         sink = self.config.sink
         if type(batch_df).__module__.startswith("pyspark.sql.connect"):

@@ -78,9 +78,9 @@ CORRECT = '''
         register(spark)
         sink = PairedSink(config)
         deduped: DataFrame = dedupe(df, window="10 minutes")
-        # not deduped.writeStream.foreachBatch(sink): pyspark types the function as returning None, and
-        # PairedSink returns the batch's BatchSummary (mypy: incompatible type "PairedSink")
-        deduped.writeStream.foreachBatch(lambda batch, batch_id: print(sink(batch, batch_id))).start()
+        deduped.writeStream.foreachBatch(sink).start()  # pyspark types the function as returning None
+        latest: BatchSummary | None = sink.latest
+        print(sink.send_batch(df, 0).sent, latest)
         totals: BatchSummary = sink.totals
         print(totals.sent)
 

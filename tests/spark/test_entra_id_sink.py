@@ -52,7 +52,7 @@ def test_the_sink_sends_on_entra_id_with_credentials_built_on_the_executors(
     issued = emu.authority.issued
     try:
         sink = PairedSink.from_config(config)
-        summary = sink(spark.range(40).selectExpr("concat('row-', id) AS body").repartition(2), 0)
+        summary = sink.send_batch(spark.range(40).selectExpr("concat('row-', id) AS body").repartition(2), 0)
     finally:
         environment.clear()
         environment.update(saved)

@@ -74,7 +74,7 @@ def _rows(spark: Any, first: int, count: int = 40) -> Any:
 def _through_an_outage(sink: PairedSink, emu: Emulator, df: Any, batch_id: int) -> Any:
     emu.fault("primary", "down")
     try:
-        return sink(df, batch_id)
+        return sink.send_batch(df, batch_id)
     finally:
         emu.heal("primary")
 
@@ -90,7 +90,7 @@ def test_the_sink_through_an_outage_over_websockets_through_a_proxy(
     entity = config["sink"]["entity"]
     sink = PairedSink.from_config(config)
     tunnels = _tunnels(proxy)
-    healthy = sink(_rows(spark, 0), 0)
+    healthy = sink.send_batch(_rows(spark, 0), 0)
     assert (healthy.rows, healthy.primary, healthy.backlog_total, healthy.rejected) == (40, 40, 0, 0)
     failed_over = _through_an_outage(sink, emu, _rows(spark, 40), 1)
     assert (failed_over.rows, failed_over.primary, failed_over.backlog_total) == (40, 0, 40)

@@ -81,7 +81,7 @@ def test_active_sink_through_an_outage_then_source_with_dedupe_yields_each_row_o
             emulator.fault("primary", "down")  # down for batches 1 to 3
         elif batch_id == 4:
             emulator.heal("primary")
-        summaries.append(sink(df, batch_id))
+        summaries.append(sink.send_batch(df, batch_id))
 
     writer = files.writeStream.foreachBatch(write).option("checkpointLocation", str(tmp_path / "wcp")).trigger(
         availableNow=True).start()

@@ -100,7 +100,7 @@ def test_the_sink_keeps_every_session_in_order_through_an_outage_and_a_failback(
     q = make_queue(requires_session=True, requires_duplicate_detection=True)
     config = sink_config(primary, secondary, entity=q, send_availability={"backlog_queue_count": 3})
     sink = PairedSink.from_config(config)
-    summaries = _through_an_outage(emulator, q, config, lambda batch: sink(_frame(spark, batch), batch))
+    summaries = _through_an_outage(emulator, q, config, lambda batch: sink.send_batch(_frame(spark, batch), batch))
     assert summaries[0].primary == len(SESSIONS) * PER_BATCH
     assert all(s.backlog_total for s in summaries[OUTAGE.start + 1:OUTAGE.stop])  # parked during the outage
     assert summaries[OUTAGE.stop].backlog_total and not summaries[OUTAGE.stop].failed_over  # back, and following

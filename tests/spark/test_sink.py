@@ -57,7 +57,7 @@ def test_every_field_of_a_row_lands_on_the_message(spark, primary, secondary, ma
         .alias("application_properties"),
     ).repartition(2)
     sink = PairedSink.from_config(sink_config(primary, secondary, entity=q, columns={"reply_to": "reply_address"}))
-    summary = sink(batch, 0)
+    summary = sink.send_batch(batch, 0)
     assert (summary.rows, summary.primary, summary.backlog_total, summary.rejected) == (6, 6, 0, 0)
 
     with ServiceBusClient.from_connection_string(primary.connection_string) as client:
@@ -96,7 +96,7 @@ def test_during_a_primary_outage_every_row_lands_in_the_primary_or_a_backlog_que
         df = spark.range(batch_id * 40, (batch_id + 1) * 40, numPartitions=2).select(
             F.concat(F.lit("order "), F.col("id")).alias("body"), F.col("id").cast("string").alias("key"))
         produced.extend(str(i) for i in range(batch_id * 40, (batch_id + 1) * 40))
-        summaries.append(sink(df, batch_id))
+        summaries.append(sink.send_batch(df, batch_id))
     assert summaries[0].primary == 40
     assert summaries[1].backlog_total == 40 and summaries[1].failovers >= 1
     assert summaries[2].backlog_total == 40  # still failed over: straight to the backlog, no new interval
@@ -158,14 +158,14 @@ def test_a_new_worker_starts_a_failed_over_entity_in_backlog_mode_at_once(
     emulator.fault("primary", "down")
     first = PairedSink.from_config(sink_config(primary, secondary, entity=q))
     df = spark.range(20, numPartitions=2).select(F.col("id").cast("string").alias("body"))
-    assert first(df, 0).backlog_total == 20  # waited out the 1 s failover interval
+    assert first.send_batch(df, 0).backlog_total == 20  # waited out the 1 s failover interval
     assert first.health == {q: "failed_over"}
     # workers that never saw the entity (another pairing's board: fresh state), with a 60 s failover interval
     config = sink_config(primary, secondary, entity=q, send_availability={"failover_interval": "60s"})
     second = PairedSink.from_config(config)
     second.health = dict(first.health)  # what the previous batch's partitions reported
     started = time.monotonic()
-    summary = second(df, 1)
+    summary = second.send_batch(df, 1)
     assert time.monotonic() - started < 30  # not the 60 s interval
     assert summary.backlog_total == 20 and summary.failovers == 0 and summary.assumed_failovers == 2
     assert summary.failed_over == (q,)
@@ -214,7 +214,7 @@ def test_with_a_reject_table_bad_rows_go_there_and_the_rest_is_sent(
     rejects, metrics = str(tmp_path / "rejects"), str(tmp_path / "metrics")
     sink = PairedSink.from_config(sink_config(primary, secondary, key_column="key", reject_table=rejects,
                                               metrics_table=metrics))
-    summary = sink(_bad_batch(spark, q, "no-such-queue"), 9)
+    summary = sink.send_batch(_bad_batch(spark, q, "no-such-queue"), 9)
     assert (summary.rows, summary.primary, summary.rejected) == (5, 2, 3)
     assert sorted(str(m.message_id) for m in receive_all(primary.connection_string, q)) == ["k0", "k4"]
     found = spark.read.format("delta").load(rejects).select("batch_id", "message_id", "entity", "reason")
@@ -283,7 +283,7 @@ def test_values_the_sdk_cannot_encode_are_rejected_naming_the_field(
     q = make_queue()
     rejects = str(tmp_path / "rejects")
     sink = PairedSink.from_config(sink_config(primary, secondary, entity=q, key_column="key", reject_table=rejects))
-    summary = sink(spark.createDataFrame(_POISON, _POISON_SCHEMA).coalesce(1), 4)
+    summary = sink.send_batch(spark.createDataFrame(_POISON, _POISON_SCHEMA).coalesce(1), 4)
     assert (summary.rows, summary.primary, summary.rejected) == (5, 2, 3)
     received = {str(m.message_id): m for m in receive_all(primary.connection_string, q)}
     assert sorted(received) == ["k0", "k4"]
@@ -308,7 +308,7 @@ def test_bad_rows_while_failed_over_are_rejected_and_leave_the_backlog_in_the_ro
     sink = PairedSink.from_config(config)
     emulator.fault("primary", "down")
     try:
-        summary = sink(spark.createDataFrame(_POISON, _POISON_SCHEMA).coalesce(1), 0)
+        summary = sink.send_batch(spark.createDataFrame(_POISON, _POISON_SCHEMA).coalesce(1), 0)
         assert (summary.backlog_total, summary.rejected) == (2, 3)
         # valid rows for another entity still find a backlog queue
         good = spark.createDataFrame([("g0", "ok", other)], "key string, body string, entity string")

@@ -48,7 +48,7 @@ def test_a_replayed_batch_keeps_its_message_ids(spark, primary, secondary, make_
     crashed: dict[str, int] = {}
 
     def crash_once_after_sending(batch_df: Any, batch_id: int) -> None:
-        summary = sink(batch_df, batch_id)
+        summary = sink.send_batch(batch_df, batch_id)
         if summary.rows and not crashed:
             crashed.update(batch=batch_id, rows=summary.rows)
             raise RuntimeError("killed after sending")
