@@ -84,6 +84,9 @@ class ParkedSessions:
         self._generation = 0
         self._seen: dict[str, _Seen] = {}
         self._peek_locks: dict[str, threading.Lock] = {}
+        #: a queue whose peek failed is not asked again before this (clock seconds): each partition would wait
+        #: out the secondary's timeouts again
+        self._failed_until: dict[str, float] = {}
         #: counters: ``session_peeks`` (peek requests), ``session_follows`` (messages sent behind parked ones),
         #: ``session_peek_failures`` (a queue that could not be peeked: the message went by what was known)
         self.counters = {"session_peeks": 0, "session_follows": 0, "session_peek_failures": 0}
@@ -113,6 +116,8 @@ class ParkedSessions:
             seen = self._seen.get(queue)
             if seen is not None and self._fresh(seen):
                 return key in seen.sessions
+            if self._failed_until.get(queue, float("-inf")) > self._clock():
+                return seen is not None and key in seen.sessions
             peek_lock = self._peek_locks.setdefault(queue, threading.Lock())
         with peek_lock:  # one peek of a queue at a time; the others take its answer
             with self._lock:
@@ -127,12 +132,15 @@ class ParkedSessions:
             except Exception as exc:  # noqa: BLE001 - an unknown answer is decided below, never raised
                 with self._lock:
                     self.counters["session_peek_failures"] += 1
+                    self._failed_until[queue] = self._clock() + self._max_age
                 _LOGGER.warning("could not peek backlog queue %r for the parked messages of session %r of %r "
-                                "(%s); sending by what was known (%s)", queue, session_id, entity,
-                                type(exc).__name__, "parked" if key in parked_since else "nothing parked")
+                                "(%s); sending by what was known (%s), asking again in %.3g s", queue, session_id,
+                                entity, type(exc).__name__, "parked" if key in parked_since else "nothing parked",
+                                self._max_age)
                 return key in parked_since
             with self._lock:
                 self.counters["session_peeks"] += requests
+                self._failed_until.pop(queue, None)
                 current = self._seen.get(queue)
                 # what this process parked while the peek ran stays known (the peek may not have seen it)
                 parked_during = set(current.sessions) - parked_since if current is not None else set()

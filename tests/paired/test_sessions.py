@@ -116,3 +116,24 @@ def test_a_session_never_moves_to_another_backlog_queue(emulator, make_queue, ma
     assert _round(sender, q, 1, ["a"]) == {mine: 1}
     # messages without a session still rotate over the queues as before
     assert sender.send(q, ServiceBusMessage("plain")).backlog == 1
+
+
+def test_a_backlog_that_cannot_be_asked_does_not_hold_a_healthy_primary(
+        emulator, make_queue, make_sender, make_config, fake_time, primary) -> None:
+    """The secondary down, nothing parked here: the session's messages go to the primary (the failure logged and
+    counted), and the backlog is asked again only after a ping interval, not by every partition."""
+    q = make_queue(requires_session=True)
+    sender = make_sender(config=make_config(backlog_queue_count=1))
+    emulator.fault("secondary", "down")
+    try:
+        for n in range(3):
+            sender.new_batch()  # a partition each
+            assert _round(sender, q, n, ["a"]) == {PRIMARY: 1}
+        assert sender.stats()["session_peek_failures"] == 1
+        fake_time.advance(5)
+        sender.new_batch()
+        assert _round(sender, q, 3, ["a"]) == {PRIMARY: 1}
+        assert sender.stats()["session_peek_failures"] == 2
+    finally:
+        emulator.heal("secondary")
+    assert _session_bodies(primary.connection_string, q, "a", 4) == [f"a/{n}" for n in range(4)]
