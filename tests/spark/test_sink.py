@@ -312,7 +312,7 @@ def test_bad_rows_while_failed_over_are_rejected_and_leave_the_backlog_in_the_ro
         assert (summary.backlog_total, summary.rejected) == (2, 3)
         # valid rows for another entity still find a backlog queue
         good = spark.createDataFrame([("g0", "ok", other)], "key string, body string, entity string")
-        assert sink(good, 1).backlog_total == 1
+        assert sink.send_batch(good, 1).backlog_total == 1
         assert sender_for(sink.config).board.cooling() == []
     finally:
         emulator.heal("primary")
@@ -322,8 +322,8 @@ def test_application_properties_keep_bigints_and_nulls(spark, primary, secondary
     q = make_queue()
     sink = PairedSink.from_config(sink_config(primary, secondary, entity=q, key_column="key"))
     rows = [("k0", "b", {"big": 3_000_000_000, "small": 7, "none": None})]
-    assert sink(spark.createDataFrame(rows, "key string, body string, application_properties map<string, bigint>"),
-                0).primary == 1
+    assert sink.send_batch(spark.createDataFrame(rows, "key string, body string, application_properties map<string, bigint>"),
+                           0).primary == 1
     (message,) = receive_all(primary.connection_string, q)
     assert dict(message.application_properties) == {b"big": 3_000_000_000, b"small": 7, b"none": None}
 
