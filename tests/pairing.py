@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -80,3 +81,19 @@ def within(seconds: float, work: Callable[[], Any]) -> Any:
     if "error" in outcome:
         raise outcome["error"]
     return outcome.get("value")
+
+
+def session_bodies(connection_string: str, queue: str, session_id: str, expected: int, *,
+                   wait: float = 10.0) -> list[str]:
+    """The bodies of session ``session_id`` of ``queue`` in the order received (and completed): ``expected`` of
+    them within ``wait`` seconds, and any that arrive beyond them (a second copy is not left unseen)."""
+    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue, session_id=session_id) as receiver:
+            got: list[str] = []
+            deadline = time.monotonic() + wait
+            while len(got) < expected and time.monotonic() < deadline:
+                for message in receiver.receive_messages(max_message_count=100, max_wait_time=1):
+                    got.append(str(message))
+                    receiver.complete_message(message)
+            got += [str(m) for m in receiver.receive_messages(max_message_count=10, max_wait_time=0.2)]
+            return got

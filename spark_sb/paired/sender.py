@@ -728,10 +728,7 @@ class PairedSender:
                     continue
                 if classify(partial.error) is ErrorClass.CONFIGURATION_CREDENTIAL:
                     # the secondary said no to the credential: no queue is to blame, and retrying cannot help
-                    raise CredentialRejectedError(
-                        f"secondary {self.config.secondary.fully_qualified_namespace}",
-                        f"sending to backlog queue {queue!r} for entity {entity!r}: {redact(str(partial.error))}",
-                    ) from partial.error
+                    raise self._secondary_refused(queue, entity, partial.error) from partial.error
                 last_error = partial.error
                 tried.append(queue)
                 _LOGGER.warning("backlog queue %r failed (%s)", queue, type(partial.error).__name__)
@@ -766,10 +763,7 @@ class PairedSender:
                     refused_since = self._pushback(partial.error, "secondary", entity, refused_since)
                     continue
                 if classify(partial.error) is ErrorClass.CONFIGURATION_CREDENTIAL:
-                    raise CredentialRejectedError(
-                        f"secondary {self.config.secondary.fully_qualified_namespace}",
-                        f"sending to backlog queue {queue!r} for entity {entity!r}: {redact(str(partial.error))}",
-                    ) from partial.error
+                    raise self._secondary_refused(queue, entity, partial.error) from partial.error
                 self._after_connection_error(partial.error)
                 raise BacklogUnavailableError(
                     entity, [queue], f"the backlog queue of the message's session (another would break the "
@@ -778,6 +772,12 @@ class PairedSender:
                 sent += len(pending)
                 pending = []
         return sent
+
+    def _secondary_refused(self, queue: str, entity: str, error: BaseException) -> CredentialRejectedError:
+        """The error of a backlog send the secondary refused for its credential."""
+        return CredentialRejectedError(f"secondary {self.config.secondary.fully_qualified_namespace}",
+                                       f"sending to backlog queue {queue!r} for entity {entity!r}: "
+                                       f"{redact(str(error))}")
 
     def _prepare_backlog(self, entity: str, pairing_time: _PairingTime | None = None) -> None:
         """Open the sender of the backlog queue this entity will use, so that the first backlog send after

@@ -4,11 +4,11 @@ session in the order it was sent, each message once."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
+from pairing import session_bodies
 
 from spark_sb import messages
 from spark_sb.errors import BacklogUnavailableError
@@ -23,20 +23,6 @@ def _round(sender: Any, q: str, n: int, sessions: list[str] = SESSIONS) -> dict[
     """Message ``n`` of every session, in one call (a partition's chunk holds several sessions)."""
     batch = [ServiceBusMessage(f"{s}/{n}", message_id=f"{s}/{n}", session_id=s) for s in sessions]
     return dict(sender.send(q, batch).destinations)
-
-
-def _session_bodies(connection_string: str, q: str, session_id: str, expected: int) -> list[str]:
-    """The bodies of session ``session_id`` in the order received: ``expected`` of them, and any beyond."""
-    with ServiceBusClient.from_connection_string(connection_string, retry_total=0) as client:
-        with client.get_queue_receiver(q, session_id=session_id) as receiver:
-            got: list[str] = []
-            deadline = time.monotonic() + 10
-            while len(got) < expected and time.monotonic() < deadline:
-                for message in receiver.receive_messages(max_message_count=50, max_wait_time=1):
-                    got.append(str(message))
-                    receiver.complete_message(message)
-            got += [str(m) for m in receiver.receive_messages(max_message_count=50, max_wait_time=0.2)]
-            return got
 
 
 def _parked(connection_string: str, queue: str) -> list[tuple[str | None, str | None, str]]:
@@ -73,8 +59,8 @@ def test_sessions_reach_the_primary_in_order_through_an_outage_and_a_failback(
     sender.new_batch()  # the next Spark batch asks the backlog again: nothing parked now
     assert _round(sender, q, 4, SESSIONS + ["fresh"]) == {PRIMARY: 7}
     for s in SESSIONS:
-        assert _session_bodies(primary.connection_string, q, s, 5) == [f"{s}/{n}" for n in range(5)]
-    assert _session_bodies(primary.connection_string, q, "fresh", 2) == ["fresh/3", "fresh/4"]
+        assert session_bodies(primary.connection_string, q, s, 5) == [f"{s}/{n}" for n in range(5)]
+    assert session_bodies(primary.connection_string, q, "fresh", 2) == ["fresh/3", "fresh/4"]
 
 
 def test_another_sender_sees_what_the_first_parked_and_follows(
@@ -97,7 +83,7 @@ def test_another_sender_sees_what_the_first_parked_and_follows(
     other.new_batch()
     assert _round(other, q, 2, SESSIONS[:2]) == {PRIMARY: 2}
     for s in SESSIONS[:2]:
-        assert _session_bodies(primary.connection_string, q, s, 3) == [f"{s}/{n}" for n in range(3)]
+        assert session_bodies(primary.connection_string, q, s, 3) == [f"{s}/{n}" for n in range(3)]
 
 
 def test_a_session_never_moves_to_another_backlog_queue(emulator, make_queue, make_sender, make_config) -> None:
@@ -136,4 +122,4 @@ def test_a_backlog_that_cannot_be_asked_does_not_hold_a_healthy_primary(
         assert sender.stats()["session_peek_failures"] == 2
     finally:
         emulator.heal("secondary")
-    assert _session_bodies(primary.connection_string, q, "a", 4) == [f"a/{n}" for n in range(4)]
+    assert session_bodies(primary.connection_string, q, "a", 4) == [f"a/{n}" for n in range(4)]

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from azure.servicebus import ServiceBusClient
+from pairing import session_bodies
 from pyspark.sql import functions as F
 
 from spark_sb.capabilities import python_data_sources
@@ -64,17 +64,9 @@ def _sessions_in_order(emulator: Any, primary: Any, secondary: Any, config: dict
     with Syphon.from_config(config) as syphon:  # what is still parked, home
         syphon.drain(max_wait_time=0.5)
     expected = BATCHES * PER_BATCH
-    with ServiceBusClient.from_connection_string(primary.connection_string, retry_total=0) as client:
-        for s in SESSIONS:
-            with client.get_queue_receiver(q, session_id=s) as receiver:
-                got: list[str] = []
-                deadline = time.monotonic() + 20
-                while len(got) < expected and time.monotonic() < deadline:
-                    for message in receiver.receive_messages(max_message_count=100, max_wait_time=1):
-                        got.append(str(message))
-                        receiver.complete_message(message)
-                got += [str(m) for m in receiver.receive_messages(max_message_count=10, max_wait_time=0.2)]
-            assert got == [f"{s}/{n}" for n in range(expected)], s
+    for s in SESSIONS:
+        assert session_bodies(primary.connection_string, q, s, expected, wait=20) == \
+            [f"{s}/{n}" for n in range(expected)], s
 
 
 def _through_an_outage(emulator: Any, q: str, config: dict, send: Callable[[int], Any]) -> list[Any]:
