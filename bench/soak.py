@@ -679,6 +679,15 @@ def check_order(world: World, result: Result, watcher: BacklogWatcher) -> None:
                     result.notes.append(f"{queue} {session}: " + _describe_run(run, queue, watcher, result, clock))
             result.out_of_order[queue] = violations
             result.sessions_out[queue] = broken
+    # whether the run exercised the session path at all: what went to the backlog, what the watcher saw, and the
+    # sends decided without a peek (the executors' warnings, in the writer's JVM console)
+    parked = sum(int(n) for log in world.work.glob("writer-*.log")
+                 for n in re.findall(r"(\d+) -> backlog", log.read_text(errors="replace")))
+    unpeeked = sum(log.read_text(errors="replace").count("could not peek backlog queue")
+                   for log in world.work.glob("writer-*.jvm.log"))
+    result.notes.append(f"sessions: the writer's batches sent {parked} messages to the backlog; the backlog watcher "
+                        f"saw {len(watcher.seen)} messages parked; {unpeeked} session sends decided without a peek "
+                        "(could not peek backlog queue: sent by what was known)")
 
 
 def _describe_run(run: list[tuple[int, int, Any, Any]], queue: str, watcher: BacklogWatcher, result: Result,
