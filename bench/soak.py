@@ -606,16 +606,24 @@ class BacklogWatcher:
 
 
 def _receive_session(client: ServiceBusClient, queue: str, session: str) -> list[Any]:
-    """Every message of ``session`` in ``queue``, received (and deleted) with a session receiver, in order."""
+    """Every message of ``session`` in ``queue``, received (and deleted) with a session receiver, in order. A
+    receiver whose link the namespace detaches (``--detach-every``) is opened again where it stopped: what it
+    received is gone from the queue."""
     got: list[Any] = []
-    with client.get_queue_receiver(queue, session_id=session, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE,
-                                   max_wait_time=5) as receiver:
-        empty = 0
-        while empty < 2:
-            page = receiver.receive_messages(max_message_count=250, max_wait_time=1)
-            got += page
-            empty = 0 if page else empty + 1
-    return got
+    for attempt in range(10):
+        try:
+            with client.get_queue_receiver(queue, session_id=session, max_wait_time=5,
+                                           receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+                empty = 0
+                while empty < 2:
+                    page = receiver.receive_messages(max_message_count=250, max_wait_time=1)
+                    got += page
+                    empty = 0 if page else empty + 1
+            return got
+        except Exception as err:
+            say(f"  receiving session {session} of {queue} (attempt {attempt + 1}): {_first_line(err)}; again")
+            time.sleep(1.0)
+    raise RuntimeError(f"could not receive session {session} of {queue}")
 
 
 def _seq(message: Any) -> int:
@@ -630,6 +638,8 @@ def _active_faults(result: Result, at: float) -> list[str]:
     start = min((t for t, _, _ in result.events), default=at)
     for t, kind, detail in result.events:
         length = detail.get("seconds", detail.get("down_for"))
+        if "minutes" in detail:  # --outage: the primary down until healed
+            length = float(detail["minutes"]) * 60
         if length is not None:
             end = t + float(length) + (10 if "down_for" in detail else 0)
         elif kind == "quiet":
@@ -677,8 +687,9 @@ def check_order(world: World, result: Result, watcher: BacklogWatcher) -> None:
                 broken += bool(runs)
                 for run in runs:
                     result.notes.append(f"{queue} {session}: " + _describe_run(run, queue, watcher, result, clock))
-            result.out_of_order[queue] = violations
-            result.sessions_out[queue] = broken
+                # counted as it goes: a check cut short still counts what it found
+                result.out_of_order[queue] = violations
+                result.sessions_out[queue] = broken
     # whether the run exercised the session path at all: what went to the backlog, what the watcher saw, and the
     # sends decided without a peek (the executors' warnings, in the writer's JVM console)
     parked = sum(int(n) for log in world.work.glob("writer-*.log")
@@ -694,8 +705,9 @@ def _describe_run(run: list[tuple[int, int, Any, Any]], queue: str, watcher: Bac
                   clock: Any) -> str:
     """One run of out-of-order messages: positions, sequence numbers, the message they should have preceded,
     where each was seen, the faults active when the order broke, and whose rule broke."""
-    first_pos, first_seq, first, (h_seq, h_pos, higher) = run[0]
-    last_pos, last_seq, _, _ = run[-1]
+    first_pos, _, first, (h_seq, h_pos, higher) = run[0]
+    last_pos = run[-1][0]
+    seqs = [seq for _, seq, _, _ in run]
     h_at = higher.enqueued_time_utc.timestamp()
     l_at = first.enqueued_time_utc.timestamp()
     late = [watcher.seen.get((queue, str(m.message_id))) for _, _, m, _ in run]
@@ -721,10 +733,10 @@ def _describe_run(run: list[tuple[int, int, Any, Any]], queue: str, watcher: Bac
         verdict = ("unclear: none of the late ones was seen parked (the watcher peeks every 2 s)"
                    + ("; the higher one was" if h_parked is not None else ""))
     faults = _active_faults(result, h_at)
-    return (f"positions {first_pos}-{last_pos} (seq {first_seq}-{last_seq}, {len(run)} messages"
+    return (f"positions {first_pos}-{last_pos} (seq {min(seqs)}-{max(seqs)}, {len(run)} messages"
             f"{', ' + str(len(parked)) + ' seen parked' if parked else ''}) after position {h_pos} (seq {h_seq}, "
             f"{'seen parked in ' + h_parked.queue if h_parked else 'not seen parked'}); on the primary at "
-            f"{clock(h_at)} (seq {h_seq}) and {clock(l_at)} (seq {first_seq}); faults active at {clock(h_at)}: "
+            f"{clock(h_at)} (seq {h_seq}) and {clock(l_at)} (seq {seqs[0]}); faults active at {clock(h_at)}: "
             f"{'; '.join(faults) or 'none'}; {verdict}")
 
 
