@@ -21,10 +21,26 @@ Rows:
 * **active replication, secondary 40 ms away**: the partition run in active mode (both namespaces), over the raw
   SDK's sequential send to the primary; its ratio to the paired run on the same emulator is printed too.
 
+Sessions (issue 38, :mod:`spark_sb.paired.sessions`): the same runs with every message in one of
+``--sessions`` sessions (12; row ``i`` in session ``i % 12``, each session's rows in order) to ``orders-sessions``,
+a queue that requires sessions, with four backlog queues (provisioned, so that a session's message peeks them);
+the goal column gives the ratio to the row without sessions beside it. The sink sends a chunk that holds a
+session's messages after every chunk in flight (one at a time), so these rows show that cost too.
+
+* **sink healthy with sessions, nothing parked, primary 5 ms away**: each partition peeks every backlog queue
+  once (the clock starts after the run's ``new_batch``), then sends to the primary; over the raw SDK's sequential
+  send of the same session messages to the primary;
+* **sink failed over with sessions**: each session's messages go to the backlog queue its id hashes to; over the
+  raw SDK's sequential send to a backlog queue;
+* **sink following with sessions**: the primary healthy, but every session has one message parked (by the same
+  sender while its entity was failed over; the backlog emptied and parked again before each round): each partition
+  peeks the backlog queues and sends every message behind its session's parked one, to the backlog; over the raw
+  SDK's sequential send to a backlog queue.
+
 Rounds alternate which side goes first; each rate is the median of the rounds. Prints a Markdown table.
 
     .venv/bin/python bench/latency.py [--messages 12000] [--rounds 3] [--in-flight 8] [--syphon-messages 1200]
-                                      [--no-spark]
+                                      [--no-spark] [--sessions 12]
 """
 
 from __future__ import annotations
@@ -50,19 +66,22 @@ from spark_sb.emulator import EmulatorProcess, NamespaceOptions, fault, heal
 BODY = b"x" * 1024
 CHUNK = 500
 QUEUE = "orders"
+SESSION_QUEUE = "orders-sessions"  # requires sessions
 
 
-def raw_sequential(conn_str: str, queue: str, n: int) -> float:
-    """Messages/s of the raw SDK: build each chunk's messages, send its batches one after the other."""
+def raw_sequential(conn_str: str, queue: str, n: int, sessions: int = 0) -> float:
+    """Messages/s of the raw SDK: build each chunk's messages, send its batches one after the other (message
+    ``i`` in session ``i % sessions`` when ``sessions``)."""
     with ServiceBusClient.from_connection_string(conn_str) as client, \
             client.get_queue_sender(queue, keep_alive=0) as sender:
-        sender.send_messages(ServiceBusMessage(b"warm-up"))
+        sender.send_messages(ServiceBusMessage(b"warm-up", session_id="warm-up" if sessions else None))
         tag = uuid.uuid4().hex[:8]
         started = time.perf_counter()
         for offset in range(0, n, CHUNK):
             batch = sender.create_message_batch()
             for i in range(offset, min(offset + CHUNK, n)):
-                message = ServiceBusMessage(BODY, message_id=f"raw-{tag}-{i}")
+                message = ServiceBusMessage(BODY, message_id=f"raw-{tag}-{i}",
+                                            session_id=_session(i, sessions) if sessions else None)
                 try:
                     batch.add_message(message)
                 except ValueError:
@@ -73,11 +92,15 @@ def raw_sequential(conn_str: str, queue: str, n: int) -> float:
         return n / (time.perf_counter() - started)
 
 
+def _session(i: int, sessions: int) -> str:
+    return f"session-{i % sessions:02d}"
+
+
 class _Warm(list):
     """A one-message call that waits until every send lane has one: each lane opens its connection."""
 
-    def __init__(self, barrier: threading.Barrier) -> None:
-        super().__init__([ServiceBusMessage(b"warm-up")])
+    def __init__(self, barrier: threading.Barrier, session_id: str | None = None) -> None:
+        super().__init__([ServiceBusMessage(b"warm-up", session_id=session_id)])
         self._barrier = barrier
 
     def __iter__(self):  # the sender lists its messages once, in the lane's thread
@@ -85,20 +108,28 @@ class _Warm(list):
         return super().__iter__()
 
 
-def partition_run(config: Any, n: int, failed_over: tuple[str, ...] = ()) -> float:
-    """Messages/s of one sink partition run over ``n`` rows (Arrow batches of 10,000 rows, as mapInArrow)."""
+def partition_run(config: Any, n: int, failed_over: tuple[str, ...] = (), sessions: int = 0) -> float:
+    """Messages/s of one sink partition run over ``n`` rows (Arrow batches of 10,000 rows, as mapInArrow); with
+    ``sessions``, row ``i`` in session ``i % sessions``, to ``config.sink.entity``."""
     tag = uuid.uuid4().hex[:8]
+    entity = config.sink.entity
     batches = [pa.RecordBatch.from_pydict({"body": [BODY] * min(10_000, n - start),
-                                           "message_id": [f"run-{tag}-{i}" for i in range(start, min(start + 10_000, n))]})
+                                           "message_id": [f"run-{tag}-{i}" for i in range(start, min(start + 10_000, n))],
+                                           **({"session_id": [_session(i, sessions)
+                                                              for i in range(start, min(start + 10_000, n))]}
+                                              if sessions else {})})
                for start in range(0, n, 10_000)]
     run = sink_module.PartitionRun(config, config.fingerprint(), 1, 0, failed_over, reject=False)
     # every connection open before the clock starts (a worker keeps them from batch to batch): the calling
     # thread's and each send lane's
-    run.sender.send(QUEUE, ServiceBusMessage(b"warm-up"))
+    warm_session = "warm-up" if sessions else None
+    run.sender.send(entity, ServiceBusMessage(b"warm-up", session_id=warm_session))
     warm = threading.Barrier(config.sink.sends_in_flight)
-    futures = [run.sender.submit(QUEUE, _Warm(warm)) for _ in range(config.sink.sends_in_flight)]
+    futures = [run.sender.submit(entity, _Warm(warm, warm_session)) for _ in range(config.sink.sends_in_flight)]
     for future in futures:
         future.result()
+    if sessions:  # the warm-up asked the backlog: the timed run asks again, as a partition does
+        run.sender.new_batch()
     started = time.perf_counter()
     out = list(run.run(iter(batches)))
     seconds = time.perf_counter() - started
@@ -119,18 +150,26 @@ def rounds(count: int, raw: Callable[[], float], ours: Callable[[], float]) -> t
 def emulator(work: Path, name: str, primary_latency: float, secondary_latency: float) -> EmulatorProcess:
     entities = work / f"{name}.yaml"
     entities.write_text("queues:\n" + "".join(f"  - name: {q}\n    max_size_in_megabytes: 5120\n"
-                                               for q in (QUEUE, "syphon-raw", "syphon-job")))
+                                               for q in (QUEUE, "syphon-raw", "syphon-job"))
+                        + f"  - name: {SESSION_QUEUE}\n    max_size_in_megabytes: 5120\n    requires_session: true\n")
     return EmulatorProcess.start(data_dir=work / name, entities=entities, namespaces=[
         NamespaceOptions("primary", latency=primary_latency), NamespaceOptions("secondary", latency=secondary_latency)])
 
 
-def config_for(emu: EmulatorProcess, in_flight: int, connections: int = 1, **replication: Any) -> Any:
+def config_for(emu: EmulatorProcess, in_flight: int, connections: int = 1, *, prefix: str | None = None,
+               **replication: Any) -> Any:
+    """The bench's configuration; with ``prefix``, the sessions rows': ``SESSION_QUEUE``, four backlog queues
+    named ``prefix``-N (their own, so no other row's parked messages are peeked)."""
     p, s = emu["primary"], emu["secondary"]
+    sa: dict[str, Any] = {"backlog_queue_count": 1, "failover_interval": "0s", "ping_primary_interval": "30m"}
+    if prefix is not None:
+        sa.update(backlog_queue_count=4, backlog_prefix=prefix)
     return load_config({
         "primary": {"connection_string": p.connection_string, "admin_endpoint": p.admin_url},
         "secondary": {"connection_string": s.connection_string, "admin_endpoint": s.admin_url},
-        "send_availability": {"backlog_queue_count": 1, "failover_interval": "0s", "ping_primary_interval": "30m"},
-        "sink": {"entity": QUEUE, "sends_in_flight": in_flight, "connections_per_entity": connections},
+        "send_availability": sa,
+        "sink": {"entity": QUEUE if prefix is None else SESSION_QUEUE, "sends_in_flight": in_flight,
+                 "connections_per_entity": connections},
         **({"replication": replication} if replication else {}),
     })
 
@@ -155,6 +194,92 @@ def healthy_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, 
     try:
         return rounds(args.rounds, lambda: raw_sequential(emu["primary"].connection_string, QUEUE, args.messages),
                       lambda: partition_run(config, args.messages))
+    finally:
+        sink_module.close_senders()
+
+
+def _session_counters(sender: Any) -> str:
+    stats = sender.stats()
+    return ", ".join(f"{k} {stats.get(k, 0)}" for k in ("session_peeks", "session_follows", "session_peek_failures"))
+
+
+def healthy_sessions_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, float]:
+    """The healthy sink with sessions, nothing parked: one peek per backlog queue per partition."""
+    config = config_for(emu, args.in_flight, prefix="latency-healthy")
+    sender = sink_module.sender_for(config)
+    sender.pair()  # the backlog queues exist (some failover once made them): each partition peeks them
+    try:
+        rates = rounds(args.rounds,
+                       lambda: raw_sequential(emu["primary"].connection_string, SESSION_QUEUE, args.messages,
+                                              args.sessions),
+                       lambda: partition_run(config, args.messages, sessions=args.sessions))
+        print(f"  (healthy with sessions: {_session_counters(sender)})", flush=True)
+        return rates
+    finally:
+        sink_module.close_senders()
+
+
+def failed_over_sessions_row(emu: EmulatorProcess, args: argparse.Namespace, prefix: str) -> tuple[float, float]:
+    """The failed-over sink with sessions: each session's messages to the backlog queue its id hashes to."""
+    config = config_for(emu, args.in_flight, prefix=prefix)
+    sender = sink_module.sender_for(config)
+    sender.pair()
+    backlog = sender.backlog_queues[0]
+    fault(emu["primary"].admin_url, "down")
+    try:
+        sender.board.assume_failed_over(SESSION_QUEUE)
+        rates = rounds(args.rounds,
+                       lambda: raw_sequential(emu["secondary"].connection_string, backlog, args.messages),
+                       lambda: partition_run(config, args.messages, (SESSION_QUEUE,), sessions=args.sessions))
+        print(f"  (failed over with sessions: {_session_counters(sender)})", flush=True)
+        return rates
+    finally:
+        heal(emu["primary"].admin_url)
+        sink_module.close_senders()
+
+
+def _purge(conn_str: str, queues: list[str]) -> None:
+    from azure.servicebus import ServiceBusReceiveMode
+
+    with ServiceBusClient.from_connection_string(conn_str) as client:
+        for queue in queues:
+            with client.get_queue_receiver(queue, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+                while receiver.receive_messages(max_message_count=500, max_wait_time=1):
+                    pass
+
+
+def following_sessions_row(emu: EmulatorProcess, args: argparse.Namespace, prefix: str) -> tuple[float, float]:
+    """The healthy sink whose sessions each have a message parked: every message follows into the backlog."""
+    config = config_for(emu, args.in_flight, prefix=prefix)
+    sender = sink_module.sender_for(config)
+    sender.pair()
+    queues = list(sender.backlog_queues)
+    s = emu["secondary"]
+
+    def parked_then_run() -> float:
+        """Empty the backlog, park one message of every session (the entity failed over: with a failover
+        interval of 0 one failure does it, and the next ping is half an hour away), fail back, then the timed
+        run; checks that every message of the run followed its session into the backlog."""
+        _purge(s.connection_string, queues)
+        sender.board.record_failure(SESSION_QUEUE)
+        tag = uuid.uuid4().hex[:8]
+        parked = sender.send(SESSION_QUEUE, [ServiceBusMessage(b"parked", message_id=f"parked-{tag}-{k}",
+                                                               session_id=_session(k, args.sessions))
+                                             for k in range(args.sessions)])
+        if parked.backlog != args.sessions:
+            raise RuntimeError(f"parked {parked.backlog} of {args.sessions} sessions' messages")
+        sender.board.record_success(SESSION_QUEUE)  # failed back: the primary takes sessions with nothing parked
+        before = sender.stats()["session_follows"]
+        rate = partition_run(config, args.messages, sessions=args.sessions)
+        if sender.stats()["session_follows"] - before != args.messages:
+            raise RuntimeError(f"{sender.stats()['session_follows'] - before} of {args.messages} messages followed")
+        return rate
+
+    try:
+        rates = rounds(args.rounds, lambda: raw_sequential(s.connection_string, queues[0], args.messages),
+                       parked_then_run)
+        print(f"  (following with sessions: {_session_counters(sender)})", flush=True)
+        return rates
     finally:
         sink_module.close_senders()
 
@@ -228,6 +353,8 @@ def main() -> int:
                         help="messages the syphon rows move (default: %(default)s; the raw loop completes one "
                              "message per round trip)")
     parser.add_argument("--no-spark", action="store_true", help="skip the syphon job row (the only one on Spark)")
+    parser.add_argument("--sessions", type=int, default=12,
+                        help="sessions in the sessions rows (default: %(default)s; 0: no sessions rows)")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sb-bench-latency-"))
     rows: list[tuple[str, float, float, str]] = []
@@ -237,16 +364,32 @@ def main() -> int:
         print(f"{what}: raw {raw:,.0f} msg/s, spark-sb {ours:,.0f} msg/s, ratio {ours / raw:.2f} ({goal})",
               flush=True)
 
+    def beside(what: str, rates: tuple[float, float], without: tuple[float, float], goal: str) -> None:
+        """A sessions row, its goal column giving its rate over the row without sessions."""
+        emit(what, *rates, f"{rates[1] / without[1]:.2f} of {goal}")
+
     emu = emulator(work, "near", 0.0, 0.0)
     try:
-        emit("sink failed over, secondary on loopback", *failed_over_row(emu, args), ">= 0.90")
+        plain = failed_over_row(emu, args)
+        emit("sink failed over, secondary on loopback", *plain, ">= 0.90")
+        if args.sessions:
+            beside(f"sink failed over with {args.sessions} sessions (4 backlog queues), secondary on loopback",
+                   failed_over_sessions_row(emu, args, "latency-failed"), plain, "the row without sessions")
+            beside(f"sink following: primary healthy, {args.sessions} sessions parked, secondary on loopback",
+                   following_sessions_row(emu, args, "latency-follow"), plain, "failed over without sessions")
         emit("sink healthy, loopback: one connection per entity (raw: a connection per send in flight)",
              *shared_connection_row(emu, args), ">= 0.95")
     finally:
         emu.stop()
     emu = emulator(work, "far-secondary", 0.0, 0.020)
     try:
-        emit("sink failed over, secondary 40 ms away", *failed_over_row(emu, args), ">= 2.0")
+        plain = failed_over_row(emu, args)
+        emit("sink failed over, secondary 40 ms away", *plain, ">= 2.0")
+        if args.sessions:
+            beside(f"sink failed over with {args.sessions} sessions (4 backlog queues), secondary 40 ms away",
+                   failed_over_sessions_row(emu, args, "latency-failed"), plain, "the row without sessions")
+            beside(f"sink following: primary healthy, {args.sessions} sessions parked, secondary 40 ms away",
+                   following_sessions_row(emu, args, "latency-follow"), plain, "failed over without sessions")
         raw, act, pair = active_row(emu, args)
         emit("active replication, secondary 40 ms away", raw, act, f"{act / pair:.2f} of paired; goal >= 0.75")
         if not args.no_spark:
@@ -256,7 +399,11 @@ def main() -> int:
         emu.stop()
     emu = emulator(work, "near-primary", 0.0025, 0.0)
     try:
-        emit("sink healthy, primary 5 ms away", *healthy_row(emu, args), ">= 1.5")
+        plain = healthy_row(emu, args)
+        emit("sink healthy, primary 5 ms away", *plain, ">= 1.5")
+        if args.sessions:
+            beside(f"sink healthy with {args.sessions} sessions, nothing parked (4 backlog queues peeked), primary "
+                   "5 ms away", healthy_sessions_row(emu, args), plain, "the row without sessions")
     finally:
         emu.stop()
 

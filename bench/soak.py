@@ -30,11 +30,26 @@ namespaces, dead-lettered with reasons, faults by kind, restarts.
 live ``D`` (say 60s) from a third emulator process that plays the token endpoint and is never faulted, so that
 every job's clients renew their tokens all along (the SDK's own SAS tokens last an hour, longer than a mode).
 
+``--sessions N`` (issue 38): sessions keep their order. Both primary queues require sessions; every key belongs
+to one of N sessions (key number ``n``: session ``s<(n-1) % N>``, sequence number ``(n-1) // N`` in the body and
+the application property ``seq``), and each input file holds its rows in key order. The writer reads one file per
+batch (``maxFilesPerTrigger`` 1: a batch is one partition, so a session's rows are in one partition in order, as
+the guarantee requires; several small files in one batch would be packed into partitions by size, not in order),
+and the producer writes a file every 2 s (``--rate`` x 2 keys) so the writer keeps up. After the count, every
+session of every queue is received from the primary with a session receiver, and a message whose sequence
+number is lower than one received before it in its session (duplicates aside) is an order violation: reported
+per queue (messages and sessions out of order) and, for each run of them, the session, the positions and
+sequence numbers, when they and the message they should have preceded reached the primary, whether each was seen
+parked in the backlog (a watcher peeks the backlog queues every 2 s), which faults were active, and whose rule
+broke: the syphon's (both parked, moved home out of order) or the sender's (the later message sent to the primary
+while its session had messages parked). The jobs' JVM console (where the executors' Python warnings go) is kept
+beside their logs.
+
 ``--outage M``: paired mode, no nemesis: two healthy minutes, the primary down for M minutes under the same
 steady input, two healthy minutes, then the drain. It reports the sink's batch durations healthy and failed
 over (from the writer's log) and how long the syphon took to bring the backlog home, at what rate.
 
-Exit code: 1 when anything was lost, 2 when nothing was lost but a queue with duplicate detection (or the
+Exit code: 1 when anything was lost or (``--sessions``) a session is out of order on the primary, 2 when nothing was lost but a queue with duplicate detection (or the
 deduplicated read) holds a duplicate or a mode did not drain in time, else 0.
 """
 
@@ -63,7 +78,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from azure.servicebus import ServiceBusSubQueue
+from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode, ServiceBusSubQueue
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from chaos import SUBPROCESS_ENV, _delta_rows, _first_line, _kill_group, _peek_all, _proc_table  # noqa: E402
@@ -86,6 +101,16 @@ queues:
     duplicate_detection_history_time_window: 2h
   - name: {PLAIN}
 """
+# --sessions: both primary queues require sessions
+SESSION_ENTITIES = f"""
+queues:
+  - name: {DEDUP}
+    requires_duplicate_detection: true
+    duplicate_detection_history_time_window: 2h
+    requires_session: true
+  - name: {PLAIN}
+    requires_session: true
+"""
 SIDES = ("primary", "secondary")
 NAMESPACE_FAULTS = ("down", "timeout", "busy", "ack-lost", "disabled")
 DEDUPE_WINDOW = "2 hours"
@@ -98,6 +123,11 @@ def say(text: str) -> None:
 
 
 # --- the world of one mode ------------------------------------------------------------------------------
+
+
+def session_of(key_number: int, sessions: int) -> tuple[str, int]:
+    """Key ``k<key_number>``'s session and its sequence number in that session (``--sessions``)."""
+    return f"s{(key_number - 1) % sessions:02d}", (key_number - 1) // sessions
 
 
 @dataclass
@@ -115,17 +145,22 @@ class Result:
     drained: bool = True
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # --sessions: per queue, messages received out of order on the primary, and sessions holding one
+    out_of_order: dict[str, int] = field(default_factory=dict)
+    sessions_out: dict[str, int] = field(default_factory=dict)
+    events: list[tuple[float, str, dict]] = field(default_factory=list)  # (wall time, kind, detail): the faults
 
 
 class World:
     """Two emulator processes, the input folder, the configuration and the supervised jobs of one mode."""
 
     def __init__(self, work: Path, mode: str, rate: int, habits: dict[str, float],
-                 token_lifetime: float | None = None) -> None:
+                 token_lifetime: float | None = None, sessions: int = 0) -> None:
         self.work, self.mode, self.rate = work, mode, rate
+        self.sessions = sessions
         self.entra = token_lifetime is not None
         work.mkdir(parents=True)
-        (work / "entities.yaml").write_text(ENTITIES)
+        (work / "entities.yaml").write_text(SESSION_ENTITIES if sessions else ENTITIES)
         self.emu = {side: EmulatorProcess.start(data_dir=work / f"emulator-{side}", entities=work / "entities.yaml",
                                                 namespaces=[NamespaceOptions(side, **habits)],
                                                 log_file=work / f"emulator-{side}.log", token_lifetime=token_lifetime,
@@ -166,6 +201,8 @@ class World:
         }
         if self.mode == "active":
             config["replication"] = {"mode": "active", "retry_interval": "2s"}
+        if self.sessions:  # one file a batch: one partition, each session's rows in it in order
+            config["sink"]["source"]["options"]["maxFilesPerTrigger"] = "1"
         return config
 
     def _namespace(self, info: Any) -> dict:
@@ -180,21 +217,31 @@ class World:
 
     def produce(self) -> None:
         """One parquet file of ``rate`` new keys a second until ``stop`` (written aside, then renamed: the file
-        source never sees half a file)."""
-        schema = pa.schema([pa.field("key", pa.string()), pa.field("body", pa.string()),
-                            pa.field("entity", pa.string())])
+        source never sees half a file); with sessions, one file of ``2 * rate`` keys every 2 s, each row with
+        its session id and its sequence number in the session (:func:`session_of`)."""
+        fields = [pa.field("key", pa.string()), pa.field("body", pa.string()), pa.field("entity", pa.string())]
+        if self.sessions:
+            fields += [pa.field("session_id", pa.string()),
+                       pa.field("application_properties", pa.map_(pa.string(), pa.int64()))]
+        schema = pa.schema(fields)
+        period = 2.0 if self.sessions else 1.0
         while not self.stop.is_set():
             started = time.monotonic()
             rows = []
-            for _ in range(self.rate):
+            for _ in range(int(self.rate * period)):
                 self.keys += 1
                 key = f"k{self.keys:07d}"
-                rows += [{"key": key, "body": f"row {key}", "entity": q} for q in QUEUES]
+                if self.sessions:
+                    session, seq = session_of(self.keys, self.sessions)
+                    rows += [{"key": key, "body": f"row {key} {session}#{seq}", "entity": q, "session_id": session,
+                              "application_properties": [("seq", seq)]} for q in QUEUES]
+                else:
+                    rows += [{"key": key, "body": f"row {key}", "entity": q} for q in QUEUES]
             name = f"part-{len(self.files):06d}.parquet"
             pq.write_table(pa.Table.from_pylist(rows, schema=schema), self.source / f".{name}.tmp")
             os.rename(self.source / f".{name}.tmp", self.source / name)
             self.files.append(name)
-            self.stop.wait(max(0.0, 1.0 - (time.monotonic() - started)))
+            self.stop.wait(max(0.0, period - (time.monotonic() - started)))
 
     def written(self) -> set[str]:
         """The input files in batches the writer committed (its file source's log and its commits)."""
@@ -266,6 +313,8 @@ class Job:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
         env.update(SUBPROCESS_ENV)
         self.runs += 1
+        if self.world.sessions:  # the JVM's console (the executors' Python warnings) beside the job's log
+            env["SPARK_SB_JVM_LOG"] = str(self.world.work / f"{self.name}-{self.runs}.jvm.log")
         with (self.world.work / f"{self.name}-{self.runs}.log").open("w") as out:
             return subprocess.Popen([sys.executable, *self.argv], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, cwd=ROOT)
@@ -337,6 +386,7 @@ class Nemesis:
             out.write(json.dumps(entry) + "\n")
         if not detail.get("skipped"):
             self.result.faults[kind] += 1
+            self.result.events.append((time.time(), kind, detail))
         say(f"  nemesis +{at:6.1f}s {kind} {json.dumps(detail)}")
 
     def run(self) -> None:
@@ -409,9 +459,10 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
     say(f"== {mode}: " + (f"the primary down for {args.outage:g} minutes between two healthy ones"
                           if args.outage else f"{seconds / 60:.1f} minutes of nemesis") + f" at {args.rate} keys/s")
     world = World(work / mode, mode, args.rate, {"idle_detach": args.idle_detach, "detach_every": args.detach_every},
-                  args.token_lifetime)
+                  args.token_lifetime, args.sessions)
     producer = threading.Thread(target=world.produce, daemon=True, name="soak-producer")
     depth = Sampler(world)
+    watcher = BacklogWatcher(world)
     try:
         producer.start()
         world.jobs["writer"] = Job(world, "writer", [str(JOBS / "paired_writer.py"), "--conf", str(world.conf_path)])
@@ -421,6 +472,7 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
             world.jobs["reader"] = Job(world, "reader", [__file__, "--reader", str(world.conf_path),
                                                          "--table", str(world.work / "read")])
         depth.start()
+        watcher.start()
         marks = None
         if args.outage:
             marks = outage(world, args.outage, work / "faults.jsonl", result)
@@ -442,9 +494,12 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
             result.notes += [f"{name} failed by itself: {line}" for line in job.failed]
             job.halt()
         depth.stop()
+        watcher.stop()
         if world.entra:
             result.notes += token_notes(world)
         count(world, result)
+        if world.sessions:
+            check_order(world, result, watcher)
         if marks is not None:
             result.notes += outage_report(world, marks, depth)
     except Exception as err:
@@ -454,9 +509,11 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
     finally:
         world.stop.set()
         depth.stop()
+        watcher.stop()
         world.close()
     result.seconds = time.monotonic() - started
-    say(f"== {mode}: lost {sum(result.lost.values())}, duplicated {result.duplicated} [{result.seconds:.0f} s]")
+    say(f"== {mode}: lost {sum(result.lost.values())}, duplicated {result.duplicated}"
+        + (f", out of order {result.out_of_order}" if world.sessions else "") + f" [{result.seconds:.0f} s]")
     return result
 
 
@@ -499,6 +556,188 @@ class Sampler:
 
     def stop(self) -> None:
         self.halt.set()
+
+
+@dataclass
+class Parked:
+    """A message seen parked in the backlog by the :class:`BacklogWatcher`."""
+
+    queue: str
+    sequence_number: int  # in its backlog queue
+    first: float  # wall time first and last seen there
+    last: float
+
+
+class BacklogWatcher:
+    """``--sessions``: peeks every backlog queue every 2 s and remembers which messages it saw parked, where and
+    when, so that an order violation can be traced to the syphon or the sender. A message parked and moved home
+    between two peeks is not seen."""
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.seen: dict[tuple[str, str], Parked] = {}  # (entity, message id) -> where and when
+        self.halt = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="soak-backlog-watcher")
+
+    def start(self) -> None:
+        if self.world.sessions and self.world.backlog_queues:
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.halt.wait(2.0):
+            for queue in self.world.backlog_queues:
+                try:
+                    found = _peek_all(self.world.info("secondary").connection_string, queue)
+                except Exception:
+                    continue  # the secondary down or restarting: nothing seen this time
+                now = time.time()
+                for m in found:
+                    entity, _ = messages.parked_session(m)
+                    key = (entity or "?", str(m.message_id))
+                    if key in self.seen and self.seen[key].queue == queue:
+                        self.seen[key].last = now
+                    else:
+                        self.seen[key] = Parked(queue, int(m.sequence_number or 0), now, now)
+
+    def stop(self) -> None:
+        self.halt.set()
+        if self.thread.is_alive():
+            self.thread.join(60)
+
+
+def _receive_session(client: ServiceBusClient, queue: str, session: str) -> list[Any]:
+    """Every message of ``session`` in ``queue``, received (and deleted) with a session receiver, in order. A
+    receiver whose link the namespace detaches (``--detach-every``) is opened again where it stopped: what it
+    received is gone from the queue."""
+    got: list[Any] = []
+    for attempt in range(10):
+        try:
+            with client.get_queue_receiver(queue, session_id=session, max_wait_time=5,
+                                           receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
+                empty = 0
+                while empty < 2:
+                    page = receiver.receive_messages(max_message_count=250, max_wait_time=1)
+                    got += page
+                    empty = 0 if page else empty + 1
+            return got
+        except Exception as err:
+            say(f"  receiving session {session} of {queue} (attempt {attempt + 1}): {_first_line(err)}; again")
+            time.sleep(1.0)
+    raise RuntimeError(f"could not receive session {session} of {queue}")
+
+
+def _seq(message: Any) -> int:
+    props = {(k.decode() if isinstance(k, bytes) else k): v for k, v in (message.application_properties or {}).items()}
+    return int(props["seq"])
+
+
+def _active_faults(result: Result, at: float) -> list[str]:
+    """The faults active at wall time ``at``: a namespace fault or a killed emulator during its window, a job or
+    a worker killed in the 60 s before (a restart takes tens of seconds)."""
+    out = []
+    start = min((t for t, _, _ in result.events), default=at)
+    for t, kind, detail in result.events:
+        length = detail.get("seconds", detail.get("down_for"))
+        if "minutes" in detail:  # --outage: the primary down until healed
+            length = float(detail["minutes"]) * 60
+        if length is not None:
+            end = t + float(length) + (10 if "down_for" in detail else 0)
+        elif kind == "quiet":
+            continue
+        else:
+            end = t + 60
+        if t - 2 <= at <= end:
+            out.append(f"{kind} at +{t - start:.0f}s" + (f" for {length:g} s" if length is not None else ""))
+    return out
+
+
+def check_order(world: World, result: Result, watcher: BacklogWatcher) -> None:
+    """``--sessions``: receive every session of every queue from the primary with a session receiver, and report
+    the messages whose sequence number is lower than one received before it in its session (duplicates aside)."""
+    start = min((t for t, _, _ in result.events), default=time.time())
+
+    def clock(t: float) -> str:
+        return f"+{t - start:.0f}s"
+
+    sessions = sorted({session_of(n, world.sessions)[0] for n in range(1, min(world.keys, world.sessions) + 1)})
+    with ServiceBusClient.from_connection_string(world.info("primary").connection_string, retry_total=3) as client:
+        for queue in QUEUES:
+            violations = 0
+            broken = 0
+            for session in sessions:
+                got = _receive_session(client, queue, session)
+                seen: set[int] = set()
+                highest: tuple[int, int, Any] | None = None  # (seq, position, message)
+                runs: list[list[tuple[int, int, Any, Any]]] = []  # each: (position, seq, message, the higher one)
+                for position, m in enumerate(got):
+                    seq = _seq(m)
+                    if seq in seen:
+                        continue  # a duplicate
+                    seen.add(seq)
+                    if highest is not None and seq < highest[0]:
+                        entry = (position, seq, m, highest)
+                        if runs and runs[-1][-1][0] == position - 1 and runs[-1][-1][3] is highest:
+                            runs[-1].append(entry)
+                        else:
+                            runs.append([entry])
+                    elif highest is None or seq > highest[0]:
+                        highest = (seq, position, m)
+                n = sum(len(r) for r in runs)
+                violations += n
+                broken += bool(runs)
+                for run in runs:
+                    result.notes.append(f"{queue} {session}: " + _describe_run(run, queue, watcher, result, clock))
+                # counted as it goes: a check cut short still counts what it found
+                result.out_of_order[queue] = violations
+                result.sessions_out[queue] = broken
+    # whether the run exercised the session path at all: what went to the backlog, what the watcher saw, and the
+    # sends decided without a peek (the executors' warnings, in the writer's JVM console)
+    parked = sum(int(n) for log in world.work.glob("writer-*.log")
+                 for n in re.findall(r"(\d+) -> backlog", log.read_text(errors="replace")))
+    unpeeked = sum(log.read_text(errors="replace").count("could not peek backlog queue")
+                   for log in world.work.glob("writer-*.jvm.log"))
+    result.notes.append(f"sessions: the writer's batches sent {parked} messages to the backlog; the backlog watcher "
+                        f"saw {len(watcher.seen)} messages parked; {unpeeked} session sends decided without a peek "
+                        "(could not peek backlog queue: sent by what was known)")
+
+
+def _describe_run(run: list[tuple[int, int, Any, Any]], queue: str, watcher: BacklogWatcher, result: Result,
+                  clock: Any) -> str:
+    """One run of out-of-order messages: positions, sequence numbers, the message they should have preceded,
+    where each was seen, the faults active when the order broke, and whose rule broke."""
+    first_pos, _, first, (h_seq, h_pos, higher) = run[0]
+    last_pos = run[-1][0]
+    seqs = [seq for _, seq, _, _ in run]
+    h_at = higher.enqueued_time_utc.timestamp()
+    l_at = first.enqueued_time_utc.timestamp()
+    late = [watcher.seen.get((queue, str(m.message_id))) for _, _, m, _ in run]
+    h_parked = watcher.seen.get((queue, str(higher.message_id)))
+    parked = [p for p in late if p is not None]
+    if parked and h_parked is None and h_at < max(p.last for p in parked):
+        verdict = ("the sender's: the higher one went to the primary while its session had messages parked "
+                   f"(seen in {parked[0].queue} until {clock(max(p.last for p in parked))})")
+    elif parked and h_parked is not None:
+        same = all(p.queue == h_parked.queue for p in parked)
+        if same and all(p.sequence_number < h_parked.sequence_number for p in parked):
+            verdict = f"the syphon's: all parked in {h_parked.queue} in order and moved home out of order"
+        elif not same:
+            verdict = (f"the sender's: the session parked in two backlog queues ({h_parked.queue} and "
+                       f"{', '.join(sorted({p.queue for p in parked}))})")
+        else:
+            verdict = f"the sender's: parked out of order in {h_parked.queue}"
+    elif parked:
+        verdict = (f"unclear: the late ones were last seen parked at {clock(max(p.last for p in parked))}, before "
+                   "the higher one reached the primary (the syphon completed them before the primary accepted "
+                   "them, or the watcher missed a later parking)")
+    else:
+        verdict = ("unclear: none of the late ones was seen parked (the watcher peeks every 2 s)"
+                   + ("; the higher one was" if h_parked is not None else ""))
+    faults = _active_faults(result, h_at)
+    return (f"positions {first_pos}-{last_pos} (seq {min(seqs)}-{max(seqs)}, {len(run)} messages"
+            f"{', ' + str(len(parked)) + ' seen parked' if parked else ''}) after position {h_pos} (seq {h_seq}, "
+            f"{'seen parked in ' + h_parked.queue if h_parked else 'not seen parked'}); on the primary at "
+            f"{clock(h_at)} (seq {h_seq}) and {clock(l_at)} (seq {seqs[0]}); faults active at {clock(h_at)}: "
+            f"{'; '.join(faults) or 'none'}; {verdict}")
 
 
 def drain(world: World, seconds: float) -> bool:
@@ -632,15 +871,18 @@ def reader_main(conf: str, table: str) -> int:
 # --- the report -----------------------------------------------------------------------------------------
 
 
-def table(results: list[Result]) -> str:
-    lines = ["| mode | produced (keys) | arrived on / off | lost on / off | duplicated on / off | left | "
-             "dead-lettered | faults (quiet spells apart) | restarts (of which failed, not killed) | minutes |", "|" + "---|" * 10]
+def table(results: list[Result], sessions: int = 0) -> str:
+    order = " out of order on / off (sessions) |" if sessions else ""
+    lines = ["| mode | produced (keys) | arrived on / off | lost on / off | duplicated on / off |" + order + " left | "
+             "dead-lettered | faults (quiet spells apart) | restarts (of which failed, not killed) | minutes |",
+             "|" + "---|" * (11 if sessions else 10)]
     for r in results:
         def pair(d: dict[str, int]) -> str:
             return f"{d.get(DEDUP, 0)} / {d.get(PLAIN, 0)}"
         faults = sum(n for kind, n in r.faults.items() if kind != "quiet")
-        lines.append(f"| {r.mode} | {r.produced} | {pair(r.arrived)} | {pair(r.lost)} | {pair(r.duplicated)} | "
-                     f"{r.left} | {sum(r.dead.values())} | {faults} | "
+        ordered = (f" {pair(r.out_of_order)} ({pair(r.sessions_out)}) |" if sessions else "")
+        lines.append(f"| {r.mode} | {r.produced} | {pair(r.arrived)} | {pair(r.lost)} | {pair(r.duplicated)} |"
+                     f"{ordered} {r.left} | {sum(r.dead.values())} | {faults} | "
                      f"{', '.join(f'{k} {v} ({r.failed[k]} failed)' for k, v in r.restarts.items())} | "
                      f"{r.seconds / 60:.1f} |")
     return "\n".join(lines)
@@ -663,6 +905,9 @@ def main() -> int:
                         help="reach both namespaces with Entra ID (a managed identity) whose tokens live this long, "
                              "e.g. 60s, so that every job renews its tokens all along (default: SAS connection "
                              "strings, whose tokens the SDK makes for an hour)")
+    parser.add_argument("--sessions", type=int, default=0, metavar="N",
+                        help="paired mode: session-enabled primary queues, every key in one of N sessions; checks "
+                             "each session's order on the primary at the end (default: 0, no sessions)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs, checkpoints, data)")
     parser.add_argument("--reader", metavar="CONF", help=argparse.SUPPRESS)
     parser.add_argument("--table", help=argparse.SUPPRESS)
@@ -671,6 +916,8 @@ def main() -> int:
         return reader_main(args.reader, args.table)
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(10**6)
     modes = ["paired"] if args.outage else args.modes
+    if args.sessions and modes != ["paired"]:
+        parser.error("--sessions is for paired mode (--modes paired): the active reader would consume the sessions")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     work = Path(tempfile.mkdtemp(prefix="spark-sb-soak-"))
@@ -699,7 +946,7 @@ def main() -> int:
     print(f"seed {seed}; on / off = {DEDUP} (duplicate detection) / {PLAIN}; active mode counts the deduplicated "
           f"read")
     print()
-    print(table(results))
+    print(table(results, args.sessions))
     print()
     for r in results:
         print(f"- {r.mode}: faults {dict(r.faults)}")
@@ -711,9 +958,11 @@ def main() -> int:
     duplicated = sum(r.duplicated.get(DEDUP, 0) + (r.duplicated.get(PLAIN, 0) if r.mode == "active" else 0)
                      for r in results)
     print()
+    out_of_order = sum(sum(r.out_of_order.values()) for r in results)
     print(f"seed {seed}: lost {lost}; duplicated with duplicate detection {duplicated}; "
-          f"drained: {'yes' if all(r.drained for r in results) else 'NO'}")
-    return 1 if lost else 2 if duplicated or not all(r.drained for r in results) else 0
+          + (f"out of order (sessions) {out_of_order}; " if args.sessions else "")
+          + f"drained: {'yes' if all(r.drained for r in results) else 'NO'}")
+    return 1 if lost or out_of_order else 2 if duplicated or not all(r.drained for r in results) else 0
 
 
 if __name__ == "__main__":
