@@ -178,6 +178,11 @@ class _OutOfTime(Exception):
     """No time is left before the pairing attempt's deadline for another administration request."""
 
 
+def _add_counts(counts: dict[str, int], more: Mapping[str, int]) -> None:
+    for destination, n in more.items():
+        counts[destination] = counts.get(destination, 0) + n
+
+
 def _one_line(error: BaseException, limit: int = 300) -> str:
     """``error``'s text on one line, cut at ``limit`` characters (an HTTP error carries its response body on the
     next lines)."""
@@ -543,10 +548,12 @@ class PairedSender:
         # what this send may spend pairing, over the last wait before a failover and the failover itself
         pairing_time = _PairingTime(self._sa.pairing_timeout.total_seconds())
         if sessions_of(pending) and self.board.state(entity) is not EntityState.FAILED_OVER:
-            follow, pending = self._split_parked(entity, pending)
+            follow, unsure, pending = self._split_parked(entity, pending)
             if follow:  # behind the session's parked messages, whatever the primary's health
-                self.sessions.follow(len(follow))
-                counts.update(self._send_backlog(entity, follow, pairing_time))
+                self.sessions.count("session_follows", len(follow))
+                _add_counts(counts, self._send_backlog(entity, follow, pairing_time))
+            if unsure:
+                pending = self._behind_what_may_be_parked(entity, unsure, counts, pairing_time) + pending
         while pending:
             self.ping_if_due(entity)
             refused = self.board.refused(entity)
@@ -636,8 +643,9 @@ class PairedSender:
     def stats(self) -> dict[str, int]:
         """Counters for monitoring: ``sent_primary``, ``sent_backlog``, ``busy_waits`` (server-busy waits) and
         ``connection_refusals`` (waits after a connection refused at the namespace's quota) of this sender, its
-        sessions' ``session_follows`` (messages sent behind their session's parked ones), ``session_peeks`` and
-        ``session_peek_failures`` (:mod:`spark_sb.paired.sessions`), plus the ``failovers``, ``failbacks`` and
+        sessions' ``session_follows`` (messages sent behind their session's parked ones, or behind what may be
+        parked when the backlog could not be peeked), ``session_peeks``, ``session_peek_failures`` and
+        ``session_unordered`` (:mod:`spark_sb.paired.sessions`), plus the ``failovers``, ``failbacks`` and
         ``assumed_failovers`` of its shared
         :class:`~spark_sb.bus.health.HealthBoard` (every sender of the pairing in this process)."""
         with self._state_lock:
@@ -647,20 +655,43 @@ class PairedSender:
         return counters
 
     def _split_parked(self, entity: str, batch: list[ServiceBusMessage]
-                      ) -> tuple[list[ServiceBusMessage], list[ServiceBusMessage]]:
-        """``batch`` as (the messages of sessions with messages parked in the backlog, the others), each in its
-        order."""
+                      ) -> tuple[list[ServiceBusMessage], list[ServiceBusMessage], list[ServiceBusMessage]]:
+        """``batch`` as (the messages of sessions with messages parked in the backlog, those of sessions the
+        backlog could not tell about, the others), each in its order."""
         names = self._sa.backlog_queue_names()
         follow: list[ServiceBusMessage] = []
+        unsure: list[ServiceBusMessage] = []
         rest: list[ServiceBusMessage] = []
-        answers: dict[str, bool] = {}
+        answers: dict[str, bool | None] = {}
         for message in batch:
             session_id = message.session_id
-            if session_id and session_id not in answers:
+            if not session_id:
+                rest.append(message)
+                continue
+            if session_id not in answers:
                 answers[session_id] = self.sessions.parked(session_queue(entity, session_id, names), entity,
                                                            session_id)
-            (follow if session_id and answers[session_id] else rest).append(message)
-        return follow, rest
+            answer = answers[session_id]
+            (follow if answer else unsure if answer is None else rest).append(message)
+        return follow, unsure, rest
+
+    def _behind_what_may_be_parked(self, entity: str, unsure: list[ServiceBusMessage], counts: dict[str, int],
+                                   pairing_time: _PairingTime) -> list[ServiceBusMessage]:
+        """Send ``unsure`` (messages of sessions the backlog could not tell about) to their sessions' backlog
+        queues, behind whatever may be parked there, which keeps their order either way; returns what is left
+        for the primary: nothing, or all of them when the backlog does not take them either (the secondary
+        down: holding a healthy primary's sends for it would stop the stream; counted in
+        ``session_unordered``)."""
+        try:
+            _add_counts(counts, self._send_backlog(entity, unsure, pairing_time))
+        except (BacklogUnavailableError, PairingError) as exc:
+            self.sessions.count("session_unordered", len(unsure))
+            _LOGGER.warning("the backlog can neither tell whether %d messages for %r have their sessions' messages "
+                            "parked nor take them (%s); they go to the primary, their order not guaranteed",
+                            len(unsure), entity, type(exc).__name__)
+            return unsure
+        self.sessions.count("session_follows", len(unsure))
+        return []
 
     def _backlog_queue_exists(self, queue: str) -> bool:
         """Whether backlog queue ``queue`` exists on the secondary: paired here, or the administration API says

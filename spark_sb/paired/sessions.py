@@ -89,7 +89,10 @@ class ParkedSessions:
         self._failed_until: dict[str, float] = {}
         #: counters: ``session_peeks`` (peek requests), ``session_follows`` (messages sent behind parked ones),
         #: ``session_peek_failures`` (a queue that could not be peeked: the message went by what was known)
-        self.counters = {"session_peeks": 0, "session_follows": 0, "session_peek_failures": 0}
+        #: ``session_unordered`` (messages sent to the primary without knowing whether their session had any
+        #: parked: the backlog could be neither peeked nor sent to)
+        self.counters = {"session_peeks": 0, "session_follows": 0, "session_peek_failures": 0,
+                         "session_unordered": 0}
 
     def new_batch(self) -> None:
         """What was peeked before is stale: the next question peeks again (another process may have parked)."""
@@ -106,18 +109,19 @@ class ParkedSessions:
                 seen = self._seen[queue] = _Seen(generation=-1, at=float("-inf"))
             seen.sessions.add((entity, session_id))
 
-    def parked(self, queue: str, entity: str, session_id: str) -> bool:
+    def parked(self, queue: str, entity: str, session_id: str) -> bool | None:
         """Whether ``session_id`` of ``entity`` has messages in ``queue``, peeking it when what is known is
-        stale. A queue that cannot be peeked (the secondary down) answers from what was known, or no: the
-        primary gets the message (logged, counted in ``session_peek_failures``), since holding a healthy
-        primary's sends for a secondary that may stay down would stop the stream."""
+        stale; ``None`` when it cannot be told: the queue could not be peeked (twice, the second time on a new
+        link) and this process parked nothing of the session (counted in ``session_peek_failures``; the queue is
+        not asked again for ``max_age``). The caller then sends behind whatever may be parked
+        (:meth:`PairedSender._send`)."""
         key = (entity, session_id)
         with self._lock:
             seen = self._seen.get(queue)
             if seen is not None and self._fresh(seen):
                 return key in seen.sessions
             if self._failed_until.get(queue, float("-inf")) > self._clock():
-                return seen is not None and key in seen.sessions
+                return True if seen is not None and key in seen.sessions else None
             peek_lock = self._peek_locks.setdefault(queue, threading.Lock())
         with peek_lock:  # one peek of a queue at a time; the others take its answer
             with self._lock:
@@ -128,16 +132,19 @@ class ParkedSessions:
                 parked_since = set(seen.sessions) if seen is not None else set()
             started = self._clock()
             try:
-                found, requests = self._peek(queue)
-            except Exception as exc:  # noqa: BLE001 - an unknown answer is decided below, never raised
+                try:
+                    found, requests = self._peek(queue)
+                except Exception:  # noqa: BLE001 - a link the service detached: once more, on a new one
+                    found, requests = self._peek(queue)
+            except Exception as exc:  # noqa: BLE001 - an unknown answer is the caller's to decide, never raised
                 with self._lock:
                     self.counters["session_peek_failures"] += 1
                     self._failed_until[queue] = self._clock() + self._max_age
                 _LOGGER.warning("could not peek backlog queue %r for the parked messages of session %r of %r "
-                                "(%s); sending by what was known (%s), asking again in %.3g s", queue, session_id,
-                                entity, type(exc).__name__, "parked" if key in parked_since else "nothing parked",
-                                self._max_age)
-                return key in parked_since
+                                "(%s); %s, asking again in %.3g s", queue, session_id, entity, type(exc).__name__,
+                                "it has messages parked here" if key in parked_since else
+                                "its messages go behind whatever may be parked", self._max_age)
+                return True if key in parked_since else None
             with self._lock:
                 self.counters["session_peeks"] += requests
                 self._failed_until.pop(queue, None)
@@ -151,9 +158,9 @@ class ParkedSessions:
         with self._lock:
             return dict(self.counters)
 
-    def follow(self, n: int = 1) -> None:
+    def count(self, counter: str, n: int = 1) -> None:
         with self._lock:
-            self.counters["session_follows"] += n
+            self.counters[counter] += n
 
     def _fresh(self, seen: _Seen) -> bool:
         return seen.generation == self._generation and self._clock() - seen.at < self._max_age
@@ -169,6 +176,7 @@ class ParkedSessions:
             self._existing.add(queue)
         try:
             with self._receiver(queue) as receiver:
+                requests += 1  # the last page, empty (an empty queue's only one)
                 for page in _pages(receiver):
                     requests += 1
                     for message in page:
