@@ -12,7 +12,8 @@ A queue is not replayable by itself, so both keep Service Bus as the only store 
   Pings are completed at once: they never become rows. The offset is a JSON dict holding the batch's messages:
   ``{"batch": n, "queues": {queue: [sequence numbers]}}`` (backlog) or ``{"batch": n, "entities":
   {"primary:orders": [...], "secondary:orders": [...]}}`` (servicebus);
-* ``partitions`` gives partitions of at most 1,000 sequence numbers of one entity; ``read`` (on an executor)
+* ``partitions`` gives partitions of at most 1,000 sequence numbers of one entity (the backlog source: one per
+  backlog queue, so that one task republishes a queue's messages in order); ``read`` (on an executor)
   **peeks** them by sequence number, which neither locks them nor counts a delivery, and turns each into a
   row: a replayed batch reads the same rows, and a reader that dies holds no lock;
 * messages are completed only after the batch's sink finished. The syphon's sink
@@ -314,7 +315,7 @@ class Entity:
 
 @dataclass(frozen=True)
 class DeferredPartition(InputPartition):
-    """Some of one entity's deferred messages of a batch (at most ``_PARTITION``)."""
+    """Some of one entity's deferred messages of a batch (at most ``_PARTITION``; the backlog source's: all)."""
 
     key: str
     sequence_numbers: tuple[int, ...]
@@ -644,6 +645,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
     #: whether the sink settles the batch's messages itself (the syphon's republisher does): the commit then
     #: peeks for what is left before completing it; else it completes the whole batch in bulk at once
     SINK_SETTLES = True
+    #: at most this many sequence numbers per input partition (None: one partition per entity)
+    PARTITION_SIZE: int | None = _PARTITION
 
     def __init__(self, options: Mapping[str, str], config: SparkSbConfig, entities: Sequence[Entity],
                  default_max: int, default_lanes: int = 0) -> None:
@@ -1010,9 +1013,10 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         self._last = end  # on a restart, Spark plans the checkpoint's last batch before asking for the next
         if end == start:
             return []
-        return [DeferredPartition(key, tuple(numbers[i:i + _PARTITION]))
+        size = self.PARTITION_SIZE
+        return [DeferredPartition(key, tuple(numbers[i:i + size] if size else numbers))
                 for key, numbers in sorted(end.get(self.OFFSET_FIELD, {}).items())
-                for i in range(0, len(numbers), _PARTITION)]
+                for i in range(0, len(numbers), size or max(len(numbers), 1))]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, DeferredPartition)
@@ -1107,6 +1111,9 @@ class BacklogStreamReader(DeferringStreamReader):
     queue that does not exist yet (the pairing provisions them at the first failover) is read as empty."""
 
     MISSING_IS_EMPTY = True
+    #: one partition per backlog queue: one task reads it (paging anyway) and republishes its messages in
+    #: sequence order; a session's messages in two partitions, run at once, could overtake each other
+    PARTITION_SIZE = None
 
     def __init__(self, options: Mapping[str, str]) -> None:
         config = _options_config(options)
