@@ -563,6 +563,11 @@ class _EntityAccess:
                               "holder of each session's lock)", entity.path)
 
 
+def _in_session(message: Any) -> bool:
+    """Whether a backlog message carries ``x-ms-sessionid`` (it was parked from a session)."""
+    return any(msgs.text(key) == msgs.X_MS_SESSION_ID for key in (message.application_properties or {}))
+
+
 class _CountUnknown(Exception):
     """The administration API gave no active message count for some entities (retried, then a
     :class:`SourceUnavailableError`)."""
@@ -664,6 +669,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         depth = (_option(self.options, "reportBacklogDepth") or "true").lower()
         self.report_depth = depth in ("true", "1", "yes")
         self._taken_back: dict[str, list[int]] = {}
+        #: backlog messages of a session its sink left (destination down): kept deferred, offered again first
+        self._held: dict[str, list[int]] = {}
         self._unswept = [e.key for e in self.entities]  # not received from until swept (see _sweep)
         self._completions = _Completions(self._complete, self.OFFSET_FIELD, self.WHAT)
         #: entity key -> when its namespace first failed to answer, since it last answered (see _unavailable)
@@ -691,6 +698,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         a receive of this reader that failed part way (a message deferred at the broker whose answer was lost).
         An entity is received from only once swept, so that a sweep never races a receive of this reader."""
         exclude: dict[str, set[int]] = {key: set(numbers) for key, numbers in self._taken_back.items()}
+        for key, numbers in self._held.items():
+            exclude.setdefault(key, set()).update(numbers)
         for key, pending in self._completions.numbers().items():
             exclude.setdefault(key, set()).update(pending)
         taken: dict[str, int] = {}
@@ -774,6 +783,13 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         batch, count = self._gather(cap, once)
         if self._available_now is not None and not count:
             batch, count = self._await_owed(cap)
+        if self._held and (count or (self._available_now is None and once is None)):
+            # the sessions' messages the sink left come again first, ahead of their sessions' later ones, and
+            # outside the cap (a destination that stays down never crowds the others out); a bounded run
+            # (availableNow, once) offers them only with new messages, and leaves them for the next run
+            held, self._held = self._held, {}
+            for key, numbers in held.items():
+                batch.setdefault(key, []).extend(numbers)
         left = sum(len(v) for v in self._taken_back.values())
         if self.report_depth:
             counts = self._active_counts()
@@ -781,7 +797,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         if cap > left and self._available_now is None and once is None:  # receive the next batch meanwhile
             self._ahead = _Ahead(self._defer, cap - left, self.WHAT)
             self._started_ahead = True
-        batch = {k: sorted(v) for k, v in batch.items() if v}
+        batch = {k: sorted(set(v)) for k, v in batch.items() if v}
         if not batch:
             return start
         offset = {"batch": int(start.get("batch", 0)) + 1, self.OFFSET_FIELD: batch}
@@ -807,7 +823,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         batch: dict[str, list[int]] = {}
         count = 0
         for key in list(self._taken_back):
-            numbers = self._taken_back.pop(key)
+            numbers = sorted(self._taken_back.pop(key))  # the oldest first: the rest waits behind them
             room = max(0, cap - count)
             batch[key] = numbers[:room]
             count += len(batch[key])
@@ -1051,10 +1067,27 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
                 _LOGGER.warning("%s batch %d names %r, which this query does not read: left deferred", self.WHAT,
                                 number, key)
                 continue
-            done += len(complete_deferred(self._namespace(entity, retries=False), entity.path, numbers,
-                                          bulk_first=not self.SINK_SETTLES))
+            namespace = self._namespace(entity, retries=False)
+            if self.SINK_SETTLES:
+                numbers = self._hold(namespace, entity, numbers)
+            # what _hold found is there: fetched at once (a page with one gone is peeked again)
+            done += len(complete_deferred(namespace, entity.path, numbers, bulk_first=True))
         _LOGGER.log(logging.INFO if done else logging.DEBUG, "%s batch %d committed: %d messages its sink left "
                     "deferred completed", self.WHAT, number, done)
+
+    def _hold(self, namespace: Any, entity: Entity, numbers: Sequence[int]) -> list[int]:
+        """Of a batch's messages its sink left deferred, keep those of a session (``x-ms-sessionid``: the syphon
+        left them, their destination being down, and never re-parks them) for the next batch, which offers them
+        first; returns the others' sequence numbers, to complete."""
+        with namespace.receiver(entity.path) as receiver:
+            left = peek_deferred(receiver, numbers)
+        held = {int(m.sequence_number) for m in left if _in_session(m)}
+        if held:
+            with _FOUND_LOCK:
+                self._held[entity.key] = sorted(set(self._held.get(entity.key, [])) | held)
+            _LOGGER.info("%s %r: %d messages of sessions left by the sink (destination down) are offered again",
+                         self.WHAT, entity.path, len(held))
+        return [int(m.sequence_number) for m in left if int(m.sequence_number) not in held]
 
     def stop(self) -> None:
         """Wait for a receive ahead to end; what it deferred is taken back by the next run's first batch."""
