@@ -31,9 +31,9 @@ from typing import Any
 
 from . import messages as msgs
 from . import tables
-from .config import SparkSbConfig
 from .bus import shared_namespace
 from .bus.deferred import peek_deferred
+from .config import SparkSbConfig
 from .syphon import Outcome, republish_received, settle_outcomes
 
 _LOGGER = logging.getLogger(__name__)
