@@ -31,8 +31,10 @@ from typing import Any
 
 from . import messages as msgs
 from . import tables
+from .bus import shared_namespace
+from .bus.deferred import peek_deferred
 from .config import SparkSbConfig
-from .syphon import Outcome, republish_deferred, republish_received, settle_outcomes
+from .syphon import Outcome, republish_received, settle_outcomes
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tu
     import pyarrow as pa
 
     received: dict[str, list[Any]] = {}
-    missing: dict[str, list[int]] = {}
+    missing: dict[str, list[int]] = {}  # rows without bytes: peeked, then merged in sequence order
     for batch in batches:
         queues = batch.column("backlog_queue").to_pylist()
         numbers = batch.column("sequence_number").to_pylist()
@@ -78,9 +80,12 @@ def republish_partition(config: SparkSbConfig, batch_id: int, skip: frozenset[tu
                 missing.setdefault(queue, []).append(int(number))
             else:
                 received.setdefault(queue, []).append(msgs.from_received_bytes(data))
+    for queue, numbers in missing.items():
+        with shared_namespace(config, "secondary").receiver(queue) as receiver:
+            received.setdefault(queue, []).extend(peek_deferred(receiver, sorted(set(numbers))))
+    for found in received.values():  # a session's messages go home in the order they were parked
+        found.sort(key=lambda message: int(message.sequence_number))
     outcomes = republish_received(config, received, replay=replay) if received else []
-    if missing:
-        outcomes += republish_deferred(config, missing, replay=replay)
     now = datetime.datetime.now(datetime.UTC)
     columns: dict[str, list[Any]] = {name: [] for name in _LEDGER_NAMES}
     for row in outcomes:
@@ -137,7 +142,9 @@ class Republisher:
         replay = self._begun is None or batch_id <= self._begun
         self._begun = batch_id
         before = self.recorded(spark, batch_id) if replay else []
-        skip = frozenset((o.backlog_queue, int(o.sequence_number)) for o in before if o.sequence_number is not None)
+        # what the ledger records as settled is not sent again; a message it records as left is tried again
+        skip = frozenset((o.backlog_queue, int(o.sequence_number)) for o in before
+                         if o.sequence_number is not None and o.outcome != "left")
         # one task per source partition (a backlog queue's share of the batch): no shuffle
         rows = batch_df.select("backlog_queue", "sequence_number", "backlog_message")
         out = rows.mapInArrow(partial(republish_partition, self.config, batch_id, skip, replay=replay), LEDGER_DDL)

@@ -12,7 +12,8 @@ A queue is not replayable by itself, so both keep Service Bus as the only store 
   Pings are completed at once: they never become rows. The offset is a JSON dict holding the batch's messages:
   ``{"batch": n, "queues": {queue: [sequence numbers]}}`` (backlog) or ``{"batch": n, "entities":
   {"primary:orders": [...], "secondary:orders": [...]}}`` (servicebus);
-* ``partitions`` gives partitions of at most 1,000 sequence numbers of one entity; ``read`` (on an executor)
+* ``partitions`` gives partitions of at most 1,000 sequence numbers of one entity (the backlog source: one per
+  backlog queue, so that one task republishes a queue's messages in order); ``read`` (on an executor)
   **peeks** them by sequence number, which neither locks them nor counts a delivery, and turns each into a
   row: a replayed batch reads the same rows, and a reader that dies holds no lock;
 * messages are completed only after the batch's sink finished. The syphon's sink
@@ -314,7 +315,7 @@ class Entity:
 
 @dataclass(frozen=True)
 class DeferredPartition(InputPartition):
-    """Some of one entity's deferred messages of a batch (at most ``_PARTITION``)."""
+    """Some of one entity's deferred messages of a batch (at most ``_PARTITION``; the backlog source's: all)."""
 
     key: str
     sequence_numbers: tuple[int, ...]
@@ -562,6 +563,11 @@ class _EntityAccess:
                               "holder of each session's lock)", entity.path)
 
 
+def _in_session(message: Any) -> bool:
+    """Whether a backlog message carries ``x-ms-sessionid`` (it was parked from a session)."""
+    return any(msgs.text(key) == msgs.X_MS_SESSION_ID for key in (message.application_properties or {}))
+
+
 class _CountUnknown(Exception):
     """The administration API gave no active message count for some entities (retried, then a
     :class:`SourceUnavailableError`)."""
@@ -644,6 +650,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
     #: whether the sink settles the batch's messages itself (the syphon's republisher does): the commit then
     #: peeks for what is left before completing it; else it completes the whole batch in bulk at once
     SINK_SETTLES = True
+    #: at most this many sequence numbers per input partition (None: one partition per entity)
+    PARTITION_SIZE: int | None = _PARTITION
 
     def __init__(self, options: Mapping[str, str], config: SparkSbConfig, entities: Sequence[Entity],
                  default_max: int, default_lanes: int = 0) -> None:
@@ -661,6 +669,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         depth = (_option(self.options, "reportBacklogDepth") or "true").lower()
         self.report_depth = depth in ("true", "1", "yes")
         self._taken_back: dict[str, list[int]] = {}
+        #: backlog messages of a session its sink left (destination down): kept deferred, offered again first
+        self._held: dict[str, list[int]] = {}
         self._unswept = [e.key for e in self.entities]  # not received from until swept (see _sweep)
         self._completions = _Completions(self._complete, self.OFFSET_FIELD, self.WHAT)
         #: entity key -> when its namespace first failed to answer, since it last answered (see _unavailable)
@@ -688,6 +698,8 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         a receive of this reader that failed part way (a message deferred at the broker whose answer was lost).
         An entity is received from only once swept, so that a sweep never races a receive of this reader."""
         exclude: dict[str, set[int]] = {key: set(numbers) for key, numbers in self._taken_back.items()}
+        for key, numbers in self._held.items():
+            exclude.setdefault(key, set()).update(numbers)
         for key, pending in self._completions.numbers().items():
             exclude.setdefault(key, set()).update(pending)
         taken: dict[str, int] = {}
@@ -771,6 +783,13 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         batch, count = self._gather(cap, once)
         if self._available_now is not None and not count:
             batch, count = self._await_owed(cap)
+        if self._held and (count or (self._available_now is None and once is None)):
+            # the sessions' messages the sink left come again first, ahead of their sessions' later ones, and
+            # outside the cap (a destination that stays down never crowds the others out); a bounded run
+            # (availableNow, once) offers them only with new messages, and leaves them for the next run
+            held, self._held = self._held, {}
+            for key, numbers in held.items():
+                batch.setdefault(key, []).extend(numbers)
         left = sum(len(v) for v in self._taken_back.values())
         if self.report_depth:
             counts = self._active_counts()
@@ -778,7 +797,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         if cap > left and self._available_now is None and once is None:  # receive the next batch meanwhile
             self._ahead = _Ahead(self._defer, cap - left, self.WHAT)
             self._started_ahead = True
-        batch = {k: sorted(v) for k, v in batch.items() if v}
+        batch = {k: sorted(set(v)) for k, v in batch.items() if v}
         if not batch:
             return start
         offset = {"batch": int(start.get("batch", 0)) + 1, self.OFFSET_FIELD: batch}
@@ -804,7 +823,7 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         batch: dict[str, list[int]] = {}
         count = 0
         for key in list(self._taken_back):
-            numbers = self._taken_back.pop(key)
+            numbers = sorted(self._taken_back.pop(key))  # the oldest first: the rest waits behind them
             room = max(0, cap - count)
             batch[key] = numbers[:room]
             count += len(batch[key])
@@ -1010,9 +1029,10 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
         self._last = end  # on a restart, Spark plans the checkpoint's last batch before asking for the next
         if end == start:
             return []
-        return [DeferredPartition(key, tuple(numbers[i:i + _PARTITION]))
+        size = self.PARTITION_SIZE
+        return [DeferredPartition(key, tuple(numbers[i:i + size] if size else numbers))
                 for key, numbers in sorted(end.get(self.OFFSET_FIELD, {}).items())
-                for i in range(0, len(numbers), _PARTITION)]
+                for i in range(0, len(numbers), size or max(len(numbers), 1))]
 
     def read(self, partition: InputPartition) -> Iterator[tuple[Any, ...]]:
         assert isinstance(partition, DeferredPartition)
@@ -1047,10 +1067,27 @@ class DeferringStreamReader(_EntityAccess, DataSourceStreamReader, *_AVAILABLE_N
                 _LOGGER.warning("%s batch %d names %r, which this query does not read: left deferred", self.WHAT,
                                 number, key)
                 continue
-            done += len(complete_deferred(self._namespace(entity, retries=False), entity.path, numbers,
-                                          bulk_first=not self.SINK_SETTLES))
+            namespace = self._namespace(entity, retries=False)
+            if self.SINK_SETTLES:
+                numbers = self._hold(namespace, entity, numbers)
+            # what _hold found is there: fetched at once (a page with one gone is peeked again)
+            done += len(complete_deferred(namespace, entity.path, numbers, bulk_first=True))
         _LOGGER.log(logging.INFO if done else logging.DEBUG, "%s batch %d committed: %d messages its sink left "
                     "deferred completed", self.WHAT, number, done)
+
+    def _hold(self, namespace: Any, entity: Entity, numbers: Sequence[int]) -> list[int]:
+        """Of a batch's messages its sink left deferred, keep those of a session (``x-ms-sessionid``: the syphon
+        left them, their destination being down, and never re-parks them) for the next batch, which offers them
+        first; returns the others' sequence numbers, to complete."""
+        with namespace.receiver(entity.path) as receiver:
+            left = peek_deferred(receiver, numbers)
+        held = {int(m.sequence_number) for m in left if _in_session(m)}
+        if held:
+            with _FOUND_LOCK:
+                self._held[entity.key] = sorted(set(self._held.get(entity.key, [])) | held)
+            _LOGGER.info("%s %r: %d messages of sessions left by the sink (destination down) are offered again",
+                         self.WHAT, entity.path, len(held))
+        return [int(m.sequence_number) for m in left if int(m.sequence_number) not in held]
 
     def stop(self) -> None:
         """Wait for a receive ahead to end; what it deferred is taken back by the next run's first batch."""
@@ -1107,6 +1144,9 @@ class BacklogStreamReader(DeferringStreamReader):
     queue that does not exist yet (the pairing provisions them at the first failover) is read as empty."""
 
     MISSING_IS_EMPTY = True
+    #: one partition per backlog queue: one task reads it (paging anyway) and republishes its messages in
+    #: sequence order; a session's messages in two partitions, run at once, could overtake each other
+    PARTITION_SIZE = None
 
     def __init__(self, options: Mapping[str, str]) -> None:
         config = _options_config(options)

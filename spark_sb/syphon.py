@@ -27,8 +27,12 @@ Choices where behaviour.md is silent:
   dead-lettered with reason ``RejectedByDestination`` and the service's description; one the SDK cannot
   encode (an application property its encoder rejects) with reason ``application property <name> cannot be
   encoded``, whether its destination is up or down: one bad message never stops the syphon;
-* re-parking (``repark=True``, the Spark path, whose deferred messages cannot be abandoned): the messages for
-  a destination that is down go back to their backlog queue as copies, in batches that fit one
+* sessions keep their order: each destination's messages are sent in sequence order, and once a message of a
+  session (``x-ms-sessionid``) is left in the backlog, so are the later messages of that session in the same
+  call; a message with a session is never re-parked (its copy would go behind the session's later messages): it
+  stays deferred with outcome ``left``, and the ``servicebus-backlog`` source offers it again first;
+* re-parking (``repark=True``, the Spark path, whose deferred messages cannot be abandoned): the messages without
+  a session for a destination that is down go back to their backlog queue as copies, in batches that fit one
   ``ServiceBusMessageBatch``, each copy carrying ``x-ms-reparked-from`` = ``"<backlog queue>:<sequence number
   of the original>"`` (a copy re-parked again carries only its own original's). A replayed batch
   (:func:`republish_deferred` with ``replay``) first peeks the queue from its oldest message on for these
@@ -208,6 +212,7 @@ class Syphon:
         self._retry_interval = config.syphon.retry_interval.total_seconds()
         self._skip_until: dict[str, float] = {}
         self._healthy_at: dict[str, float] = {}  # when each destination last accepted a ping or a send
+        self._left_sessions: set[tuple[str, str]] = set()  # of the current settle call (see _leave)
         self._primary = Namespace("primary", config.primary, config.send_availability.primary_client_kwargs())
         self._secondary = Namespace("secondary", config.secondary, {"retry_total": 0})
         #: held by whoever uses this syphon (one batch at a time: :func:`syphon_for`)
@@ -408,6 +413,9 @@ class Syphon:
                              getattr(message, "message_id", None))
                 continue
             groups.setdefault(restored.entity, []).append((message, restored.message))
+        for items in groups.values():  # a session reaches its destination in the order it was parked
+            items.sort(key=lambda item: int(getattr(item[0], "sequence_number", None) or 0))
+        self._left_sessions = set()  # (entity, session id) of this call's messages left: their later ones stay too
         pending = list(groups.items())
         try:
             while pending:
@@ -426,6 +434,12 @@ class Syphon:
         if self._skip_until.get(entity, 0.0) > self._clock():
             self._leave(receiver, entity, items, summary)
             return
+        behind = [item for item in items if _session(entity, item) in self._left_sessions]
+        if behind:  # an earlier message of their session stays in the backlog: so do they
+            self._leave(receiver, entity, behind, summary)
+            items = [item for item in items if _session(entity, item) not in self._left_sessions]
+            if not items:
+                return
         done = 0
         try:
             # ping first, unless the destination accepted a ping or a send within the retry interval
@@ -481,16 +495,21 @@ class Syphon:
                          type(exc).__name__, len(rest), self._retry_interval)
 
     def _leave(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
+        """Leave these messages in the backlog: abandoned (or, re-parking, left deferred: the source offers them
+        again first), but a message without a session when re-parking: its copy goes to the end of the queue.
+        A session's message is never re-parked (its copy would go behind the session's later messages), and once
+        one is left, so are the later messages of its session in this call."""
+        self._left_sessions.update(session for session in (_session(entity, item) for item in items) if session)
         if entity not in summary.down:
             summary.down.append(entity)
-        if not self.repark:
-            for message, _ in items:
-                _settle(receiver, "abandon_message", message)
-                summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left"))
-            if items:
-                _add(summary.left, entity, len(items))
-            return
-        self._repark(receiver, entity, items, summary)
+        kept = [item for item in items if not self.repark or _session(entity, item) is not None]
+        for message, _ in kept:
+            _settle(receiver, "abandon_message", message)
+            summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left"))
+        if kept:
+            _add(summary.left, entity, len(kept))
+        if len(kept) < len(items):
+            self._repark(receiver, entity, [item for item in items if _session(entity, item) is None], summary)
 
     def _repark(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
         """Send a copy of each message back to its backlog queue, in batches that fit, then complete the
@@ -619,6 +638,13 @@ def _property(message: ServiceBusMessage, name: str) -> Any:
         if msgs.text(key) == name:
             return value
     return None
+
+
+def _session(entity: str, item: tuple[Any, Any]) -> tuple[str, str] | None:
+    """``(entity, session id)`` of a restored backlog message (a ``(backlog message, restored copy)`` pair), None
+    when it has no session."""
+    session_id = msgs.text(getattr(item[1], "session_id", None))
+    return None if session_id is None else (entity, session_id)
 
 
 def _marker(queue: str, message: Any) -> str:

@@ -30,6 +30,7 @@ from spark_sb.errors import CredentialRejectedError
 from spark_sb.paired import PRIMARY, PairedSender
 from spark_sb.syphon import (
     REJECTED_BY_DESTINATION,
+    MoveSummary,
     Outcome,
     Syphon,
     SyphonSettleError,
@@ -681,3 +682,87 @@ def test_a_connection_lost_while_settling_leaves_the_messages_in_the_backlog_to_
     assert sorted(m.message_id for m in _receive(primary.connection_string, up, expected=4)) == [
         f"{up}-{i}" for i in range(3)]
     assert len(peek_all(secondary.connection_string, queue)) == 6
+
+
+# --- sessions keep their order (issue 38) -----------------------------------------------------------------
+
+
+def _session_backlog(secondary: Any, queue: str, entity: str, sessions: int, per_session: int) -> list[str]:
+    """Park ``per_session`` messages of each session, interleaved (s0-0, s1-0, ..., s0-1, ...); their ids."""
+    ids = [f"s{s}-{i}" for i in range(per_session) for s in range(sessions)]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(i, message_id=i, session_id=i.split("-")[0]),
+                                                       entity) for i in ids])
+    return ids
+
+
+def _by_session(connection_string: str, entity: str, sessions: int, per_session: int) -> dict[str, list[str]]:
+    return {f"s{s}": [str(m.message_id) for m in _receive(connection_string, entity, expected=per_session,
+                                                          session_id=f"s{s}")] for s in range(sessions)}
+
+
+def test_settle_sends_each_session_in_sequence_order_whatever_order_it_is_given(config, primary, secondary,
+                                                                                make_queue) -> None:
+    entity = make_queue(requires_session=True)
+    queue = config["backlog_queue"]
+    _session_backlog(secondary, queue, entity, 2, 4)
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue) as receiver:
+            peeked = list(receiver.peek_messages(max_message_count=50))
+    assert len(peeked) == 8
+    shuffled = peeked[::-1]  # e.g. rows merged from two reads, or taken back out of order
+    with Syphon.from_config(_syphon_config(config), repark=True) as syphon:
+        summary = MoveSummary(queue, received=len(shuffled))
+        syphon.settle(None, shuffled, summary)
+    assert summary.moved == {entity: 8}
+    assert _by_session(primary.connection_string, entity, 2, 4) == {
+        f"s{s}": [f"s{s}-{i}" for i in range(4)] for s in range(2)}
+
+
+def test_a_sessions_messages_for_a_destination_down_are_left_not_re_parked(emulator, config, primary, secondary,
+                                                                         make_queue) -> None:
+    """Re-parking sends a copy to the end of the backlog queue, behind the session's later messages: a message
+    with a session stays where it is (deferred, outcome left); one without a session is still re-parked."""
+    entity = make_queue()
+    queue = config["backlog_queue"]
+    ids = _session_backlog(secondary, queue, entity, 2, 2)
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage("plain", message_id="plain"), entity)])
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue) as receiver:
+            peeked = list(receiver.peek_messages(max_message_count=50))
+    emulator.fault("primary", "quota", entity=entity)
+    try:
+        with Syphon.from_config(_syphon_config(config), repark=True) as syphon:
+            summary = MoveSummary(queue, received=len(peeked))
+            syphon.settle(None, peeked, summary)
+    finally:
+        emulator.heal("primary", entity=entity)
+    outcomes = {o.message_id: o.outcome for o in summary.outcomes}
+    assert outcomes == {**dict.fromkeys(ids, "left"), "plain": "reparked"}
+    after = _peek(secondary.connection_string, queue)
+    copies = [m for m in after if m.sequence_number > peeked[-1].sequence_number]
+    assert [str(m.message_id) for m in copies] == ["plain"]  # no copy of a session's message
+
+
+def test_republish_partition_sends_rows_without_bytes_in_their_sequence_order(config, primary, secondary,
+                                                                             make_queue) -> None:
+    """A row whose bytes the source could not re-encode is peeked again: it goes in its place, not last."""
+    import pyarrow as pa
+
+    from spark_sb.republisher import republish_partition
+
+    entity = make_queue(requires_session=True)
+    queue = config["backlog_queue"]
+    _session_backlog(secondary, queue, entity, 1, 4)
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue) as receiver:
+            for message in receiver.receive_messages(max_message_count=4, max_wait_time=5):
+                receiver.defer_message(message)
+            peeked = list(receiver.peek_messages(max_message_count=50, sequence_number=1))
+    assert len(peeked) == 4
+    rows = pa.RecordBatch.from_pydict({
+        "backlog_queue": [queue] * 4, "sequence_number": [int(m.sequence_number) for m in peeked],
+        "backlog_message": [None, None, *(messages.received_bytes(m) for m in peeked[2:])]})
+    cfg = load_config(_syphon_config(config))
+    ledger = list(republish_partition(cfg, 0, frozenset(), iter([rows])))
+    assert ledger[0].column("outcome").to_pylist() == ["delivered"] * 4
+    assert _by_session(primary.connection_string, entity, 1, 4) == {"s0": [f"s0-{i}" for i in range(4)]}
