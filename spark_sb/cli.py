@@ -262,6 +262,7 @@ def _paired(args: argparse.Namespace) -> int:
 def _emulator(args: argparse.Namespace) -> int:
     try:
         from .emulator import server
+        from .emulator.broker import BrokerError
         from .emulator.model import EntityConfigError
     except ModuleNotFoundError as err:  # a core install: "spark-sb emulator needs the emulator extra: pip install ..."
         print(err, file=sys.stderr)
@@ -291,7 +292,7 @@ def _emulator(args: argparse.Namespace) -> int:
                                          identity_header=os.environ.get("SPARK_SB_EMULATOR_IDENTITY_HEADER") or None,
                                          handshake_timeout=args.handshake_timeout, idle_timeout=args.idle_timeout,
                                          allowed_origins=args.allow_origin)
-        except (ValueError, EntityConfigError, OSError) as err:
+        except (ValueError, EntityConfigError, BrokerError, OSError) as err:  # BrokerError: a rule it refuses
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2
     try:

@@ -276,7 +276,14 @@ def subscription_from_dict(topic: str, data: dict[str, Any]) -> SubscriptionSpec
 def rule_from_dict(label: str, data: Any) -> RuleSpec:
     if not isinstance(data, dict):
         raise EntityConfigError(f"{label}: each rule must be a mapping, got {data!r}")
-    return _build(RuleSpec, data, f"{label} rule {data.get('name')!r}")
+    rule = _build(RuleSpec, data, f"{label} rule {data.get('name')!r}")
+    from .broker import BrokerError, _compile_filter  # the broker imports this module
+
+    try:  # a filter or action the broker would refuse is refused here, where the file is read
+        _compile_filter(label, rule)
+    except BrokerError as err:
+        raise EntityConfigError(err.description) from err
+    return rule
 
 
 def spec_to_dict(spec: Any) -> dict[str, Any]:

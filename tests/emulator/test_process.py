@@ -249,3 +249,13 @@ def test_token_lifetime_sets_how_long_its_entra_id_tokens_live(tmp_path, monkeyp
             restarted.stop()
     bad = _cli("emulator", "start", "--in-memory", "--token-lifetime", "0s")
     assert bad.returncode == 2 and "--token-lifetime: must be a positive duration, got '0s'" in bad.stderr
+
+
+def test_an_entities_file_with_a_bad_sql_rule_is_a_clear_cli_error(tmp_path) -> None:
+    bad = tmp_path / "entities.yaml"
+    bad.write_text("topics:\n  - name: events\n    subscriptions:\n      - name: eu\n"
+                   "        rules: [{name: eu, filter: {type: sql, expression: \"region = = 'eu'\"}}]\n")
+    result = _cli("emulator", "start", "--data-dir", str(tmp_path), "--namespace", "p=0:0", "--entities", str(bad))
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "events/subscriptions/eu rule 'eu'" in result.stderr and "position 9" in result.stderr
+    assert "Traceback" not in result.stderr
