@@ -547,13 +547,7 @@ class PairedSender:
         refused_since: float | None = None  # when the primary began refusing connections (its quota), if it is
         # what this send may spend pairing, over the last wait before a failover and the failover itself
         pairing_time = _PairingTime(self._sa.pairing_timeout.total_seconds())
-        if sessions_of(pending) and self.board.state(entity) is not EntityState.FAILED_OVER:
-            follow, unsure, pending = self._split_parked(entity, pending)
-            if follow:  # behind the session's parked messages, whatever the primary's health
-                self.sessions.count("session_follows", len(follow))
-                _add_counts(counts, self._send_backlog(entity, follow, pairing_time))
-            if unsure:
-                pending = self._behind_what_may_be_parked(entity, unsure, counts, pairing_time) + pending
+        asked = not sessions_of(pending)  # whether the backlog was asked about the sessions' parked messages
         while pending:
             self.ping_if_due(entity)
             refused = self.board.refused(entity)
@@ -563,6 +557,13 @@ class PairedSender:
                 for queue, n in self._send_backlog(entity, pending, pairing_time).items():
                     counts[queue] = counts.get(queue, 0) + n
                 break
+            if not asked:
+                # here, not before the loop: a ping just above may have failed the entity back (spark_sb.paired.
+                # sessions: messages of a session with parked ones follow them, whatever the primary's health)
+                asked = True
+                pending = self._follow_parked(entity, pending, counts, pairing_time)
+                if not pending:
+                    break
             stale = failures == 0 and self._primary.stale()
             try:
                 send_batches(self._primary, entity, pending, entity)
@@ -653,6 +654,18 @@ class PairedSender:
         counters.update(self.sessions.stats())
         counters.update(self.board.stats())
         return counters
+
+    def _follow_parked(self, entity: str, pending: list[ServiceBusMessage], counts: dict[str, int],
+                       pairing_time: _PairingTime) -> list[ServiceBusMessage]:
+        """Send the messages of ``pending`` whose sessions have messages parked (or may have) behind them, into
+        the backlog; returns the rest, for the primary."""
+        follow, unsure, rest = self._split_parked(entity, pending)
+        if follow:
+            self.sessions.count("session_follows", len(follow))
+            _add_counts(counts, self._send_backlog(entity, follow, pairing_time))
+        if unsure:
+            rest = self._behind_what_may_be_parked(entity, unsure, counts, pairing_time) + rest
+        return rest
 
     def _split_parked(self, entity: str, batch: list[ServiceBusMessage]
                       ) -> tuple[list[ServiceBusMessage], list[ServiceBusMessage], list[ServiceBusMessage]]:

@@ -125,3 +125,23 @@ def test_a_backlog_that_cannot_be_asked_does_not_hold_a_healthy_primary(
     finally:
         emulator.heal("secondary")
     assert session_bodies(primary.connection_string, q, "a", 4) == [f"a/{n}" for n in range(4)]
+
+
+def test_a_send_that_fails_the_entity_back_itself_follows_the_parked_messages(
+        emulator, make_queue, make_sender, make_config, fake_time, primary) -> None:
+    """The first send after the outage pings (its ping was due) and fails the entity back: its session messages
+    still follow the parked ones (the soak found them sent to the primary ahead of them)."""
+    q = make_queue(requires_session=True)
+    config = make_config(failover_interval="0s", backlog_queue_count=2)
+    sender = make_sender(config=config)
+    emulator.fault("primary", "quota", entity=q)
+    assert PRIMARY not in _round(sender, q, 0, SESSIONS[:2])
+    emulator.heal("primary", entity=q)
+    fake_time.advance(5)  # the ping is due; nobody ran it: this send does
+    assert sender.state(q) == "failed_over"
+    assert PRIMARY not in _round(sender, q, 1, SESSIONS[:2])
+    assert sender.state(q) == "healthy" and sender.stats()["session_follows"] == 2
+    with Syphon.from_config(config) as syphon:
+        syphon.drain(max_wait_time=0.5)
+    for s in SESSIONS[:2]:
+        assert session_bodies(primary.connection_string, q, s, 2) == [f"{s}/0", f"{s}/1"]
