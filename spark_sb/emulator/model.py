@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ..durations import DurationError, parse_seconds
+from . import sql
 
 MAX_TTL_SECONDS = 10_675_199 * 86400.0  # TimeSpan.MaxValue in whole days, as the service reports it
 
@@ -277,12 +278,15 @@ def rule_from_dict(label: str, data: Any) -> RuleSpec:
     if not isinstance(data, dict):
         raise EntityConfigError(f"{label}: each rule must be a mapping, got {data!r}")
     rule = _build(RuleSpec, data, f"{label} rule {data.get('name')!r}")
-    from .broker import BrokerError, _compile_filter  # the broker imports this module
-
-    try:  # a filter or action the broker would refuse is refused here, where the file is read
-        _compile_filter(label, rule)
-    except BrokerError as err:
-        raise EntityConfigError(err.description) from err
+    # a SQL filter or action the broker would refuse is refused here, where the file is read
+    for part, compile_sql in (("filter", sql.compile_filter), ("action", sql.compile_action)):
+        given = getattr(rule, part)
+        if isinstance(given, dict) and (part == "action" or given.get("type") == "sql"):
+            try:
+                compile_sql(given["expression"], given.get("parameters"))
+            except (sql.SqlError, KeyError, TypeError) as err:
+                raise EntityConfigError(f"{label} rule {rule.name!r}: SQL {part} {given.get('expression')!r}: "
+                                        f"{err}") from err
     return rule
 
 

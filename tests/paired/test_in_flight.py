@@ -228,7 +228,9 @@ def test_a_worker_holds_one_sending_connection_per_namespace_whatever_its_sends_
         server = emu.server("primary")
         server.call(lambda: server.broker.create_entity(QueueSpec(name=q)))
         raw = pair_config(primary, secondary, "conn", backlog_queue_count=3, failover_interval="0s",
-                          ping_primary_interval="30m", primary_try_timeout="3s")
+                          ping_primary_interval="30m", primary_try_timeout="30s")
+        # (a 3 s try timeout: under a loaded make test a chunk's backlog send timed out, its queue cooled down
+        # and the rest went to another; this test counts connections, not timeouts)
         config = load_config({**raw, "sink": {"entity": q, "sends_in_flight": 8}})
         sink_module.sender_for(config).pair()
         with _PeakConnections(primary) as near:
