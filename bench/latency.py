@@ -369,15 +369,20 @@ def main() -> int:
         """A sessions row, its goal column giving its rate over the row without sessions."""
         emit(what, *rates, f"{rates[1] / without[1]:.2f} of {goal}")
 
+    def session_rows(emu: EmulatorProcess, plain: tuple[float, float], where: str) -> None:
+        """The failed-over and following sessions rows beside ``plain`` (failed over without sessions)."""
+        if not args.sessions:
+            return
+        beside(f"sink failed over with {args.sessions} sessions (4 backlog queues), {where}",
+               failed_over_sessions_row(emu, args, "latency-failed"), plain, "the row without sessions")
+        beside(f"sink following: primary healthy, {args.sessions} sessions parked, {where}",
+               following_sessions_row(emu, args, "latency-follow"), plain, "failed over without sessions")
+
     emu = emulator(work, "near", 0.0, 0.0)
     try:
         plain = failed_over_row(emu, args)
         emit("sink failed over, secondary on loopback", *plain, ">= 0.90")
-        if args.sessions:
-            beside(f"sink failed over with {args.sessions} sessions (4 backlog queues), secondary on loopback",
-                   failed_over_sessions_row(emu, args, "latency-failed"), plain, "the row without sessions")
-            beside(f"sink following: primary healthy, {args.sessions} sessions parked, secondary on loopback",
-                   following_sessions_row(emu, args, "latency-follow"), plain, "failed over without sessions")
+        session_rows(emu, plain, "secondary on loopback")
         emit("sink healthy, loopback: one connection per entity (raw: a connection per send in flight)",
              *shared_connection_row(emu, args), ">= 0.95")
     finally:
@@ -386,11 +391,7 @@ def main() -> int:
     try:
         plain = failed_over_row(emu, args)
         emit("sink failed over, secondary 40 ms away", *plain, ">= 2.0")
-        if args.sessions:
-            beside(f"sink failed over with {args.sessions} sessions (4 backlog queues), secondary 40 ms away",
-                   failed_over_sessions_row(emu, args, "latency-failed"), plain, "the row without sessions")
-            beside(f"sink following: primary healthy, {args.sessions} sessions parked, secondary 40 ms away",
-                   following_sessions_row(emu, args, "latency-follow"), plain, "failed over without sessions")
+        session_rows(emu, plain, "secondary 40 ms away")
         raw, act, pair = active_row(emu, args)
         emit("active replication, secondary 40 ms away", raw, act, f"{act / pair:.2f} of paired; goal >= 0.75")
         if not args.no_spark:
