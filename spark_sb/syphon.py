@@ -69,7 +69,7 @@ from azure.servicebus import ServiceBusMessage
 
 from . import messages as msgs
 from .bus import Namespace, shared, shared_namespace
-from .bus.deferred import complete_deferred, deferred_numbers, peek_deferred, receive_deferred
+from .bus.deferred import PAGE, complete_deferred, deferred_numbers, peek_deferred, receive_deferred
 from .config import SparkSbConfig, load_config
 from .errors import (
     ENCODING_ERRORS,
@@ -348,7 +348,7 @@ class Syphon:
                 received = receive_deferred(receiver, numbers[start:start + step])
                 summary.received += len(received)
                 summary.taken_back += len(received)
-                self.settle(receiver, received, summary, reparked=copied)
+                self.settle(receiver, received, summary, reparked=copied, behind=session_gaps(receiver, received))
             settled = {o.sequence_number for o in summary.outcomes if o.outcome != "left"}
             rest = [n for n in numbers if n not in settled]
             still = [int(m.sequence_number) for m in peek_deferred(receiver, rest)]  # gone: settled by another
@@ -369,7 +369,7 @@ class Syphon:
             with self._secondary.receiver(backlog_queue) as receiver:  # an error drops it: rebuilt on next use
                 received = list(receiver.receive_messages(max_message_count=limit, max_wait_time=max_wait_time))
                 summary.received = len(received)
-                self.settle(receiver, received, summary)
+                self.settle(receiver, received, summary, behind=session_gaps(receiver, received))
         except Exception as exc:
             if summary.received or not _missing(backlog_queue, exc):
                 raise
@@ -380,7 +380,7 @@ class Syphon:
         return summary
 
     def settle(self, receiver: Any | None, received: Sequence[Any], summary: MoveSummary, *,
-               reparked: Collection[int] = ()) -> None:
+               reparked: Collection[int] = (), behind: Mapping[tuple[str, str], int] | None = None) -> None:
         """Restore, republish and settle messages ``received`` (locked) by ``receiver``. Every message ends
         completed, dead-lettered or abandoned, with its :class:`Outcome` in ``summary.outcomes``.
 
@@ -388,7 +388,10 @@ class Syphon:
         only, and settle nothing: the caller settles them from the outcomes (:func:`settle_outcomes`).
         ``reparked``: sequence numbers of messages whose re-parked copy is already in the backlog queue (an
         attempt that died re-parked them, see :func:`reparked_copies`): nothing is sent for them, their
-        outcome is ``reparked`` (the copy carries them on)."""
+        outcome is ``reparked`` (the copy carries them on).
+        ``behind``: per ``(entity, session id)``, the lowest sequence number of a message of that session in the
+        backlog queue and not in ``received`` (:func:`session_gaps`: locked by a receive whose answer was lost,
+        say); the session's messages above it are left (outcome ``left``), so that they never overtake it."""
         now = datetime.datetime.fromtimestamp(self._clock(), datetime.UTC)
         groups: dict[str, list[tuple[Any, ServiceBusMessage]]] = {}
         for message in received:
@@ -416,7 +419,13 @@ class Syphon:
         for items in groups.values():  # a session reaches its destination in the order it was parked
             items.sort(key=lambda item: int(getattr(item[0], "sequence_number", None) or 0))
         self._left_sessions = set()  # (entity, session id) of this call's messages left: their later ones stay too
-        pending = list(groups.items())
+        if behind:
+            for entity, items in list(groups.items()):
+                waiting = [item for item in items if _above_gap(entity, item, behind)]
+                if waiting:
+                    self._wait_for_gap(receiver, entity, waiting, summary, behind)
+                    groups[entity] = [item for item in items if not _above_gap(entity, item, behind)]
+        pending = [(entity, items) for entity, items in groups.items() if items]
         try:
             while pending:
                 entity, items = pending.pop(0)
@@ -493,6 +502,21 @@ class Syphon:
             self._healthy_at.pop(entity, None)
             _LOGGER.info("destination %r unavailable (%s): %d messages stay in the backlog for %.3g s", entity,
                          type(exc).__name__, len(rest), self._retry_interval)
+
+    def _wait_for_gap(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary,
+                      behind: Mapping[tuple[str, str], int]) -> None:
+        """Leave ``items``: an earlier message of each one's session is in the backlog queue but not in this
+        call (locked by another receive, or not yet taken); they go once it has (never re-parked)."""
+        for item in items:
+            key = _session(entity, item)
+            _settle(receiver, "abandon_message", item[0])
+            summary.outcomes.append(_outcome(summary.backlog_queue, item[0], entity, "left", SESSION_GAP,
+                                             f"behind message {behind[key] if key else '?'} of its session, still "
+                                             f"in the backlog queue"))
+        _add(summary.left, entity, len(items))
+        self._left_sessions.update(key for key in (_session(entity, item) for item in items) if key)
+        _LOGGER.info("syphon %s: %d messages for %r wait behind an earlier message of their session that is not in "
+                     "this batch", summary.backlog_queue, len(items), entity)
 
     def _leave(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
         """Leave these messages in the backlog: abandoned (or, re-parking, left deferred: the source offers them
@@ -640,6 +664,44 @@ def _property(message: ServiceBusMessage, name: str) -> Any:
     return None
 
 
+#: the reason of a session's message left behind an earlier one still in the backlog queue (ledger ``reason``)
+SESSION_GAP = "BehindEarlierSessionMessage"
+
+
+def _above_gap(entity: str, item: tuple[Any, Any], behind: Mapping[tuple[str, str], int]) -> bool:
+    key = _session(entity, item)
+    return key is not None and key in behind and int(getattr(item[0], "sequence_number", 0) or 0) > behind[key]
+
+
+def session_gaps(receiver: Any, found: Sequence[Any]) -> dict[tuple[str, str], int]:
+    """Per ``(entity, session id)`` of the session messages in ``found`` (backlog messages of ``receiver``'s
+    queue), the lowest sequence number of a message of that session in the queue (active, locked, deferred) that
+    is not in ``found`` and is below the highest of ``found``: a message the batch must not overtake. Peeks the
+    queue up to that highest number (one request per 250 messages); nothing when ``found`` holds no session."""
+    numbers = {int(m.sequence_number or 0) for m in found}
+    sessions = {key for key in (_parked(m) for m in found) if key is not None}
+    if not sessions:
+        return {}
+    top = max(numbers)
+    gaps: dict[tuple[str, str], int] = {}
+    start = 1  # not 0: the SDK reads 0 as "after the last message this receiver saw"
+    while start <= top and (page := receiver.peek_messages(max_message_count=PAGE, sequence_number=start)):
+        for message in page:
+            number = int(message.sequence_number or 0)
+            if number > top:
+                return gaps
+            key = _parked(message)
+            if number not in numbers and key in sessions and key is not None:
+                gaps[key] = min(gaps.get(key, number), number)
+        start = int(page[-1].sequence_number or 0) + 1
+    return gaps
+
+
+def _parked(message: Any) -> tuple[str, str] | None:
+    entity, session_id = msgs.parked_session(message)
+    return None if entity is None or session_id is None else (entity, session_id)
+
+
 def _session(entity: str, item: tuple[Any, Any]) -> tuple[str, str] | None:
     """``(entity, session id)`` of a restored backlog message (a ``(backlog message, restored copy)`` pair), None
     when it has no session."""
@@ -747,11 +809,14 @@ def republish_received(config: SparkSbConfig, received: Mapping[str, Sequence[An
     with contextlib.nullcontext(syphon) if syphon is not None else syphon_for(config) as mover:
         for queue, found in received.items():
             copied: set[int] = set()
-            if replay and found:
+            gaps: dict[tuple[str, str], int] = {}
+            if found:
                 with shared_namespace(config, "secondary").receiver(queue) as receiver:
-                    copied = reparked_copies(receiver, queue, [int(m.sequence_number) for m in found])
+                    if replay:
+                        copied = reparked_copies(receiver, queue, [int(m.sequence_number) for m in found])
+                    gaps = session_gaps(receiver, found)
             summary = MoveSummary(queue, received=len(found))
-            mover.settle(None, found, summary, reparked=copied)
+            mover.settle(None, found, summary, reparked=copied, behind=gaps)
             outcomes.extend(summary.outcomes)
     return outcomes
 

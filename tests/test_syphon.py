@@ -30,6 +30,7 @@ from spark_sb.errors import CredentialRejectedError
 from spark_sb.paired import PRIMARY, PairedSender
 from spark_sb.syphon import (
     REJECTED_BY_DESTINATION,
+    SESSION_GAP,
     MoveSummary,
     Outcome,
     Syphon,
@@ -766,3 +767,40 @@ def test_republish_partition_sends_rows_without_bytes_in_their_sequence_order(co
     ledger = list(republish_partition(cfg, 0, frozenset(), iter([rows])))
     assert ledger[0].column("outcome").to_pylist() == ["delivered"] * 4
     assert _by_session(primary.connection_string, entity, 1, 4) == {"s0": [f"s0-{i}" for i in range(4)]}
+
+
+def test_a_sessions_messages_wait_behind_an_earlier_one_another_receive_holds_locked(
+        config, primary, secondary, make_queue) -> None:
+    """s0-0 locked by another receive (one whose defer was lost, say): the syphon leaves s0-1..s0-3 until it
+    comes back, then moves the session in order (the soak found a job's receive-ahead losing a defer's answer,
+    and the later messages of the session moved first)."""
+    entity = make_queue(requires_session=True)
+    queue = config["backlog_queue"]
+    _session_backlog(secondary, queue, entity, 1, 4)
+    cfg = _syphon_config(config)
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_receiver(queue) as locker:
+            (first,) = locker.receive_messages(max_message_count=1, max_wait_time=5)
+            assert first.message_id == "s0-0"
+            with Syphon.from_config(cfg) as syphon:
+                summary = syphon.move(queue, max_wait_time=1)
+            assert summary.received == 3 and summary.total_moved == 0
+            assert {(o.outcome, o.reason) for o in summary.outcomes} == {("left", SESSION_GAP)}
+            locker.abandon_message(first)
+    with Syphon.from_config(cfg) as syphon:
+        assert syphon.drain(max_wait_time=0.5).total_moved == 4
+    assert _by_session(primary.connection_string, entity, 1, 4) == {"s0": [f"s0-{i}" for i in range(4)]}
+
+
+def test_republished_rows_of_a_session_wait_behind_an_earlier_message_not_in_the_batch(
+        config, primary, secondary, make_queue) -> None:
+    """The syphon job's path (peeked rows, nothing settled): the batch holds s0-1..s0-3 but not s0-0, which is
+    still in the queue: they are left (the source offers them again), nothing is sent."""
+    entity = make_queue(requires_session=True)
+    queue = config["backlog_queue"]
+    _session_backlog(secondary, queue, entity, 1, 4)
+    peeked = _peek(secondary.connection_string, queue)
+    assert [m.message_id for m in peeked] == [f"s0-{i}" for i in range(4)]
+    outcomes = republish_received(load_config(_syphon_config(config)), {queue: peeked[1:]})
+    assert [(o.outcome, o.reason) for o in outcomes] == [("left", SESSION_GAP)] * 3
+    assert not _receive(primary.connection_string, entity, expected=1, session_id="s0")
