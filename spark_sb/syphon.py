@@ -810,7 +810,7 @@ def republish_received(config: SparkSbConfig, received: Mapping[str, Sequence[An
         for queue, found in received.items():
             copied: set[int] = set()
             gaps: dict[tuple[str, str], int] = {}
-            if found:
+            if found and (replay or any(_parked(m) for m in found)):  # a receiver only when it has a question
                 with shared_namespace(config, "secondary").receiver(queue) as receiver:
                     if replay:
                         copied = reparked_copies(receiver, queue, [int(m.sequence_number) for m in found])
