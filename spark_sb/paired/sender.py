@@ -249,8 +249,9 @@ class PairedSender:
                                           "connection_refusals": 0}
         self._pool = SendPool(config.sink.sends_in_flight)
         #: which sessions have messages in the backlog (spark_sb.paired.sessions: sessions keep their order)
+        # a peek is part of a send: its two tries (the second on a new link) fit in the pairing timeout
         self.sessions = ParkedSessions(self._peek_receiver, sa.ping_primary_interval.total_seconds(), clock,
-                                       self._backlog_queue_exists)
+                                       self._backlog_queue_exists, timeout=sa.pairing_timeout.total_seconds() / 2)
         # joined last (nothing after it can fail); close() leaves it
         self._attached = False  # to the board's ping task
         self.board: HealthBoard = join_board(key, settings, clock, pairing, ping_wait)

@@ -69,11 +69,14 @@ class ParkedSessions:
     """Which ``(entity, session id)`` have messages in the backlog, per backlog queue (thread-safe).
 
     ``receiver(queue)`` is a context manager giving an SDK receiver of a backlog queue (peek only);
-    ``max_age``: how long what a peek found stands before the queue is peeked again; ``clock``: seconds."""
+    ``max_age``: how long what a peek found stands before the queue is peeked again; ``clock``: seconds;
+    ``timeout``: seconds one peek request may take (a queue that accepts it and never answers), None for the
+    SDK's own bound."""
 
     def __init__(self, receiver: Receiver, max_age: float, clock: Callable[[], float],
-                 exists: Callable[[str], bool] | None = None) -> None:
+                 exists: Callable[[str], bool] | None = None, timeout: float | None = None) -> None:
         self._receiver = receiver
+        self._timeout = timeout
         #: whether a backlog queue exists (the administration API: a peek of a missing queue costs the SDK a
         #: second); one that exists is not asked again
         self._exists = exists
@@ -177,7 +180,7 @@ class ParkedSessions:
         try:
             with self._receiver(queue) as receiver:
                 requests += 1  # the last page, empty (an empty queue's only one)
-                for page in _pages(receiver):
+                for page in _pages(receiver, self._timeout):
                     requests += 1
                     for message in page:
                         entity, session_id = msgs.parked_session(message)
@@ -191,9 +194,10 @@ class ParkedSessions:
         return found, requests
 
 
-def _pages(receiver: Any) -> Iterator[list[Any]]:
+def _pages(receiver: Any, timeout: float | None) -> Iterator[list[Any]]:
     start = 1  # not 0: the SDK reads 0 as "after the last message this receiver saw"
-    while page := receiver.peek_messages(max_message_count=PAGE, sequence_number=start):
+    bound = {} if timeout is None else {"timeout": timeout}
+    while page := receiver.peek_messages(max_message_count=PAGE, sequence_number=start, **bound):
         yield page
         start = int(page[-1].sequence_number or 0) + 1
 

@@ -4,6 +4,7 @@ session in the order it was sent, each message once."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -145,3 +146,25 @@ def test_a_send_that_fails_the_entity_back_itself_follows_the_parked_messages(
         syphon.drain(max_wait_time=0.5)
     for s in SESSIONS[:2]:
         assert session_bodies(primary.connection_string, q, s, 2) == [f"{s}/0", f"{s}/1"]
+
+
+@pytest.mark.parametrize("fault", ["timeout", "down"])
+def test_a_backlog_queue_that_never_answers_a_peek_holds_a_session_message_no_longer_than_the_pairing_timeout(
+        emulator, make_queue, make_sender, make_config, primary, fault) -> None:
+    """The session's backlog queue exists, then accepts the peek and never answers it (or is down): the message
+    still reaches the healthy primary, counted as sent without knowing what was parked, after two peeks bounded
+    by half the pairing timeout each (and the link's opening), not the SDK's own operation timeout."""
+    q = make_queue(requires_session=True)
+    sender = make_sender(config=make_config(backlog_queue_count=1, pairing_timeout="2s"))
+    sender.pair()  # provisions the backlog queue
+    [name] = sender.config.send_availability.backlog_queue_names()
+    emulator.fault("secondary", fault, entity=name)
+    try:
+        started = time.monotonic()
+        assert _round(sender, q, 0, ["a"]) == {PRIMARY: 1}
+        took = time.monotonic() - started
+    finally:
+        emulator.heal("secondary", entity=name)
+    assert (sender.stats()["session_peek_failures"], sender.stats()["session_unordered"]) == (1, 1)
+    assert took < 30, f"a session's message waited {took:.0f} s on a backlog that never answered"
+    assert session_bodies(primary.connection_string, q, "a", 1) == ["a/0"]
