@@ -56,15 +56,22 @@ def pytest_configure(config: pytest.Config) -> None:
     marker = Path.home() / ".cache" / "spark-sb" / f"jars-{versions}.fetched"
     if marker.exists():
         return
+    import fcntl
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
-    env["PYSPARK_PYTHON"] = sys.executable
-    done = subprocess.run([sys.executable, "-c", _FETCH_DELTA], env=env, capture_output=True, text=True, timeout=900)
-    if done.returncode == 0:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.touch()
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    # make test runs the other Spark versions beside this one: one fetch into the Ivy cache at a time
+    with open(marker.parent / "ivy.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if marker.exists():
+            return
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
+        env["PYSPARK_PYTHON"] = sys.executable
+        done = subprocess.run([sys.executable, "-c", _FETCH_DELTA], env=env, capture_output=True, text=True,
+                              timeout=900)
+        if done.returncode == 0:
+            marker.touch()
 
 
 class FakeClock:
