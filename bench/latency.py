@@ -124,6 +124,9 @@ def partition_run(config: Any, n: int, failed_over: tuple[str, ...] = (), sessio
     # thread's and each send lane's
     warm_session = "warm-up" if sessions else None
     run.sender.send(entity, ServiceBusMessage(b"warm-up", session_id=warm_session))
+    if sessions:  # a message of each session: every backlog queue they hash to is peeked once (its receiver open)
+        run.sender.send(entity, [ServiceBusMessage(b"warm-up", session_id=_session(i, sessions))
+                                 for i in range(sessions)])
     warm = threading.Barrier(config.sink.sends_in_flight)
     futures = [run.sender.submit(entity, _Warm(warm, warm_session)) for _ in range(config.sink.sends_in_flight)]
     for future in futures:
