@@ -203,7 +203,7 @@ def healthy_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, 
 
 def _session_counters(sender: Any) -> str:
     stats = sender.stats()
-    return ", ".join(f"{k} {stats.get(k, 0)}" for k in ("session_peeks", "session_follows", "session_peek_failures",
+    return ", ".join(f"{k} {stats.get(k, 0)}" for k in ("session_peeks", "session_follows", "session_peek_failures", "session_held",
                                                            "session_unordered"))
 
 

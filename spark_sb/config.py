@@ -1014,6 +1014,14 @@ class SendAvailabilityConfig(_Frozen):
     """How many times each backlog queue creation is tried (1 = no retry); behaviour.md: up to 3 times."""
     provision_retry_spacing: Duration = Field(default=SECOND, ge=0 * SECOND, le=5 * MINUTE)
     """The wait between two tries of one backlog queue's creation (0 to 5 min)."""
+    session_order: Literal["strict", "available"] = "strict"
+    """What a message with a session id does when its session's backlog queue can neither say whether the session
+    has messages parked (the peek failed) nor take the message (the secondary down or not answering) while the
+    primary is healthy. ``strict``: the send fails with :class:`~spark_sb.errors.BacklogUnavailableError`
+    (nothing acknowledged; in Spark the batch fails and is replayed), so a session never overtakes its parked
+    messages, at the cost of the session's sends while the secondary cannot be asked. ``available``: the message
+    goes to the primary, logged and counted in ``session_unordered`` (its order is not guaranteed). Messages
+    without a session id never wait for the backlog."""
     pairing_timeout: Duration = Field(default=30 * SECOND, ge=SECOND, le=10 * MINUTE)
     """The deadline of pairing (listing and creating the backlog queues on the secondary): one attempt, and
     all the attempts one send makes together (the last wait before a failover, then the failover itself), stop

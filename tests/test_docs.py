@@ -120,7 +120,8 @@ def test_the_two_commands_are_make_demo_and_make_test() -> None:
     assert _two_commands(ROOT / "docs" / "getting-started.md") == TWO_COMMANDS
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^demo: .*\n\t\$\(PY\) jobs/demo\.py$", makefile, re.M)
-    assert re.search(r"^test: .*\n(\t.*\n)*\t\$\(PY\) -m pytest ", makefile, re.M)
+    assert re.search(r"^test: .*\n(\t.*\n)*\t.*\$\(MAKE\) .*\btest-suite\b", makefile, re.M)
+    assert re.search(r"^test-suite: .*\n(\t.*\n)*\t\$\(PY\) -m pytest ", makefile, re.M)
 
 
 def test_the_first_pipeline_is_the_same_in_the_readme_and_the_manual() -> None:

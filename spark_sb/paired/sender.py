@@ -694,11 +694,19 @@ class PairedSender:
         """Send ``unsure`` (messages of sessions the backlog could not tell about) to their sessions' backlog
         queues, behind whatever may be parked there, which keeps their order either way; returns what is left
         for the primary: nothing, or all of them when the backlog does not take them either (the secondary
-        down: holding a healthy primary's sends for it would stop the stream; counted in
-        ``session_unordered``)."""
+        down), with ``send_availability.session_order: available`` (counted in ``session_unordered``). With
+        ``strict`` (the default) the send fails then: a session never overtakes what may be parked."""
         try:
             _add_counts(counts, self._send_backlog(entity, unsure, pairing_time))
         except (BacklogUnavailableError, PairingError) as exc:
+            if self._sa.session_order == "strict":
+                self.sessions.count("session_held", len(unsure))
+                sessions = sorted({repr(str(m.session_id)) for m in unsure})
+                raise BacklogUnavailableError(
+                    entity, detail=f"the backlog can neither say whether session(s) {', '.join(sessions[:5])}"
+                    f"{' ...' if len(sessions) > 5 else ''} have messages parked nor take their {len(unsure)} "
+                    f"message(s) ({type(exc).__name__}); they are not sent to the primary ahead of what may be "
+                    f"parked (send_availability.session_order: strict)") from exc
             self.sessions.count("session_unordered", len(unsure))
             _LOGGER.warning("the backlog can neither tell whether %d messages for %r have their sessions' messages "
                             "parked nor take them (%s); they go to the primary, their order not guaranteed",

@@ -94,8 +94,9 @@ class ParkedSessions:
         #: ``session_peek_failures`` (a queue that could not be peeked: the message went by what was known)
         #: ``session_unordered`` (messages sent to the primary without knowing whether their session had any
         #: parked: the backlog could be neither peeked nor sent to)
+        #: ``session_held`` (messages whose send failed instead: ``session_order: strict``)
         self.counters = {"session_peeks": 0, "session_follows": 0, "session_peek_failures": 0,
-                         "session_unordered": 0}
+                         "session_unordered": 0, "session_held": 0}
 
     def new_batch(self) -> None:
         """What was peeked before is stale: the next question peeks again (another process may have parked)."""

@@ -105,13 +105,43 @@ def test_a_session_never_moves_to_another_backlog_queue(emulator, make_queue, ma
     assert sender.send(q, ServiceBusMessage("plain")).backlog == 1
 
 
-def test_a_backlog_that_cannot_be_asked_does_not_hold_a_healthy_primary(
-        emulator, make_queue, make_sender, make_config, fake_time, primary) -> None:
-    """The secondary down, nothing parked here: the backlog can neither say whether the session has messages
-    parked nor take its new ones, so they go to the primary (logged, counted), and the backlog is peeked again
-    only after a ping interval, not by every partition."""
+def test_a_backlog_that_cannot_be_asked_holds_a_session_by_default_and_nothing_overtakes(
+        emulator, make_queue, make_sender, make_config, fake_time, primary, secondary) -> None:
+    """``session_order: strict`` (the default): a session has messages parked, then the secondary goes down. The
+    backlog can neither say whether the session has messages parked nor take its new ones, so the send fails
+    (nothing acknowledged: Spark replays the batch) instead of sending them to the healthy primary ahead of the
+    parked ones. Once the secondary is back they follow the parked ones, and the session arrives in order."""
     q = make_queue(requires_session=True)
-    sender = make_sender(config=make_config(backlog_queue_count=1, pairing_timeout="2s"))
+    config = make_config(backlog_queue_count=1, pairing_timeout="2s", failover_interval="0s")
+    sender = make_sender(config=config)
+    emulator.fault("primary", "quota", entity=q)
+    assert PRIMARY not in _round(sender, q, 0, ["a"])  # parked
+    emulator.heal("primary", entity=q)
+    fake_time.advance(5)
+    sender.run_pings_once()
+    other = make_sender(config=config)  # another executor: knows nothing of what the first parked
+    emulator.fault("secondary", "down")
+    try:
+        with pytest.raises(BacklogUnavailableError, match="session.*'a'.*session_order: strict"):
+            _round(other, q, 1, ["a"])
+        assert other.stats()["session_held"] == 1
+    finally:
+        emulator.heal("secondary")
+    fake_time.advance(5)  # the failed peek is not retried before a ping interval
+    other.new_batch()
+    assert _round(other, q, 1, ["a"]) != {PRIMARY: 1}  # behind the parked one
+    with Syphon.from_config(config) as syphon:
+        assert syphon.drain(max_wait_time=0.5).total_moved == 2
+    assert session_bodies(primary.connection_string, q, "a", 2) == ["a/0", "a/1"]
+
+
+def test_a_backlog_that_cannot_be_asked_does_not_hold_a_healthy_primary_when_availability_wins(
+        emulator, make_queue, make_sender, make_config, fake_time, primary) -> None:
+    """``session_order: available``: the secondary down, nothing parked here: the backlog can neither say whether
+    the session has messages parked nor take its new ones, so they go to the primary (logged, counted), and the
+    backlog is peeked again only after a ping interval, not by every partition."""
+    q = make_queue(requires_session=True)
+    sender = make_sender(config=make_config(backlog_queue_count=1, pairing_timeout="2s", session_order="available"))
     emulator.fault("secondary", "down")
     try:
         for n in range(3):
@@ -151,11 +181,12 @@ def test_a_send_that_fails_the_entity_back_itself_follows_the_parked_messages(
 @pytest.mark.parametrize("fault", ["timeout", "down"])
 def test_a_backlog_queue_that_never_answers_a_peek_holds_a_session_message_no_longer_than_the_pairing_timeout(
         emulator, make_queue, make_sender, make_config, primary, fault) -> None:
-    """The session's backlog queue exists, then accepts the peek and never answers it (or is down): the message
-    still reaches the healthy primary, counted as sent without knowing what was parked, after two peeks bounded
-    by half the pairing timeout each (and the link's opening), not the SDK's own operation timeout."""
+    """The session's backlog queue exists, then accepts the peek and never answers it (or is down): with
+    ``session_order: available`` the message still reaches the healthy primary, counted as sent without knowing
+    what was parked, after two peeks bounded by half the pairing timeout each (and the link's opening), not the
+    SDK's own operation timeout."""
     q = make_queue(requires_session=True)
-    sender = make_sender(config=make_config(backlog_queue_count=1, pairing_timeout="2s"))
+    sender = make_sender(config=make_config(backlog_queue_count=1, pairing_timeout="2s", session_order="available"))
     sender.pair()  # provisions the backlog queue
     [name] = sender.config.send_availability.backlog_queue_names()
     emulator.fault("secondary", fault, entity=name)
