@@ -120,8 +120,10 @@ def test_the_two_commands_are_make_demo_and_make_test() -> None:
     assert _two_commands(ROOT / "docs" / "getting-started.md") == TWO_COMMANDS
     makefile = (ROOT / "Makefile").read_text()
     assert re.search(r"^demo: .*\n\t\$\(PY\) jobs/demo\.py$", makefile, re.M)
-    assert re.search(r"^test: .*\n(\t.*\n)*\t.*\$\(MAKE\) .*\btest-suite\b", makefile, re.M)
-    assert re.search(r"^test-suite: .*\n(\t.*\n)*\t\$\(PY\) -m pytest ", makefile, re.M)
+    recipe = re.search(r"^test: .*\n((\t.*\n)*)", makefile, re.M)
+    assert recipe and "test-no-spark" in recipe.group(1) and "test-spark\n" in recipe.group(1).replace(";", "\n")
+    for part in ("test-no-spark", "test-spark"):
+        assert re.search(rf"^{part}: .*\n(\t.*\n)*\t\$\(PY\) -m pytest ", makefile, re.M), part
 
 
 def test_the_first_pipeline_is_the_same_in_the_readme_and_the_manual() -> None:
