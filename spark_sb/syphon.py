@@ -69,7 +69,7 @@ from azure.servicebus import ServiceBusMessage
 
 from . import messages as msgs
 from .bus import Namespace, shared, shared_namespace
-from .bus.deferred import PAGE, complete_deferred, deferred_numbers, peek_deferred, receive_deferred
+from .bus.deferred import complete_deferred, deferred_numbers, peek_deferred, peek_pages, receive_deferred
 from .config import SparkSbConfig, load_config
 from .errors import (
     ENCODING_ERRORS,
@@ -684,8 +684,7 @@ def session_gaps(receiver: Any, found: Sequence[Any]) -> dict[tuple[str, str], i
         return {}
     top = max(numbers)
     gaps: dict[tuple[str, str], int] = {}
-    start = 1  # not 0: the SDK reads 0 as "after the last message this receiver saw"
-    while start <= top and (page := receiver.peek_messages(max_message_count=PAGE, sequence_number=start)):
+    for page in peek_pages(receiver):
         for message in page:
             number = int(message.sequence_number or 0)
             if number > top:
@@ -693,7 +692,6 @@ def session_gaps(receiver: Any, found: Sequence[Any]) -> dict[tuple[str, str], i
             key = _parked(message)
             if number not in numbers and key in sessions and key is not None:
                 gaps[key] = min(gaps.get(key, number), number)
-        start = int(page[-1].sequence_number or 0) + 1
     return gaps
 
 

@@ -10,7 +10,7 @@ request. The service answers "not found" for a whole request when one of its mes
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from azure.servicebus import ServiceBusMessageState
@@ -82,14 +82,20 @@ def peek_deferred(receiver: Any, sequence_numbers: Sequence[int]) -> list[Any]:
     return found
 
 
+def peek_pages(receiver: Any, timeout: float | None = None) -> Iterator[list[Any]]:
+    """Every message of the receiver's queue (active, locked, deferred, scheduled), a page of ``PAGE`` per
+    request, in sequence order; ``timeout``: seconds each request may take (None: the SDK's bound)."""
+    start = 1  # not 0: the SDK reads 0 as "after the last message this receiver saw"
+    bound = {} if timeout is None else {"timeout": timeout}
+    while page := receiver.peek_messages(max_message_count=PAGE, sequence_number=start, **bound):
+        yield page
+        start = int(page[-1].sequence_number or 0) + 1
+
+
 def deferred_numbers(receiver: Any) -> list[int]:
     """The sequence numbers of every deferred message in the receiver's queue (peeks the whole queue)."""
-    numbers: list[int] = []
-    start = 1  # not 0: the SDK reads 0 as "after the last message this receiver saw"
-    while page := receiver.peek_messages(max_message_count=PAGE, sequence_number=start):
-        numbers.extend(int(m.sequence_number or 0) for m in page if m.state == ServiceBusMessageState.DEFERRED)
-        start = int(page[-1].sequence_number or 0) + 1
-    return numbers
+    return [int(m.sequence_number or 0) for page in peek_pages(receiver) for m in page
+            if m.state == ServiceBusMessageState.DEFERRED]
 
 
 def complete_deferred(namespace: Namespace, queue: str, sequence_numbers: Sequence[int], *,

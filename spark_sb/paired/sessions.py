@@ -31,7 +31,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,7 +39,7 @@ from typing import Any
 from azure.servicebus import ServiceBusMessage
 
 from .. import messages as msgs
-from ..bus.deferred import PAGE
+from ..bus.deferred import peek_pages
 from ..errors import ErrorClass, classify
 
 _LOGGER = logging.getLogger(__name__)
@@ -181,7 +181,7 @@ class ParkedSessions:
         try:
             with self._receiver(queue) as receiver:
                 requests += 1  # the last page, empty (an empty queue's only one)
-                for page in _pages(receiver, self._timeout):
+                for page in peek_pages(receiver, self._timeout):
                     requests += 1
                     for message in page:
                         entity, session_id = msgs.parked_session(message)
@@ -193,14 +193,6 @@ class ParkedSessions:
             # the queue does not exist (deleted, or not provisioned yet): nothing is parked
             self._existing.discard(queue)
         return found, requests
-
-
-def _pages(receiver: Any, timeout: float | None) -> Iterator[list[Any]]:
-    start = 1  # not 0: the SDK reads 0 as "after the last message this receiver saw"
-    bound = {} if timeout is None else {"timeout": timeout}
-    while page := receiver.peek_messages(max_message_count=PAGE, sequence_number=start, **bound):
-        yield page
-        start = int(page[-1].sequence_number or 0) + 1
 
 
 def sessions_of(batch: Sequence[ServiceBusMessage]) -> bool:
