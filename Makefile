@@ -14,19 +14,34 @@ PINS_4.1 := 'pyspark[connect]==4.1.0' 'delta-spark==4.1.0' 'importlib-metadata>=
 # server is on Maven Central (pip's pyspark 3.5 does not ship it)
 PINS_3.5 := 'pyspark[connect]==3.5.7' 'delta-spark==3.3.2' 'pyarrow<20'
 SPARK_VENVS := $(foreach v,$(SPARK_VERSIONS),.venv-spark$(v))
-# on the other versions: the Spark tests of the sink, both sources, the syphon job and dedupe
-EVERY_SPARK := -m every_spark
+# on the other versions: the Spark tests of the sink, both sources, the syphon job and dedupe, where the outcome
+# depends on Spark or Delta (the data source API, the commit protocol, a row's types, Delta tables, Connect, the
+# jobs); not those of spark_sb's own logic, the same Python on every Spark (pyproject.toml: spark_independent)
+EVERY_SPARK := -m 'every_spark and not spark_independent'
+
+# An environment gets the requirements of pyproject.toml (its dependencies and the extras named, an extra that names
+# spark-sb[...] unfolded), then spark-sb itself (--no-deps -e .) under a lock on the project folder: setuptools writes
+# spark_sb.egg-info there, and make test makes its environments side by side.
+REQUIREMENTS = $(PYTHON) -c 'import re, sys, tomllib; project = tomllib.load(open("pyproject.toml", "rb"))["project"]; \
+  unfold = lambda extras: [r for e in extras for d in project["optional-dependencies"][e] \
+                           for r in (unfold(d[9:-1].split(",")) if re.fullmatch(r"spark-sb\[.*\]", d) else [d])]; \
+  print("\n".join(project["dependencies"] + unfold(sys.argv[1:])))'
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[dev]'
+	$(REQUIREMENTS) dev > $(VENV)/requirements.txt
+	$(PY) -m pip install -q -r $(VENV)/requirements.txt
+	flock . $(PY) -m pip install -q --no-deps -e .
 	touch $@
 
 .venv-spark%/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv .venv-spark$*
 	.venv-spark$*/bin/python -m pip install -q --upgrade pip
-	.venv-spark$*/bin/python -m pip install -q -e '.[emulator,test]' 'pyarrow>=15' 'pandas<3' 'matplotlib>=3.8' $(PINS_$*)
+	$(REQUIREMENTS) emulator test > .venv-spark$*/requirements.txt
+	.venv-spark$*/bin/python -m pip install -q -r .venv-spark$*/requirements.txt 'pyarrow>=15' 'pandas<3' \
+	  'matplotlib>=3.8' $(PINS_$*)
+	flock . .venv-spark$*/bin/python -m pip install -q --no-deps -e .
 	touch $@
 
 # The Java SDK's scenarios (tests/sdks/java, run by tests/sdks/test_java_sdk.py): built on first use like .venv
@@ -46,42 +61,53 @@ $(JS_SDK)/node_modules/.installed: $(JS_SDK)/package-lock.json
 	cd $(JS_SDK) && npm ci --silent --no-audit --no-fund
 	touch $@
 
-.PHONY: demo test test-suite test-no-spark test-spark test-spark-versions $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench chaos soak
+.PHONY: demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench chaos soak
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 
-# `make test`: the docs and the types, then the suite's tests without Spark (test-no-spark, mostly waiting on the
-# emulator) beside the other Spark versions (their environments made first, then test-spark-versions), then the
-# suite's Spark tests (test-spark) alone: Spark Connect's Python worker must connect back within Spark's fixed 10 s,
-# which it missed with two Spark suites beside it. Every part runs; any failing fails make test.
-test: $(VENV)/.installed $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed
-	$(MAKE) --no-print-directory docs typecheck
-	@$(MAKE) --no-print-directory -j2 test-no-spark test-spark-versions; first=$$?; \
+# `make test`: three tracks side by side, then the suite's Spark tests (test-spark) alone. The first track makes .venv,
+# checks the docs and the types, then runs the suite's tests without Spark (test-no-spark, mostly waiting on the
+# emulator); the other two make the other Spark versions' environments meanwhile, then run their Spark tests
+# (test-spark-versions). test-spark runs alone: Spark Connect's Python worker must connect back within Spark's fixed
+# 10 s, which it missed with two Spark suites beside it. Every part runs; any failing fails make test.
+test:
+	@$(MAKE) --no-print-directory -j3 test-checked-no-spark test-spark-versions; first=$$?; \
 	  $(MAKE) --no-print-directory test-spark; spark=$$?; \
 	  exit $$(( first || spark ))
 
+test-checked-no-spark: $(VENV)/.installed $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed
+	@$(MAKE) --no-print-directory docs typecheck; checked=$$?; $(MAKE) --no-print-directory test-no-spark; tests=$$?; \
+	  exit $$(( checked || tests ))
+
 # The suite on the development Spark (test-suite: both parts), three pytest processes on two cores: most tests wait
 # on the emulator, Spark's triggers and their own short intervals, and every test's bounds hold on a loaded machine.
+# Whole files go to a process, the files holding a slow test first (tests/conftest.py orders them).
 WORKERS ?= 3
+DIST := --dist loadfile --no-loadscope-reorder
 test-suite: $(VENV)/.installed $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed
 	@$(MAKE) --no-print-directory test-no-spark; first=$$?; $(MAKE) --no-print-directory test-spark; spark=$$?; \
 	  exit $$(( first || spark ))
 
 test-no-spark: $(VENV)/.installed $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed
 	@echo "== Spark 4.2 (.venv): the tests without Spark"
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=10 --ignore=tests/spark
+	$(PY) -m pytest -q -n $(WORKERS) $(DIST) --durations=10 --ignore=tests/spark
 
 test-spark: $(VENV)/.installed
 	@echo "== Spark 4.2 (.venv): the Spark tests"
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --durations=15 tests/spark
+	$(PY) -m pytest -q -n $(WORKERS) $(DIST) --durations=15 tests/spark
 
-# The other Spark versions, two at a time (each on two pytest processes, its output kept together)
+# The other Spark versions in two lanes, each on two pytest processes, its output kept together: 4.1, and 4.0 then
+# 3.5 (whose suite is the sink's only: 4.0 and 3.5 together take about as long as 4.1)
 test-spark-versions: $(SPARK_VENVS:%=%/.installed)
-	@$(MAKE) --no-print-directory -j2 --output-sync=target $(SPARK_VERSIONS:%=test-spark-%)
+	@$(MAKE) --no-print-directory -j2 --output-sync=target test-spark-4.1 test-spark-4.0-then-3.5
+
+test-spark-4.0-then-3.5:
+	@$(MAKE) --no-print-directory test-spark-4.0; a=$$?; $(MAKE) --no-print-directory test-spark-3.5; b=$$?; \
+	  exit $$(( a || b ))
 
 $(SPARK_VERSIONS:%=test-spark-%): test-spark-%: .venv-spark%/.installed
 	@echo "== Spark $* (.venv-spark$*): the Spark tests of the sink, the sources, the syphon job and dedupe"
-	.venv-spark$*/bin/python -m pytest -q -n 2 --dist loadfile --durations=8 $(EVERY_SPARK) tests/spark
+	.venv-spark$*/bin/python -m pytest -q -n 2 $(DIST) --durations=8 $(EVERY_SPARK) tests/spark
 
 # The manual (docs/, mkdocs.yml) into site/, strict: a broken link, a page missing from the nav or a reference to
 # a name that does not exist fails the build. Open site/index.html.

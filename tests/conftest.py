@@ -27,6 +27,26 @@ os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 os.environ.setdefault("JDK_JAVA_OPTIONS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files that hold a slow test first, the one with the longest timeout first; the rest keep their order.
+
+    ``make test`` hands out whole files (xdist's ``--dist loadfile --no-loadscope-reorder``) in this order, so the
+    longest start first: xdist's own order (the files with the most tests first) hands out the one-test files of the
+    standalone cluster and the README (about six minutes each) last, to run on after the other processes are done."""
+    default = float(config.getini("timeout") or 0)
+
+    def weight(item: pytest.Item) -> float:
+        if not item.get_closest_marker("slow"):
+            return 0.0
+        timeout = item.get_closest_marker("timeout")
+        return float(timeout.args[0]) if timeout and timeout.args else default
+
+    weights: dict[Any, float] = {}
+    for item in items:
+        weights[item.path] = max(weights.get(item.path, 0.0), weight(item))
+    items.sort(key=lambda item: -weights[item.path])  # stable: a file's tests keep their order
+
+
 #: what fetches Delta's jars into Ivy's cache: those of delta-spark's pip helper (the session fixture) and those
 #: the jobs, the cluster and the Connect tests name (spark_sb.capabilities.delta_package, not always the same)
 _FETCH_DELTA = """

@@ -96,6 +96,7 @@ def test_reads_a_queue_on_both_namespaces_replayably_and_completes_only_on_commi
     assert _peek(primary, queue) == [] and _peek(secondary, queue) == []
 
 
+@pytest.mark.spark_independent
 def test_a_namespace_down_is_left_out_and_read_when_it_is_back(conf, emulator, primary, secondary,
                                                               replicated_queue) -> None:
     queue = replicated_queue()
@@ -117,6 +118,7 @@ def test_a_namespace_down_is_left_out_and_read_when_it_is_back(conf, emulator, p
     assert _peek(primary, queue) == [] and _peek(secondary, queue) == []
 
 
+@pytest.mark.spark_independent
 def test_a_read_carries_on_through_a_stall_of_its_namespace(conf, emulator, primary, replicated_queue) -> None:
     """The primary holds every answer for 5 s, longer than one attempt's try timeout (3 s), while a planned batch
     is read: the read retries and returns every row once (it raised OperationTimeoutError, and the query
@@ -133,6 +135,7 @@ def test_a_read_carries_on_through_a_stall_of_its_namespace(conf, emulator, prim
     assert _peek(primary, queue) == []
 
 
+@pytest.mark.spark_independent
 def test_a_read_gives_up_after_its_bound_naming_the_namespace_and_the_entity(conf, emulator, primary,
                                                                                replicated_queue) -> None:
     """A namespace down for longer than ``readRetryTimeout`` (a fake clock: the test takes no minutes) fails the
@@ -162,6 +165,7 @@ def test_a_read_gives_up_after_its_bound_naming_the_namespace_and_the_entity(con
     assert _peek(primary, queue) == []
 
 
+@pytest.mark.spark_independent
 def test_a_commit_that_cannot_reach_its_namespace_is_retried_with_the_next_batch(conf, emulator, primary,
                                                                                    replicated_queue) -> None:
     queue = replicated_queue()
@@ -181,6 +185,7 @@ def test_a_commit_that_cannot_reach_its_namespace_is_retried_with_the_next_batch
     assert _peek(primary, queue) == []
 
 
+@pytest.mark.spark_independent
 def test_a_restarted_reader_takes_back_what_a_dead_one_left_deferred(conf, primary, replicated_queue) -> None:
     queue = replicated_queue()
     _send(primary, queue, [ServiceBusMessage(f"b{i}", message_id=f"m{i}") for i in range(3)])
@@ -250,6 +255,7 @@ def test_dedupe_is_withwatermark_and_drop_duplicates_within_it(spark) -> None:
         dedupe(df, time_column="arrival")
 
 
+@pytest.mark.spark_independent
 def test_a_defer_whose_answer_is_lost_is_taken_back_in_a_later_batch(conf, primary, replicated_queue,
                                                                      monkeypatch) -> None:
     """The broker deferred the message but the client saw an error (an answer lost): the message is in no

@@ -85,7 +85,6 @@ def _through_an_outage(emulator: Any, q: str, config: dict, send: Callable[[int]
     return results
 
 
-@pytest.mark.every_spark  # the sink, on every Spark version make test tries (Makefile, EVERY_SPARK)
 def test_the_sink_keeps_every_session_in_order_through_an_outage_and_a_failback(
         spark, emulator, primary, secondary, make_queue) -> None:
     q = make_queue(requires_session=True, requires_duplicate_detection=True)

@@ -81,6 +81,7 @@ def test_every_field_of_a_row_lands_on_the_message(spark, primary, secondary, ma
     assert_df_equality(actual, expected, ignore_row_order=True)
 
 
+@pytest.mark.spark_independent
 def test_during_a_primary_outage_every_row_lands_in_the_primary_or_a_backlog_queue(
     spark, emulator, primary, secondary, make_queue
 ) -> None:
@@ -151,6 +152,7 @@ def test_a_batch_killed_mid_way_and_replayed_from_its_checkpoint(
     assert len(without) == 30 and sorted(without.values()).count(2) == replayed
 
 
+@pytest.mark.spark_independent
 def test_a_new_worker_starts_a_failed_over_entity_in_backlog_mode_at_once(
     spark, emulator, primary, secondary, make_queue
 ) -> None:
@@ -298,6 +300,7 @@ def test_values_the_sdk_cannot_encode_are_rejected_naming_the_field(
         plain(spark.createDataFrame(_POISON[:2], _POISON_SCHEMA).coalesce(1), 5)
 
 
+@pytest.mark.spark_independent
 def test_bad_rows_while_failed_over_are_rejected_and_leave_the_backlog_in_the_rotation(
     spark, emulator, primary, secondary, make_queue, tmp_path
 ) -> None:

@@ -1,6 +1,6 @@
 """A streaming query of the ``servicebus`` source through a stall of its namespace during a read. Run on the
-development Spark only (not ``every_spark``): the retry is the reader's own code, the same on every Spark, and
-its reader-level tests (test_servicebus_source.py) run on each."""
+development Spark only (not ``every_spark``): the retry is the reader's own code, the same on every Spark (as are
+the stall tests of test_servicebus_source.py, marked ``spark_independent``)."""
 
 from __future__ import annotations
 

@@ -162,6 +162,7 @@ def _unresolvable(conf: dict, side: str) -> dict:
     return {**conf, side: section}
 
 
+@pytest.mark.spark_independent
 def test_a_namespace_host_that_does_not_resolve_fails_the_query_naming_it(conf, primary, queue) -> None:
     """The secondary's host does not resolve: after a short bounded retry (a DNS blip passes) the reader fails with
     a configuration error naming the host, instead of logging "trying again next batch" for ever. The primary's
@@ -189,6 +190,7 @@ def test_a_namespace_host_that_does_not_resolve_fails_the_query_naming_it(conf, 
     assert _ids(fresh, start, end) == ["m0", "m1"]
 
 
+@pytest.mark.spark_independent
 def test_a_hung_administration_endpoint_bounds_every_wait(conf, primary, queue, silent_endpoint) -> None:
     """The primary's administration endpoint accepts and never answers: the reader starts (its entity checked by a
     peek), each batch's depth call gives up after ``admin_timeout``, and a Trigger.AvailableNow run that cannot
@@ -210,6 +212,7 @@ def test_a_hung_administration_endpoint_bounds_every_wait(conf, primary, queue, 
             within(30, reader.prepareForTriggerAvailableNow)
 
 
+@pytest.mark.spark_independent
 def test_a_backlog_queue_not_provisioned_yet_reads_as_empty(primary, secondary) -> None:
     """No failover happened yet, so the pairing made no backlog queue: the backlog source reads nothing, fails
     nothing, and the backlog's depth is 0 (not unknown). (Before: the query failed with the entity not found.)"""

@@ -243,6 +243,7 @@ def test_killing_the_query_at_any_point_loses_and_duplicates_nothing(spark, setu
                 assert receiver.peek_messages(max_message_count=10) == []
 
 
+@pytest.mark.spark_independent
 def test_messages_left_deferred_by_an_abandoned_run_are_taken_back(spark, setup, primary, secondary) -> None:
     register(spark)
     queues, entity = setup["queues"], setup["entity"]
@@ -476,6 +477,7 @@ def test_each_backlog_queue_is_one_partition_and_taken_back_messages_are_cut_old
     assert (batch, count, reader._taken_back) == ({queue: [1, 3, 4]}, 3, {queue: [7, 9]})
 
 
+@pytest.mark.spark_independent
 def test_sessions_reach_the_primary_in_order_through_a_destination_outage(spark, emulator, setup, make_queue,
                                                                            primary, secondary) -> None:
     """Issue 38: a backlog queue holds three sessions' messages, interleaved, in order; the destination (a session
