@@ -98,7 +98,10 @@ def test_foreach_batch_sink_and_the_format_writers_under_spark_connect_with_reje
         args.append(json.dumps(sink_config(primary, secondary, entity=q2, reject_table=str(tmp_path / "w-rejects"),
                                            metrics_table=str(tmp_path / "w-metrics"))))
     with one_heavy_spark_test():  # remote('local') always binds 15002, which the other versions' suites use too
-        done = subprocess.run(args, capture_output=True, text=True, timeout=280, env=env)
+        try:
+            done = subprocess.run(args, capture_output=True, text=True, timeout=280, env=env)
+        except subprocess.TimeoutExpired as late:  # what it did by then: its batches log to stderr
+            pytest.fail(f"the Connect job ran over 280 s; its last output:\n{(late.stderr or b'').decode()[-4000:]}")
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-4000:]
     result = json.loads(lines[-1].removeprefix("RESULT "))
