@@ -30,7 +30,7 @@ REQUIREMENTS = $(PYTHON) -c 'import re, sys, tomllib; project = tomllib.load(ope
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(REQUIREMENTS) dev > $(VENV)/requirements.txt
+	@$(REQUIREMENTS) dev > $(VENV)/requirements.txt
 	$(PY) -m pip install -q -r $(VENV)/requirements.txt
 	flock . $(PY) -m pip install -q --no-deps -e .
 	touch $@
@@ -38,7 +38,7 @@ $(VENV)/.installed: pyproject.toml
 .venv-spark%/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv .venv-spark$*
 	.venv-spark$*/bin/python -m pip install -q --upgrade pip
-	$(REQUIREMENTS) emulator test > .venv-spark$*/requirements.txt
+	@$(REQUIREMENTS) emulator test > .venv-spark$*/requirements.txt
 	.venv-spark$*/bin/python -m pip install -q -r .venv-spark$*/requirements.txt 'pyarrow>=15' 'pandas<3' \
 	  'matplotlib>=3.8' $(PINS_$*)
 	flock . .venv-spark$*/bin/python -m pip install -q --no-deps -e .
