@@ -105,9 +105,12 @@ test-spark-4.0-then-3.5:
 	@$(MAKE) --no-print-directory test-spark-4.0; a=$$?; $(MAKE) --no-print-directory test-spark-3.5; b=$$?; \
 	  exit $$(( a || b ))
 
+# They keep xdist's order (the files with the most tests first), which runs the Connect test (one test) last: first,
+# while the environments were still being made and every suite started its Spark, its foreachBatch Python worker
+# missed Spark's fixed 10 s to connect back (Spark 4.1, the clean-clone run of 03:24)
 $(SPARK_VERSIONS:%=test-spark-%): test-spark-%: .venv-spark%/.installed
 	@echo "== Spark $* (.venv-spark$*): the Spark tests of the sink, the sources, the syphon job and dedupe"
-	.venv-spark$*/bin/python -m pytest -q -n 2 $(DIST) --durations=8 $(EVERY_SPARK) tests/spark
+	.venv-spark$*/bin/python -m pytest -q -n 2 --dist loadfile --durations=8 $(EVERY_SPARK) tests/spark
 
 # The manual (docs/, mkdocs.yml) into site/, strict: a broken link, a page missing from the nav or a reference to
 # a name that does not exist fails the build. Open site/index.html.
