@@ -152,7 +152,7 @@ def test_auto_lock_renewer_over_ten_messages_keeps_them_past_their_lock_duration
     threads race on the receiver's session and number their management requests out of sequence; the emulator
     closed the connection ("sequencing error, expected delivery-id 6, got 4"), and the SDK crashed reading that
     close (IndexError)."""
-    queue = make_queue(lock_duration=5)
+    queue = make_queue(lock_duration=10)  # 5 s: in a loaded make test a lock ran out before the renewer's first turn
     with client.get_queue_sender(queue) as sender:
         sender.send_messages([ServiceBusMessage(f"m{i}") for i in range(10)])
     renewer = AutoLockRenewer()
@@ -173,7 +173,7 @@ def test_auto_lock_renewer_over_ten_messages_keeps_them_past_their_lock_duration
                 received += batch
             for message in received:
                 renewer.register(receiver, message, max_lock_renewal_duration=60, on_lock_renew_failure=failed)
-            time.sleep(7)  # longer than the lock duration: only renewals keep the messages
+            time.sleep(12)  # longer than the lock duration: only renewals keep the messages
             for message in received:
                 completing.add(str(message.message_id))
                 receiver.complete_message(message)

@@ -99,8 +99,9 @@ def test_outages_retry_the_primary_until_the_interval_then_fail_over(
     emulator, make_sender, make_queue, fake_time, secondary_admin, kind
 ) -> None:
     q = make_queue()
-    # failover_interval 10 s, backoff 4 s; a held answer costs the try timeout in real time
-    sender = make_sender(primary_try_timeout="500ms")
+    # failover_interval 10 s, backoff 4 s; a held answer costs the try timeout in real time. It also bounds the
+    # secondary's first send, its connection's opening included: 500 ms was too short in a loaded make test
+    sender = make_sender(primary_try_timeout="2s")
     sender.pair()
     emulator.fault("primary", kind, entity=None if kind in ("down", "timeout") else q)
     result = sender.send(q, ServiceBusMessage(f"during-{kind}", message_id=kind))
