@@ -13,7 +13,8 @@ from spark_sb.emulator.model import QueueSpec
 
 def test_received_ids_takes_every_message_of_a_namespace_slower_than_its_receive_wait(tmp_path: Path) -> None:
     """A receive that waits one second comes back empty from a namespace 1.2 s away with every message still
-    there, as one did from a loaded emulator in make test: the helper asks a peek before it calls the queue empty."""
+    on its way (sent by the namespace, so no longer in the queue), as one did from a loaded emulator in make test:
+    the helper receives again, then peeks, before it calls the queue empty."""
     with Emulator([NamespaceOptions("far", latency=0.6)], data_dir=tmp_path) as emu:
         server = emu.server("far")
         server.call(lambda: server.broker.create_entity(QueueSpec(name="q")))
