@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import datetime
 import os
 import sys
@@ -223,7 +224,7 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
                 _say(">>> the primary namespace is healed")
             # the produced keys (the message ids), for the final count: one short string per row of the demo
             keys = [row["key"] for row in df.select("key").collect()]
-            summary = holder["sink"](df, batch_id)
+            summary = holder["sink"].send_batch(df, batch_id)
             produced.extend(keys)
             where = ", ".join([f"{summary.primary} -> primary"] + [
                 f"{n} -> backlog queue {q.rsplit('/', 1)[-1]}" for q, n in sorted(summary.backlog.items())])
@@ -257,19 +258,58 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         in_backlog = _backlog_ids(emu["secondary"].connection_string, backlog_queues)
         if proxy is not None:
             _say(f"the proxy opened {sum(proxy.tunnels.values())} tunnels, refused {proxy.refused} requests")
-    everywhere = collections.Counter(in_primary + [m for ids in in_backlog.values() for m in ids])
-    lost = sorted(set(produced) - set(everywhere))
-    duplicated = sorted(m for m, n in everywhere.items() if n > 1)
-    parked = sum(len(ids) for ids in in_backlog.values())
+    count = Count.of(produced, in_primary, in_backlog, dead)
     _say("")
-    _say(f"rows produced:             {len(produced)}")
-    _say(f"in the primary '{ENTITY}':    {len(in_primary)}")
-    _say(f"left in the backlog:       {parked}  " + ", ".join(
-        f"{q.rsplit('/', 1)[-1]}: {len(ids)}" for q, ids in in_backlog.items() if ids))
-    _say(f"dead-lettered:             {sum(dead.values())}  " + ", ".join(f"{r}: {n}" for r, n in dead.items()))
-    _say(f"lost:                      {len(lost)}")
-    _say(f"duplicated:                {len(duplicated)}")
-    return 0 if produced and not lost and not duplicated and len(everywhere) == len(produced) else 1
+    for line in count.lines():
+        _say(line)
+    return 0 if count.clean else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Count:
+    """The end of the paired demo: every row produced, accounted for by message id. ``clean`` (the demo's exit
+    status 0) only when every row is in the primary once: none lost, none duplicated, none left in a backlog
+    queue and none dead-lettered."""
+
+    produced: int
+    in_primary: int
+    left: dict[str, int]
+    dead_lettered: dict[str, int]
+    lost: int
+    duplicated: int
+    unexpected: int
+
+    @classmethod
+    def of(cls, produced: list[str], in_primary: list[str], in_backlog: dict[str, list[str]],
+           dead_lettered: dict[str, int]) -> Count:
+        everywhere = collections.Counter(in_primary + [m for ids in in_backlog.values() for m in ids])
+        return cls(produced=len(set(produced)), in_primary=len(in_primary),
+                   left={q.rsplit("/", 1)[-1]: len(ids) for q, ids in in_backlog.items() if ids},
+                   dead_lettered=dead_lettered, lost=len(set(produced) - set(everywhere)),
+                   duplicated=sum(1 for n in everywhere.values() if n > 1),
+                   unexpected=len(set(everywhere) - set(produced)))
+
+    @property
+    def clean(self) -> bool:
+        return (self.produced > 0 and self.in_primary == self.produced and not self.lost and not self.duplicated
+                and not self.unexpected and not sum(self.left.values()) and not sum(self.dead_lettered.values()))
+
+    def lines(self) -> list[str]:
+        lines = [
+            f"rows produced:             {self.produced}",
+            f"in the primary '{ENTITY}':    {self.in_primary}",
+            f"left in the backlog:       {sum(self.left.values())}  "
+            + ", ".join(f"{q}: {n}" for q, n in self.left.items()),
+            f"dead-lettered:             {sum(self.dead_lettered.values())}  "
+            + ", ".join(f"{r}: {n}" for r, n in self.dead_lettered.items()),
+            f"lost:                      {self.lost}",
+            f"duplicated:                {self.duplicated}",
+        ]
+        if self.unexpected:
+            lines.append(f"not produced by this run:  {self.unexpected}")
+        lines.append("every row is in the primary once" if self.clean
+                     else "NOT CLEAN: a row is lost, duplicated, left behind or dead-lettered (exit 1)")
+        return lines
 
 
 def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, trigger: float,
@@ -306,7 +346,7 @@ def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, 
                         heal(emu[side].admin_url)
                     _say(f">>> the {side} namespace is {what}")
             keys = [row["key"] for row in df.select("key").collect()]
-            summary = holder["sink"](df, batch_id)
+            summary = holder["sink"].send_batch(df, batch_id)
             produced.extend(keys)
             swaps = f"  swaps {summary.swaps}" if summary.swaps else ""
             _say(f"batch {batch_id:2d}: {summary.rows:3d} rows: {summary.primary} -> primary, {summary.secondary} -> "

@@ -1,0 +1,57 @@
+"""The end of ``make demo`` (jobs/demo.py): its count of every row is its own assertion. CI runs the demo itself
+(``.ci/run``, before ``make test``); these tests hold the count to what a user reads as clean."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _demo():
+    spec = importlib.util.spec_from_file_location("spark_sb_demo", ROOT / "jobs" / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+demo = _demo()
+PRODUCED = [f"id-{n}" for n in range(10)]
+
+
+def test_every_row_in_the_primary_once_is_clean() -> None:
+    count = demo.Count.of(PRODUCED, list(reversed(PRODUCED)), {"sb://s/backlog-0": []}, {})
+    assert count.clean
+    assert "lost:                      0" in count.lines()
+    assert count.lines()[-1] == "every row is in the primary once"
+
+
+@pytest.mark.parametrize(("in_primary", "in_backlog", "dead", "what"), [
+    (PRODUCED[:-1], {}, {}, "lost:                      1"),
+    (PRODUCED + PRODUCED[:1], {}, {}, "duplicated:                1"),
+    (PRODUCED[:-1], {"sb://s/backlog-1": PRODUCED[-1:]}, {}, "left in the backlog:       1  backlog-1: 1"),
+    (PRODUCED[:-1], {}, {"MaxDeliveryCountExceeded": 1}, "dead-lettered:             1  MaxDeliveryCountExceeded: 1"),
+    (PRODUCED + ["id-other"], {}, {}, "not produced by this run:  1"),
+    ([], {}, {}, "in the primary 'orders':    0"),
+], ids=["lost", "duplicated", "left", "dead-lettered", "unexpected", "nothing"])
+def test_a_row_lost_duplicated_or_left_is_not_clean(in_primary, in_backlog, dead, what) -> None:
+    produced = PRODUCED if in_primary else []
+    count = demo.Count.of(produced, in_primary, in_backlog, dead)
+    assert not count.clean
+    assert what in [line.rstrip() for line in count.lines()]
+    assert count.lines()[-1].startswith("NOT CLEAN")
+
+
+def test_ci_runs_the_demo_before_the_tests() -> None:
+    """The README's two commands, both, in that order: a broken demo fails CI."""
+    commands = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith(("#", "set ", "cd "))]
+    assert commands == ["make demo", "make test"]
+    assert re.search(r"^set -euo pipefail$", (ROOT / ".ci" / "run").read_text(), re.M)
