@@ -366,20 +366,39 @@ _SECRET_CS_KEYS = {"sharedaccesskey": "SharedAccessKey", "sharedaccesssignature"
 _PLAIN_CS_KEYS = {"endpoint", "sharedaccesskeyname", "entitypath", "usedevelopmentemulator"}
 
 
+#: what a key of a connection string looks like (``SharedAccessKey``): letters, far shorter than a key's value
+_CS_KEY_NAME = re.compile(r"[A-Za-z]{1,32}")
+
+
 def redact_connection_string(text: str) -> str:
-    """The connection string with every secret replaced by ``***``; safe to print even when malformed
-    (a segment that is not a known non-secret ``Key=Value`` is shown as ``***`` as a whole)."""
+    """The connection string with every secret replaced by ``***``; safe to print even when malformed. An unknown
+    key keeps its name and hides its value (``SharedAccesKey=***``: the misspelling stays visible); a segment
+    whose key does not look like a key's name (a pasted secret, say) is shown as ``***`` as a whole."""
     shown = []
     for segment in text.strip().rstrip(";").split(";"):
         key, sep, value = segment.partition("=")
         lowered = key.strip().lower()
         if sep and lowered in _PLAIN_CS_KEYS:
             shown.append(f"{key.strip()}={value}")
-        elif sep and lowered in _SECRET_CS_KEYS:
+        elif sep and _CS_KEY_NAME.fullmatch(key.strip()):
             shown.append(f"{key.strip()}={_REDACTED}")
         elif segment.strip():
             shown.append(_REDACTED)
     return ";".join(shown)
+
+
+def _misspelt_cs_key(settings: Mapping[str, str], written: Mapping[str, str]) -> str | None:
+    """The first key of a connection string that is not one of Service Bus's but close to one: the problem, with
+    its did-you-mean (an unknown key that resembles none is left alone, as the SDK does)."""
+    known = {"Endpoint", "SharedAccessKeyName", "EntityPath", "UseDevelopmentEmulator", *_SECRET_CS_KEYS.values()}
+    for lowered in settings:
+        if lowered in _PLAIN_CS_KEYS or lowered in _SECRET_CS_KEYS:
+            continue
+        close = difflib.get_close_matches(lowered, [k.lower() for k in known], n=1, cutoff=0.8)
+        if close:
+            name = next(k for k in known if k.lower() == close[0])
+            return f"unknown key {written[lowered]} (did you mean {name}?)"
+    return None
 
 
 class ConnectionString(_Frozen):
@@ -410,11 +429,16 @@ class ConnectionString(_Frozen):
             raise _Invalid("must be a Service Bus connection string", shown)
         redacted = redact_connection_string(text)
         settings: dict[str, str] = {}
+        written: dict[str, str] = {}
         for segment in text.strip().rstrip(";").split(";"):
             key, sep, value = segment.partition("=")
             if not sep or not key.strip():
                 raise _Invalid("malformed: expected Key=Value pairs separated by ';'", redacted)
             settings[key.strip().lower()] = value.strip()
+            written[key.strip().lower()] = key.strip()
+        misspelt = _misspelt_cs_key(settings, written)
+        if misspelt:
+            raise _Invalid(misspelt, redacted)
         endpoint = settings.get("endpoint")
         if not endpoint:
             raise _Invalid("missing Endpoint", redacted)

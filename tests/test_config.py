@@ -841,3 +841,22 @@ def test_use_development_emulator_is_refused_for_a_real_service_bus_host() -> No
     message = str(caught.value)
     assert message.startswith("primary.connection_string: ") and "contoso.servicebus.windows.net" in message
     assert "TLS" in message and "secret-key-value" not in message
+
+
+def test_a_misspelt_connection_string_key_is_named_with_its_did_you_mean() -> None:
+    """A typo in a key's name (``SharedAccesKey``) was redacted as a whole (``***``), hiding the very typo; the
+    error now names it and what it resembles, and still shows no secret."""
+    text = f"Endpoint=sb://localhost:5672;SharedAccessKeyName=RootManageSharedAccessKey;SharedAccesKey={KEY}"
+    with pytest.raises(ConfigError) as caught:
+        load_config(minimal(primary={"connection_string": text}))
+    message = str(caught.value)
+    assert message.startswith("primary.connection_string: unknown key SharedAccesKey (did you mean SharedAccessKey?)")
+    assert "SharedAccesKey=***" in message
+    assert KEY not in message and KEY.rstrip("=") not in message
+
+
+def test_an_unknown_connection_string_key_that_resembles_none_is_left_alone() -> None:
+    text = f"Endpoint=sb://contoso.servicebus.windows.net/;SharedAccessKeyName=n;SharedAccessKey={KEY};TransportType=Amqp"
+    config = load_config(minimal(primary={"connection_string": text}))
+    assert config.primary.connection_string.shared_access_key == KEY
+    assert redact_connection_string(text).endswith(";SharedAccessKey=***;TransportType=***")
