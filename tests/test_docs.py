@@ -135,6 +135,19 @@ def test_the_two_commands_are_make_demo_and_make_test() -> None:
         assert re.search(rf"^{part}: .*\n(\t.*\n)*\t\$\(PY\) -m pytest ", makefile, re.M), part
 
 
+def test_make_install_makes_the_environment_the_two_commands_use_and_the_manual_says_so() -> None:
+    """A newcomer's install step: `make install` makes .venv as `make demo` does (the same prerequisite, nothing
+    run), and getting started shows it next to the editable pip install."""
+    makefile = (ROOT / "Makefile").read_text()
+    install = re.search(r"^install: (.*)\n((?:\t.*\n)*)", makefile, re.M)
+    demo = re.search(r"^demo: (.*)$", makefile, re.M)
+    assert install and demo and install.group(1) == demo.group(1) == "$(VENV)/.installed"
+    assert "$(PY)" not in install.group(2) and "install" in re.search(r"^\.PHONY: (.*)$", makefile, re.M).group(1).split()
+    block = next(b for b in blocks(ROOT / "docs" / "getting-started.md") if "make install" in b.body)
+    commands = [line.split("#")[0].strip() for line in block.body.splitlines()]
+    assert commands == ["make install", "pip install -e '.[emulator,spark]'"]
+
+
 def test_the_first_pipeline_is_the_same_in_the_readme_and_the_manual() -> None:
     def first(page: Path) -> str:
         return next(b.body for b in blocks(page) if "the first pipeline" in b.mark)
