@@ -54,12 +54,12 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                             "management requests a second, one second's burst (default off; over it sends and "
                             "management requests get com.microsoft:server-busy, deliveries wait) "
                             "(default: primary=5672:5300 and secondary=5673:5301; --base-port moves them)")
-    start.add_argument("--base-port", metavar="N", default=os.environ.get("SPARK_SB_BASE_PORT") or None,
+    start.add_argument("--base-port", metavar="N",
                        help="the default pair on other ports, derived from N: AMQP on N (primary) and N+1 "
                             "(secondary), the admin API on N+2 and N+3; with --tls AMQPS on N+4 and N+5, with "
                             "--websockets ws on N+6 and N+7 and wss on N+8 and N+9, the Entra ID authority on N+10 "
-                            "(default: $SPARK_SB_BASE_PORT, which conf/local.yaml reads too: one change moves both; "
-                            "unset: the ports above)")
+                            "(default: $SPARK_SB_BASE_PORT, which conf/local.yaml reads too, so that one change "
+                            "moves both; unset, or with --namespace: the ports above)")
     start.add_argument("--tls", action="store_true",
                        help="also serve AMQP over TLS (AMQPS), for clients built from a namespace and a credential: "
                             "the default namespaces on 5671 (primary, the SDK's AMQPS port) and 5674 (secondary), "
@@ -282,14 +282,17 @@ def _emulator(args: argparse.Namespace) -> int:
         try:
             namespaces = ([server.NamespaceOptions.parse(t) for t in args.namespace]
                           or server.default_namespaces(args.tls, args.websockets))
-            base = None
             if args.base_port is not None and args.namespace:
-                raise ValueError("give either --base-port (or $SPARK_SB_BASE_PORT) or --namespace, not both")
-            if args.base_port is not None:  # even ports for the primary, odd for the secondary
-                base = int(args.base_port) if str(args.base_port).strip().isdigit() else 0
+                raise ValueError("give either --base-port or --namespace, not both")
+            # the environment's base port moves the default pair only: a --namespace names its own ports
+            text, source = ((args.base_port, "--base-port") if args.base_port is not None
+                            else (None, "") if args.namespace
+                            else (os.environ.get("SPARK_SB_BASE_PORT") or None, "$SPARK_SB_BASE_PORT"))
+            base = None
+            if text is not None:  # even ports for the primary, odd for the secondary
+                base = int(text) if text.strip().isdigit() else 0
                 if not 1024 <= base <= 65535 - 10:
-                    raise ValueError(f"--base-port (or $SPARK_SB_BASE_PORT) must be a port from 1024 to 65525, "
-                                     f"got {args.base_port!r}")
+                    raise ValueError(f"{source} must be a port from 1024 to 65525, got {text!r}")
                 namespaces = [dataclasses.replace(
                     n, amqp_port=base + i, admin_port=base + 2 + i, tls_port=base + 4 + i if args.tls else None,
                     ws_port=base + 6 + i if args.websockets else None,

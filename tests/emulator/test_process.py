@@ -309,13 +309,42 @@ def test_one_variable_moves_the_emulator_and_conf_local_yaml_to_other_ports(tmp_
     assert proc.returncode == 0
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (("--base-port", "80"), "--base-port (or $SPARK_SB_BASE_PORT) must be a port from 1024 to 65525, got '80'"),
-    (("--base-port", "six"), "--base-port (or $SPARK_SB_BASE_PORT) must be a port from 1024 to 65525, got 'six'"),
-    (("--base-port", "6000", "--namespace", "p=0:0"), "give either --base-port (or $SPARK_SB_BASE_PORT) or "
-                                                      "--namespace, not both"),
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    (("--base-port", "80"), None, "--base-port must be a port from 1024 to 65525, got '80'"),
+    (("--base-port", "six"), None, "--base-port must be a port from 1024 to 65525, got 'six'"),
+    ((), "65530", "$SPARK_SB_BASE_PORT must be a port from 1024 to 65525, got '65530'"),
+    (("--base-port", "6000", "--namespace", "p=0:0"), None, "give either --base-port or --namespace, not both"),
 ])
-def test_a_bad_base_port_is_a_clear_cli_error(args: tuple[str, ...], expected: str) -> None:
-    result = _cli("emulator", "start", "--in-memory", *args)
+def test_a_bad_base_port_is_a_clear_cli_error(args: tuple[str, ...], env: str | None, expected: str) -> None:
+    environ = {k: v for k, v in os.environ.items() if k != "SPARK_SB_BASE_PORT"}
+    result = subprocess.run([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory", *args],
+                            capture_output=True, text=True, timeout=30,
+                            env=environ if env is None else {**environ, "SPARK_SB_BASE_PORT": env})
     assert result.returncode == 2
     assert result.stderr.strip() == f"spark-sb emulator: {expected}"
+
+
+def test_a_namespace_names_its_own_ports_whatever_spark_sb_base_port_says(tmp_path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory",
+                             "--namespace", "alpha=0:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SPARK_SB_BASE_PORT": "not a port"})
+    try:
+        line = proc.stdout.readline().strip()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert line.startswith("alpha Endpoint=sb://localhost:"), (line, proc.stderr.read())
+
+
+def test_base_port_also_places_the_tls_ports(tmp_path) -> None:
+    """--base-port N --tls: AMQPS on N+4 (primary) and N+5 (secondary), as --help says."""
+    base = _free_block(6)
+    proc = subprocess.Popen([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--data-dir", str(tmp_path),
+                             "--base-port", str(base), "--tls"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = [proc.stdout.readline().strip() for _ in range(4)]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert lines[2:] == [f"AMQPS primary localhost:{base + 4}", f"AMQPS secondary localhost:{base + 5}"], lines
