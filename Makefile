@@ -61,7 +61,12 @@ $(JS_SDK)/node_modules/.installed: $(JS_SDK)/package-lock.json
 	cd $(JS_SDK) && npm ci --silent --no-audit --no-fund
 	touch $@
 
-.PHONY: demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench chaos soak
+.PHONY: install demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench chaos soak
+# `make install`: .venv with everything the two commands use (spark-sb itself, editable, with the [dev] extras:
+# the emulator, Spark and Delta, the tests' and the docs' tools), and nothing run
+install: $(VENV)/.installed
+	@echo ".venv is ready: .venv/bin/spark-sb, .venv/bin/spark-sb-writer, .venv/bin/spark-sb-syphon, .venv/bin/python"
+
 demo: $(VENV)/.installed
 	$(PY) jobs/demo.py
 

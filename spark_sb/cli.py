@@ -53,7 +53,13 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                             "attach is refused likewise), ops-per-second= throttling: messages sent and delivered and "
                             "management requests a second, one second's burst (default off; over it sends and "
                             "management requests get com.microsoft:server-busy, deliveries wait) "
-                            "(default: primary=5672:5300 and secondary=5673:5301)")
+                            "(default: primary=5672:5300 and secondary=5673:5301; --base-port moves them)")
+    start.add_argument("--base-port", metavar="N",
+                       help="the default pair on other ports, derived from N: AMQP on N (primary) and N+1 "
+                            "(secondary), the admin API on N+2 and N+3; with --tls AMQPS on N+4 and N+5, with "
+                            "--websockets ws on N+6 and N+7 and wss on N+8 and N+9, the Entra ID authority on N+10 "
+                            "(default: $SPARK_SB_BASE_PORT, which conf/local.yaml reads too, so that one change "
+                            "moves both; unset, or with --namespace: the ports above)")
     start.add_argument("--tls", action="store_true",
                        help="also serve AMQP over TLS (AMQPS), for clients built from a namespace and a credential: "
                             "the default namespaces on 5671 (primary, the SDK's AMQPS port) and 5674 (secondary), "
@@ -276,6 +282,21 @@ def _emulator(args: argparse.Namespace) -> int:
         try:
             namespaces = ([server.NamespaceOptions.parse(t) for t in args.namespace]
                           or server.default_namespaces(args.tls, args.websockets))
+            if args.base_port is not None and args.namespace:
+                raise ValueError("give either --base-port or --namespace, not both")
+            # the environment's base port moves the default pair only: a --namespace names its own ports
+            text, source = ((args.base_port, "--base-port") if args.base_port is not None
+                            else (None, "") if args.namespace
+                            else (os.environ.get("SPARK_SB_BASE_PORT") or None, "$SPARK_SB_BASE_PORT"))
+            base = None
+            if text is not None:  # even ports for the primary, odd for the secondary
+                base = int(text) if text.strip().isdigit() else 0
+                if not 1024 <= base <= 65535 - 10:
+                    raise ValueError(f"{source} must be a port from 1024 to 65525, got {text!r}")
+                namespaces = [dataclasses.replace(
+                    n, amqp_port=base + i, admin_port=base + 2 + i, tls_port=base + 4 + i if args.tls else None,
+                    ws_port=base + 6 + i if args.websockets else None,
+                    wss_port=base + 8 + i if args.websockets else None) for i, n in enumerate(namespaces)]
             key = os.environ.get(args.key_env) or server.DEFAULT_KEY
             namespaces = [dataclasses.replace(n, key_name=args.key_name, key=key) for n in namespaces]
             data_dir = None if args.in_memory else args.data_dir
@@ -284,7 +305,7 @@ def _emulator(args: argparse.Namespace) -> int:
                 if value is not None and not args.entra_id:
                     raise ValueError(f"{option} {value:g}: Entra ID is off; add --entra-id to use it")
             if authority_port is None and args.tls and args.entra_id and not args.namespace:
-                authority_port = server.DEFAULT_AUTHORITY_PORT
+                authority_port = server.DEFAULT_AUTHORITY_PORT if base is None else base + 10
             return server.run_foreground(namespaces, data_dir, args.entities, args.status_file, tls=args.tls,
                                          websockets=args.websockets, authority_port=authority_port,
                                          token_lifetime=args.token_lifetime, entra_id=args.entra_id,

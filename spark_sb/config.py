@@ -41,7 +41,9 @@ gave. Shape (defaults shown)::
 
 An option set to null is unset (its default applies). Strings may use ``${ENV_VAR}`` or
 ``${ENV_VAR:-default}`` (``$${`` is a literal ``${``); an unset variable without a default is an error naming
-the variable and the option.
+the variable and the option. ``${ENV_VAR+N}`` and ``${ENV_VAR+N:-default}`` add the whole number N to a variable
+holding a whole number (the default is taken as written), so that one variable moves several ports
+(``conf/local.yaml``: ``SPARK_SB_BASE_PORT``).
 
 Credentials are either a ``connection_string`` (Endpoint, SharedAccessKeyName + SharedAccessKey or
 SharedAccessSignature, optional EntityPath and UseDevelopmentEmulator), or a ``fully_qualified_namespace``
@@ -1510,7 +1512,9 @@ def _did_you_mean(name: str, allowed: Any) -> str:
 
 # --- loading ---------------------------------------------------------------------------------------------
 
-_ENV_REFERENCE = re.compile(r"\$(\$?)\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+#: ``${NAME}``, ``${NAME:-default}``, and with a whole number added to a numeric variable ``${NAME+2}`` and
+#: ``${NAME+2:-5300}`` (the default as written: one variable moves several ports, conf/local.yaml)
+_ENV_REFERENCE = re.compile(r"\$(\$?)\{([A-Za-z_][A-Za-z0-9_]*)(?:\+([0-9]+))?(?::-([^}]*))?\}")
 #: a value that is only a reference: ``${NAME}`` or ``${NAME:-}`` (a non-empty default is a literal)
 _PURE_REFERENCE = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*(?::-)?\}$")
 
@@ -1526,17 +1530,24 @@ def _interpolate(value: Any, path: str, environ: Mapping[str, str]) -> Any:
     def substitute(match: re.Match[str]) -> str:
         if match.group(1):  # $${NAME}: a literal ${NAME}
             return match.group(0)[1:]
-        name, default = match.group(2), match.group(3)
+        name, offset, default = match.group(2), match.group(3), match.group(4)
         found = environ.get(name)
-        if default is not None:  # like the shell's ${NAME:-default}: unset or empty takes the default
-            return found or default
-        if found is not None:
+        if default is not None and not found:  # like the shell's ${NAME:-default}: unset or empty takes it
+            return default
+        if found is None:
+            reference = f"{name}+{offset}" if offset is not None else name
+            raise ConfigError(
+                path or "configuration",
+                f"environment variable {name} is not set (referenced as ${{{reference}}}; write "
+                f"${{{reference}:-default}} to give a default)",
+            )
+        if offset is None:
             return found
-        raise ConfigError(
-            path or "configuration",
-            f"environment variable {name} is not set (referenced as ${{{name}}}; write ${{{name}:-default}} "
-            "to give a default)",
-        )
+        try:
+            return str(int(found.strip()) + int(offset))
+        except ValueError:  # the value is not shown: the variable might hold anything
+            raise ConfigError(path or "configuration", f"environment variable {name} must be a whole number "
+                              f"(referenced as ${{{name}+{offset}}}, which adds {offset} to it)") from None
 
     return _ENV_REFERENCE.sub(substitute, value)
 

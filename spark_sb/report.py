@@ -51,6 +51,8 @@ _OUTCOMES = (
 _PRIMARY_COLOUR = "#1f77b4"
 _REJECTED_COLOUR = "#7f7f7f"
 _OUTAGE_COLOUR = "#d62728"
+#: the narrowest syphon bar, as a share of the time axis
+_MIN_BAR = 0.012
 
 
 # --- the inputs, as plain values ---------------------------------------------------------------------------
@@ -348,8 +350,17 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
 
     # the sink: one stacked bar per batch, ending when the batch finished
     width = _width([b.end for b in batches], scale)
+    # the syphon's bars: as wide as the sink's, or as a short gap between its own batches, and never narrower than
+    # a visible share of the axis (one drain minutes after a run of 1 s batches would be a pixel wide)
+    axis = x(t_end) - x(min([b.end for b in batches] + [d.time for d in drains])) + 4 * width
+    dwidth = width if len(drains) < 2 else min(width, _width([d.time for d in drains], scale))
+    if drains and dwidth < _MIN_BAR * axis:
+        drain_times = sorted(x(d.time) for d in drains)
+        room = min((b - a for a, b in zip(drain_times, drain_times[1:], strict=False) if b > a), default=axis)
+        dwidth = max(dwidth, min(_MIN_BAR * axis, 0.75 * room))
     xmin = x(min([b.end for b in batches] + [d.time for d in drains])) - 1.5 * width
-    xmax = x(t_end) + 2.5 * width  # room to see the backlog back at 0 after the last drain
+    # room to see the backlog back at 0 after the last drain
+    xmax = x(t_end) + max(2.5 * width, 1.5 * dwidth if drains else 0.0)
     xs = [x(b.end) - width for b in batches]
     queues = sorted({q for b in batches for q in b.backlog})
     bottoms = [0.0] * len(batches)
@@ -396,7 +407,6 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
 
     # the syphon: messages per ledger batch by outcome, and what is still parked
     if drains:
-        dwidth = width if len(drains) < 2 else min(width, _width([d.time for d in drains], scale))
         dxs = [x(d.time) - dwidth for d in drains]
         dbottoms = [0.0] * len(drains)
         known = [o for o, _, _ in _OUTCOMES]
@@ -404,7 +414,9 @@ def _draw(batches: list[_Batch], drains: list[_Drain], title: str | None) -> tup
         for outcome, label, colour in [*_OUTCOMES, *((o, o, "#444444") for o in others)]:
             heights = [d.outcomes.get(outcome, 0) for d in drains]
             if any(heights):
-                bottom.bar(dxs, heights, width=dwidth, bottom=dbottoms, color=colour, label=label, align="edge")
+                # over the backlog line, whose drop at the drain's time would otherwise hide a narrow bar
+                bottom.bar(dxs, heights, width=dwidth, bottom=dbottoms, color=colour, label=label, align="edge",
+                           zorder=2.5)
                 dbottoms = [a + h for a, h in zip(dbottoms, heights, strict=True)]
     else:
         bottom.text(0.5, 0.5, "the ledger records no messages (nothing was parked, or the syphon has not run)",

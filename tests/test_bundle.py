@@ -28,6 +28,9 @@ from spark_sb.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ("dev", "prod")
+#: what a production deployment must name (--var): prod gives these no value
+PROD = {"catalog": "sales", "alert_email": "payments-oncall@example.com",
+        "service_principal": "6f1c2a9e-0000-4000-8000-00000000abcd", "operators_group": "payments-operators"}
 #: what the CLI fills in from the workspace it deploys to; placeholders here
 WORKSPACE = {"workspace.current_user.short_name": "jane_doe", "workspace.current_user.userName": "jane.doe@example.com",
              "workspace.file_path": "/Workspace/Users/jane.doe@example.com/.bundle/spark-sb/{target}/files"}
@@ -130,9 +133,58 @@ def resolve_bundle(root: Path, target: str, variables: Mapping[str, str] | None 
         if key in chosen:
             body.setdefault(key, {})
             _merge(body[key], chosen[key], f"targets.{target}.{key}", override=True)
+    for key in ("run_as", "permissions"):  # a target's replaces the bundle's
+        if key in chosen:
+            body[key] = copy.deepcopy(chosen[key])
     out: dict[str, Any] = _substitute(body, {**context, **resolved_vars})
     out["mode"] = chosen.get("mode")
+    _apply_identity(out, target)
     return out
+
+
+#: the bundle's permission levels and the job permission each becomes (the CLI's apply_bundle_permissions)
+_JOB_LEVELS = {"CAN_VIEW": "CAN_VIEW", "CAN_RUN": "CAN_MANAGE_RUN", "CAN_MANAGE": "CAN_MANAGE"}
+_PRINCIPALS = ("user_name", "group_name", "service_principal_name")
+
+
+def _principal(entry: Mapping[str, Any], where: str, allowed: tuple[str, ...] = _PRINCIPALS) -> str:
+    named = [key for key in _PRINCIPALS if entry.get(key) not in (None, "")]
+    if len(named) != 1 or named[0] not in allowed:
+        raise BundleError(f"{where} must name exactly one of {', '.join(allowed)}, got {dict(entry)}")
+    return named[0]
+
+
+def _apply_identity(bundle: dict[str, Any], target: str) -> None:
+    """What the CLI does with the bundle's ``run_as`` and ``permissions``: each job runs as ``run_as`` (unless it
+    names its own), and gets each permission at its job level; a permission or identity naming no one (a variable
+    left empty) or a level the bundle does not have is refused."""
+    jobs = bundle["resources"]["jobs"]
+    run_as = bundle.get("run_as")
+    if run_as is not None:
+        _principal(run_as, f"targets.{target}.run_as", ("user_name", "service_principal_name"))
+    permissions = bundle.get("permissions") or []
+    for i, permission in enumerate(permissions):
+        _principal(permission, f"targets.{target}.permissions[{i}]")
+        if permission.get("level") not in _JOB_LEVELS:
+            raise BundleError(f"targets.{target}.permissions[{i}].level must be one of {', '.join(_JOB_LEVELS)}, "
+                              f"got {permission.get('level')!r}")
+    for job in jobs.values():
+        if run_as is not None:
+            job.setdefault("run_as", copy.deepcopy(run_as))
+        job["permissions"] = [*job.get("permissions", []),
+                              *({**p, "level": _JOB_LEVELS[p["level"]]} for p in permissions)]
+
+
+def deployed_pause_status(bundle: Mapping[str, Any], trigger: Any) -> str:
+    """The pause status the CLI deploys a job's schedule or continuous trigger with: development mode (its
+    preset trigger_pause_status: PAUSED) pauses every trigger not explicitly UNPAUSED; otherwise the status
+    given, and UNPAUSED when none is (the Jobs API's default)."""
+    given = getattr(trigger.pause_status, "value", trigger.pause_status)
+    paused = (bundle.get("presets") or {}).get("trigger_pause_status",
+                                              "PAUSED" if bundle["mode"] == "development" else None)
+    if paused == "PAUSED" and given != "UNPAUSED":
+        return "PAUSED"
+    return given or "UNPAUSED"
 
 
 def jobs_of(bundle: Mapping[str, Any]) -> dict[str, Job]:
@@ -163,7 +215,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_the_job_resources_load_with_databricks_bundles_for_each_target(target: str) -> None:
-    bundle = resolve_bundle(ROOT, target, {"catalog": "sales"} if target == "prod" else None)
+    bundle = resolve_bundle(ROOT, target, PROD if target == "prod" else None)
     jobs = jobs_of(bundle)
     assert set(jobs) == {"paired_writer", "syphon"}
     assert bundle["mode"] == ("development" if target == "dev" else "production")
@@ -209,7 +261,7 @@ def test_the_jobs_install_the_wheel_without_extras_and_it_brings_no_spark_delta_
         target: str, wheel: Path) -> None:
     """The runtime's own pyspark and Delta stay untouched: the jobs' one library is the wheel, with no extra and no
     other package, and what it requires without extras names neither them nor the emulator's dependencies."""
-    for name, job in jobs_of(resolve_bundle(ROOT, target, {"catalog": "sales"})).items():
+    for name, job in jobs_of(resolve_bundle(ROOT, target, PROD)).items():
         [task] = job.tasks
         assert [library.as_dict() for library in task.libraries] == [{"whl": "../dist/*.whl"}], name
         assert not job.environments, f"{name}: no job environment installs other packages"
@@ -222,7 +274,7 @@ def test_the_jobs_install_the_wheel_without_extras_and_it_brings_no_spark_delta_
                                                            ("prod", "sales", "spark_sb")])
 def test_the_configuration_the_jobs_name_parses_in_their_cluster_environment(
         target: str, catalog: str, schema: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    jobs = jobs_of(resolve_bundle(ROOT, target, {"catalog": catalog} if target == "prod" else None))
+    jobs = jobs_of(resolve_bundle(ROOT, target, {**PROD, "catalog": catalog} if target == "prod" else None))
     for name, job in jobs.items():
         parameters = job.tasks[0].python_wheel_task.parameters  # type: ignore[union-attr]
         conf = parameters[parameters.index("--conf") + 1]
@@ -267,9 +319,10 @@ def test_the_configuration_names_the_connection_string_variable_when_it_is_unset
 
 
 def test_variables_are_taken_as_the_cli_takes_them() -> None:
-    assert jobs_of(resolve_bundle(ROOT, "prod", {"catalog": "sales"}))["syphon"].job_clusters[0].new_cluster \
+    assert jobs_of(resolve_bundle(ROOT, "prod", PROD))["syphon"].job_clusters[0].new_cluster \
         .spark_env_vars["SB_LEDGER_TABLE"] == "sales.spark_sb.syphon_ledger"  # type: ignore[union-attr]
-    from_env = resolve_bundle(ROOT, "prod", environ={"BUNDLE_VAR_catalog": "ops", "BUNDLE_VAR_num_workers": "4"})
+    from_env = resolve_bundle(ROOT, "prod", environ={**{f"BUNDLE_VAR_{k}": v for k, v in PROD.items()},
+                                                     "BUNDLE_VAR_catalog": "ops", "BUNDLE_VAR_num_workers": "4"})
     cluster = jobs_of(from_env)["paired_writer"].job_clusters[0].new_cluster
     assert cluster is not None and cluster.num_workers == 4
     assert cluster.spark_env_vars["SB_VOLUME"] == "/Volumes/ops/spark_sb/spark_sb"
@@ -298,7 +351,7 @@ def test_a_variable_left_unset_in_a_broken_copy_is_named(tmp_path: Path) -> None
     (root / "databricks.yml").write_text(broken)
     for target in TARGETS:
         with pytest.raises(BundleError, match=f"no value assigned to required variable node_type_id in target {target}"):
-            resolve_bundle(root, target, {"catalog": "sales"})
+            resolve_bundle(root, target, PROD if target == "prod" else {"catalog": "sales"})
     assert jobs_of(resolve_bundle(root, "dev", {"node_type_id": "Standard_E4ds_v5"}))["syphon"] \
         .job_clusters[0].new_cluster.node_type_id == "Standard_E4ds_v5"  # type: ignore[union-attr]
 
@@ -358,9 +411,68 @@ def test_a_variable_overrides_file_comes_after_bundle_var_and_before_the_target(
     root = _copy(tmp_path)
     overrides = root / _OVERRIDES.format(target="prod")
     overrides.parent.mkdir(parents=True)
-    overrides.write_text(json.dumps({"catalog": "from_file", "schema": "orders"}))
+    overrides.write_text(json.dumps({**PROD, "catalog": "from_file", "schema": "orders"}))
     env = jobs_of(resolve_bundle(root, "prod"))["syphon"].job_clusters[0].new_cluster.spark_env_vars  # type: ignore[union-attr]
     assert env["SB_LEDGER_TABLE"] == "from_file.orders.syphon_ledger"
     env = jobs_of(resolve_bundle(root, "prod", environ={"BUNDLE_VAR_catalog": "from_env"}))["syphon"] \
         .job_clusters[0].new_cluster.spark_env_vars  # type: ignore[union-attr]
     assert env["SB_LEDGER_TABLE"] == "from_env.orders.syphon_ledger"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_the_writer_job_is_continuous_and_paused_only_in_dev(target: str) -> None:
+    """A continuous job: Databricks keeps one run of the streaming writer going and starts the next after a run
+    fails or ends (task retries would give up after their count). dev mode deploys it paused (run it with
+    `bundle run`); prod deploys it explicitly UNPAUSED. The syphon stays scheduled, paused in dev."""
+    bundle = resolve_bundle(ROOT, target, PROD if target == "prod" else None)
+    jobs = jobs_of(bundle)
+    writer, syphon = jobs["paired_writer"], jobs["syphon"]
+    assert writer.continuous is not None and writer.schedule is None and writer.max_concurrent_runs == 1
+    assert not writer.tasks[0].max_retries, "a continuous job's run is restarted by Databricks, not retried"
+    assert syphon.continuous is None and syphon.schedule is not None
+    expected = "PAUSED" if target == "dev" else "UNPAUSED"
+    assert deployed_pause_status(bundle, writer.continuous) == expected
+    assert deployed_pause_status(bundle, syphon.schedule) == expected
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_both_jobs_email_on_failure_and_not_on_a_cancelled_run(target: str) -> None:
+    jobs = jobs_of(resolve_bundle(ROOT, target, PROD if target == "prod" else None))
+    expected = PROD["alert_email"] if target == "prod" else WORKSPACE["workspace.current_user.userName"]
+    for name, job in jobs.items():
+        assert job.email_notifications is not None and job.email_notifications.on_failure == [expected], name
+        assert job.notification_settings is not None and job.notification_settings.no_alert_for_canceled_runs, name
+
+
+def test_prod_runs_as_its_service_principal_with_permissions_and_dev_as_the_deploying_user() -> None:
+    for name, job in jobs_of(resolve_bundle(ROOT, "prod", PROD)).items():
+        assert job.run_as is not None and job.run_as.service_principal_name == PROD["service_principal"], name
+        assert job.run_as.user_name is None
+        granted = {(p.level.value if hasattr(p.level, "value") else p.level,  # type: ignore[union-attr]
+                    p.group_name or p.service_principal_name or p.user_name) for p in job.permissions}
+        assert granted == {("CAN_MANAGE", PROD["operators_group"]), ("CAN_VIEW", PROD["service_principal"]),
+                           ("CAN_VIEW", "users")}, name
+    for name, job in jobs_of(resolve_bundle(ROOT, "dev")).items():
+        assert job.run_as is None and not job.permissions, name
+
+
+@pytest.mark.parametrize("variable", ["alert_email", "service_principal", "operators_group"])
+def test_prod_without_one_of_its_production_variables_is_refused_naming_it(variable: str) -> None:
+    with pytest.raises(BundleError, match=f"no value assigned to required variable {variable} in target prod"):
+        resolve_bundle(ROOT, "prod", {k: v for k, v in PROD.items() if k != variable})
+
+
+@pytest.mark.parametrize(("variable", "where"), [("service_principal", r"run_as"),
+                                                 ("operators_group", r"permissions\[0\]")])
+def test_a_production_identity_left_empty_is_refused_naming_where(variable: str, where: str) -> None:
+    with pytest.raises(BundleError, match=rf"targets\.prod\.{where} must name exactly one of"):
+        resolve_bundle(ROOT, "prod", {**PROD, variable: ""})
+
+
+def test_a_permission_level_the_bundle_does_not_have_is_refused_in_a_broken_copy(tmp_path: Path) -> None:
+    root = _copy(tmp_path)
+    text = (root / "databricks.yml").read_text()
+    (root / "databricks.yml").write_text(text.replace("level: CAN_MANAGE", "level: CAN_EDIT"))
+    with pytest.raises(BundleError, match=r"targets.prod.permissions\[0\].level must be one of CAN_VIEW, CAN_RUN, "
+                                          r"CAN_MANAGE, got 'CAN_EDIT'"):
+        resolve_bundle(root, "prod", PROD)

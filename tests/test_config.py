@@ -97,6 +97,46 @@ def test_escaped_reference_is_kept_literally(monkeypatch: pytest.MonkeyPatch) ->
     assert config.sink.reject_table == "${NOT_A_VARIABLE}"
 
 
+def test_a_reference_adds_a_whole_number_to_a_numeric_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``${NAME+N}`` and ``${NAME+N:-default}``: one variable moves several ports (conf/local.yaml)."""
+    endpoint = "http://localhost:${SB_BASE+2:-5300}"
+    monkeypatch.delenv("SB_BASE", raising=False)
+    emulator = "Endpoint=sb://localhost:${SB_BASE:-5672};SharedAccessKeyName=k;SharedAccessKey=v;UseDevelopmentEmulator=true"
+    unset = load_config(minimal(primary={"connection_string": emulator, "admin_endpoint": endpoint}))
+    assert (unset.primary.port, unset.primary.admin_endpoint) == (5672, "http://localhost:5300")
+    monkeypatch.setenv("SB_BASE", " 6000 ")
+    moved = load_config(minimal(primary={"connection_string": emulator.replace("SB_BASE:", "SB_BASE+1:"),
+                                         "admin_endpoint": endpoint}))
+    assert (moved.primary.port, moved.primary.admin_endpoint) == (6001, "http://localhost:6002")
+    monkeypatch.setenv("SB_BASE", "six thousand")
+    text = error_of(minimal(primary={"connection_string": emulator, "admin_endpoint": endpoint}))
+    assert text == ("primary.admin_endpoint: environment variable SB_BASE must be a whole number (referenced as "
+                    "${SB_BASE+2}, which adds 2 to it)")
+    assert "six thousand" not in text
+    monkeypatch.delenv("SB_BASE")
+    text = error_of(minimal(primary={"connection_string": emulator, "admin_endpoint": "http://localhost:${SB_BASE+2}"}))
+    assert text.startswith("primary.admin_endpoint: environment variable SB_BASE is not set (referenced as "
+                           "${SB_BASE+2}; write ${SB_BASE+2:-default} to give a default)")
+    monkeypatch.setenv("SB_BASE", "")
+    assert load_config(minimal(primary={"connection_string": emulator, "admin_endpoint": endpoint})) \
+        .primary.admin_endpoint == "http://localhost:5300"  # empty takes the default, as ${NAME:-default} does
+
+
+@pytest.mark.parametrize("base", [None, "6000"])
+def test_the_shipped_local_configuration_moves_all_four_ports_with_one_variable(
+        base: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """conf/local.yaml and ``spark-sb emulator start --base-port N`` agree: AMQP N and N+1, admin N+2 and N+3;
+    unset, the emulator's defaults 5672/5300 and 5673/5301."""
+    if base is None:
+        monkeypatch.delenv("SPARK_SB_BASE_PORT", raising=False)
+    else:
+        monkeypatch.setenv("SPARK_SB_BASE_PORT", base)
+    config = load_config(Path(__file__).resolve().parents[1] / "conf" / "local.yaml")
+    ports = (config.primary.port, config.secondary.port, config.primary.admin_endpoint, config.secondary.admin_endpoint)
+    assert ports == ((5672, 5673, "http://localhost:5300", "http://localhost:5301") if base is None
+                     else (6000, 6001, "http://localhost:6002", "http://localhost:6003"))
+
+
 def test_unset_variable_names_the_variable_and_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SB_MISSING", raising=False)
     text = error_of(minimal(secondary={"connection_string": "${SB_MISSING}"}))

@@ -135,6 +135,19 @@ def test_the_two_commands_are_make_demo_and_make_test() -> None:
         assert re.search(rf"^{part}: .*\n(\t.*\n)*\t\$\(PY\) -m pytest ", makefile, re.M), part
 
 
+def test_make_install_makes_the_environment_the_two_commands_use_and_the_manual_says_so() -> None:
+    """A newcomer's install step: `make install` makes .venv as `make demo` does (the same prerequisite, nothing
+    run), and getting started shows it next to the editable pip install."""
+    makefile = (ROOT / "Makefile").read_text()
+    install = re.search(r"^install: (.*)\n((?:\t.*\n)*)", makefile, re.M)
+    demo = re.search(r"^demo: (.*)$", makefile, re.M)
+    assert install and demo and install.group(1) == demo.group(1) == "$(VENV)/.installed"
+    assert "$(PY)" not in install.group(2) and "install" in re.search(r"^\.PHONY: (.*)$", makefile, re.M).group(1).split()
+    block = next(b for b in blocks(ROOT / "docs" / "getting-started.md") if "make install" in b.body)
+    commands = [line.split("#")[0].strip() for line in block.body.splitlines()]
+    assert commands == ["make install", "pip install -e '.[emulator,spark]'"]
+
+
 def test_the_first_pipeline_is_the_same_in_the_readme_and_the_manual() -> None:
     def first(page: Path) -> str:
         return next(b.body for b in blocks(page) if "the first pipeline" in b.mark)
@@ -148,3 +161,41 @@ def test_the_readme_is_a_front_page() -> None:
     assert len(text.splitlines()) <= 250
     links = re.findall(r"\]\((docs/[^)#]+)", text)
     assert links and not [link for link in links if not (ROOT / link).is_file()]
+
+
+def _words(text: str) -> list[str]:
+    return re.findall(r"[a-z0-9']+", text.lower().replace("`", ""))
+
+
+def repeated_headings(page: Path, text: str | None = None) -> list[str]:
+    """Sections whose first paragraph opens with their heading again, in bold (``## Foo`` then ``**Foo.** ...``)."""
+    lines = (page.read_text() if text is None else text).splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        heading = re.match(r"#{1,6} (.+)$", line)
+        if not heading:
+            continue
+        following = next((later for later in lines[i + 1:] if later.strip()), "")
+        bold = re.match(r"\*\*(.+?)\*\*", following)
+        if bold:
+            title, opening = _words(heading.group(1)), _words(bold.group(1))
+            if title and opening and (opening[:len(title)] == title or title[:len(opening)] == opening):
+                found.append(f"{page.relative_to(ROOT)}:{i + 1}: '{heading.group(1)}' is repeated in bold")
+    return found
+
+
+def test_no_section_repeats_its_heading_in_bold() -> None:
+    assert repeated_headings(ROOT / "docs" / "x.md", "## A blip\n\n**A blip does not stop a query** (both)\n")
+    assert repeated_headings(ROOT / "docs" / "x.md", "### Far namespaces\n\n**Far namespaces** (bench)\n")
+    assert not repeated_headings(ROOT / "docs" / "x.md", "# The guarantee\n\n**No row is lost.** Every row\n")
+    found = [problem for page in PAGES for problem in repeated_headings(page)]
+    assert not found, "\n".join(found)
+
+
+def test_the_pages_import_config_options_from_its_public_module() -> None:
+    """spark_sb.source re-exports config_options; the manual names one module for it: spark_sb.options, whose
+    entry is on the configuration reference page."""
+    imports = [(block.where, match.group(1)) for block in all_blocks()
+               for match in re.finditer(r"^from (spark_sb[\w.]*) import [^\n]*\bconfig_options\b", block.body, re.M)]
+    assert imports and {module for _, module in imports} == {"spark_sb.options"}, imports
+    assert "::: spark_sb.options.config_options" in (ROOT / "docs" / "reference" / "configuration.md").read_text()

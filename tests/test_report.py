@@ -157,3 +157,25 @@ def test_bad_input_is_named(metrics: Any, ledger: Any, expected: str) -> None:
     with pytest.raises(ConfigError) as info:
         draw_outage(metrics, ledger)
     assert str(info.value).startswith(expected)
+
+
+@pytest.mark.parametrize("later", [90, 600, 3000])
+def test_a_syphon_that_moves_everything_in_one_batch_long_after_the_outage_shows_its_bar(later: int) -> None:
+    """One ledger batch minutes after a run of 1 s sink batches: its bar, as wide as a sink batch's, was a pixel
+    or two on the time axis, under the drop of the backlog line (225 of its pixels showed at 10 and 50 minutes,
+    1,029 at 90 s). It is at least a visible share of the axis, drawn over the line."""
+    np = pytest.importorskip("numpy")
+    metrics = ([_batch(b, at=b) for b in range(4)]
+               + [_batch(b, at=b, primary=0, backlog={QUEUES[0]: 50}, failed_over=("orders",)) for b in range(4, 40)]
+               + [_batch(b, at=b) for b in range(40, 60)])
+    ledger = [{"batch_id": 0, "outcome": "delivered", "recorded_time": T0 + datetime.timedelta(seconds=later),
+               "messages": 1800}]
+    figure = draw_outage(metrics, ledger)
+    figure.canvas.draw()
+    pixels = np.asarray(figure.canvas.buffer_rgba())[..., :3]
+    delivered = int(np.all(pixels == (0x2c, 0xa0, 0x2c), axis=-1).sum())  # the "moved to the primary" colour
+    assert delivered > 1500, f"the syphon's bar shows {delivered} pixels"
+    bottom = figure.axes[1]
+    [bar] = [p for p in bottom.patches if p.get_height() == 1800]
+    left, right = bottom.get_xlim()
+    assert bar.get_x() + bar.get_width() < right, "the bar ends inside the axis"

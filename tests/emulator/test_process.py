@@ -259,3 +259,92 @@ def test_an_entities_file_with_a_bad_sql_rule_is_a_clear_cli_error(tmp_path) -> 
     assert result.returncode == 2, result.stderr[-2000:]
     assert "events/subscriptions/eu rule 'eu'" in result.stderr and "position 9" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def _free_block(size: int) -> int:
+    """A base port with ``size`` consecutive ports free on 127.0.0.1."""
+    import random
+    import socket
+
+    for _ in range(200):
+        base = random.randrange(20000, 60000)
+        sockets = []
+        try:
+            for port in range(base, base + size):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise AssertionError("no block of free ports")
+
+
+def test_one_variable_moves_the_emulator_and_conf_local_yaml_to_other_ports(tmp_path) -> None:
+    """SPARK_SB_BASE_PORT=N (or --base-port N): the pair on N, N+1 (AMQP) and N+2, N+3 (admin), where
+    conf/local.yaml, reading the same variable, finds it: provision and status work with nothing else changed."""
+    from pathlib import Path
+
+    base = _free_block(4)
+    env = {**os.environ, "SPARK_SB_BASE_PORT": str(base)}
+    proc = subprocess.Popen([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        lines = [proc.stdout.readline().strip() for _ in range(2)]
+        assert [line.split(" ", 1)[0] for line in lines] == ["primary", "secondary"]
+        assert f"Endpoint=sb://localhost:{base};" in lines[0] and f"Endpoint=sb://localhost:{base + 1};" in lines[1]
+        conf = str(Path(__file__).resolve().parents[2] / "conf" / "local.yaml")
+        for command in ("provision", "status"):
+            ran = subprocess.run([sys.executable, "-m", "spark_sb.cli", command, "--conf", conf], capture_output=True,
+                                 text=True, timeout=60, env=env)
+            assert ran.returncode == 0, (command, ran.stdout, ran.stderr)
+        healed = _cli("emulator", "heal", "--admin", f"http://localhost:{base + 2}")
+        assert healed.returncode == 0, healed.stderr
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert proc.returncode == 0
+
+
+@pytest.mark.parametrize(("args", "env", "expected"), [
+    (("--base-port", "80"), None, "--base-port must be a port from 1024 to 65525, got '80'"),
+    (("--base-port", "six"), None, "--base-port must be a port from 1024 to 65525, got 'six'"),
+    ((), "65530", "$SPARK_SB_BASE_PORT must be a port from 1024 to 65525, got '65530'"),
+    (("--base-port", "6000", "--namespace", "p=0:0"), None, "give either --base-port or --namespace, not both"),
+])
+def test_a_bad_base_port_is_a_clear_cli_error(args: tuple[str, ...], env: str | None, expected: str) -> None:
+    environ = {k: v for k, v in os.environ.items() if k != "SPARK_SB_BASE_PORT"}
+    result = subprocess.run([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory", *args],
+                            capture_output=True, text=True, timeout=30,
+                            env=environ if env is None else {**environ, "SPARK_SB_BASE_PORT": env})
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"spark-sb emulator: {expected}"
+
+
+def test_a_namespace_names_its_own_ports_whatever_spark_sb_base_port_says(tmp_path) -> None:
+    proc = subprocess.Popen([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory",
+                             "--namespace", "alpha=0:0"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SPARK_SB_BASE_PORT": "not a port"})
+    try:
+        line = proc.stdout.readline().strip()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert line.startswith("alpha Endpoint=sb://localhost:"), (line, proc.stderr.read())
+
+
+def test_base_port_also_places_the_tls_ports(tmp_path) -> None:
+    """--base-port N --tls: AMQPS on N+4 (primary) and N+5 (secondary), as --help says."""
+    base = _free_block(6)
+    proc = subprocess.Popen([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--data-dir", str(tmp_path),
+                             "--base-port", str(base), "--tls"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        lines = [proc.stdout.readline().strip() for _ in range(4)]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert lines[2:] == [f"AMQPS primary localhost:{base + 4}", f"AMQPS secondary localhost:{base + 5}"], lines
