@@ -491,7 +491,10 @@ def status(config: SparkSbConfig, out: Callable[[str], None], err: Callable[[str
     sa = config.send_availability
     wanted = sa.backlog_queue_names()
     found = backlog.found
-    if not secondary.admin_answered:
+    if config.replication.replicating:
+        out(f"backlog queues: none used (replication mode {config.replication.mode}: the secondary holds the same "
+            "entities)")
+    elif not secondary.admin_answered:
         out(f"backlog queues: not known (the secondary's administration API: {secondary.admin.text})"
             if secondary.admin is not None else "backlog queues: not known")
     else:
