@@ -1,4 +1,4 @@
-"""The ``spark-sb`` command line."""
+"""The spark-sb command line."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _duration_seconds(text: str) -> float:
@@ -124,8 +125,12 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     except ModuleNotFoundError:  # no [emulator] extra (a cluster): the command says so when run (_emulator)
         kinds = None
     fault.add_argument("kind", choices=kinds)
-    fault.add_argument("--entity", metavar="PATH", help="limit the fault to one entity (default: the whole namespace)")
-    fault.add_argument("--duration", type=float, metavar="SECONDS", help="heal by itself after this many seconds")
+    fault.add_argument("--entity", metavar="PATH",
+                       help="limit the fault to one entity: a queue, a topic (its subscriptions too) or "
+                            "TOPIC/subscriptions/NAME; one the namespace does not have is refused (default: the whole "
+                            "namespace)")
+    fault.add_argument("--duration", type=_duration_seconds, metavar="DURATION",
+                       help="heal by itself after this long, e.g. 30s, 2m or 1m30s (a bare number is seconds)")
 
     heal = esub.add_parser("heal", help="remove faults from a running namespace")
     heal.add_argument("--admin", required=True, metavar="URL")
@@ -158,13 +163,33 @@ def _emulator_proxy(args: argparse.Namespace) -> int:
         return 2
 
 
+#: the exit statuses of provision and status, for their --help and docs/operations.md
+PAIRED_EXIT_STATUSES = ("exit status: 0 both namespaces answered and accepted the credential; 1 a namespace could "
+                        "not be reached (connection refused, host not found, no answer within its admin_timeout, "
+                        "connection closed) or answered with an error (busy); 2 a configuration problem: the "
+                        "configuration file, a credential a namespace refused, an entity the configuration names "
+                        "(or that backlog messages are bound for) that the primary does not have. 2 wins over 1.")
+
+
 def _paired_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    provision = sub.add_parser("provision", help="create the missing backlog queues on the secondary and print "
-                                                 "the usable count")
+    provision = sub.add_parser(
+        "provision", help="create the missing backlog queues on the secondary and say what it made",
+        description="Create the missing backlog queues on the secondary (send_availability.backlog_queue_count, "
+                    "named after send_availability.backlog_prefix) and say which it created, which were there "
+                    "already and which are left out (not Active). Each request is bounded by the secondary's "
+                    "admin_timeout; a refused credential is reported at once, naming the namespace.",
+        epilog=PAIRED_EXIT_STATUSES)
     provision.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
-    status = sub.add_parser("status", help="backlog queue message counts (active, deferred, dead-letter), and "
-                                           "the health of the entities this process has seen (none for a fresh "
-                                           "process)")
+    status = sub.add_parser(
+        "status", help="can each namespace be reached (and if not, why), the primary's entities, and what each "
+                       "backlog queue holds",
+        description="For the primary and the secondary: reachable or not over the administration API and over "
+                    "AMQP, and why not (the host, the refusal or the network error). The state of the primary's "
+                    "entities that the configuration names (sink.entity) or that backlog messages are bound for: "
+                    "kind, status, active and dead-letter counts, how many wait in the backlog. Each backlog "
+                    "queue's active, deferred and dead-letter counts. Every request is made once, bounded by its "
+                    "namespace's admin_timeout.",
+        epilog=PAIRED_EXIT_STATUSES)
     status.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
 
 
@@ -195,77 +220,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _provision(args: argparse.Namespace) -> int:
-    from .paired import PairedSender
-
-    with PairedSender.from_config(args.conf) as sender:
-        count = sender.pair()
-    print(count)
-    return 0
-
-
-def _status(args: argparse.Namespace) -> int:
-    """Per backlog queue: active and dead-letter counts from the secondary's runtime properties, and how many
-    of the messages are deferred (a peek of each queue that holds any: the administration API does not count
-    them apart; the service and the emulator count them as active). A deferred backlog message was set aside by
-    a syphon job, which reads it back by sequence number; one that a job that died left is never delivered to a
-    receive and waits for a syphon (the job's next run, or ``Syphon.drain``) to take it back. Entity health
-    lives in the memory of the process that sends; this command's own process has sent nothing, so it lists
-    the entities this process knows for this pairing only (none, for a fresh process)."""
-    from .paired import PairedSender
-    from .syphon import Syphon
-
-    with PairedSender.from_config(args.conf) as sender:
-        entities = sender.board.snapshot()
-        sa = sender.config.send_availability
-        wanted = sa.backlog_queue_names()
-        client = sender.admin_client()
-        try:
-            found = {props.name: props for props in client.list_queues_runtime_properties()
-                     if props.name in wanted or props.name.startswith(f"{sa.backlog_prefix}/")}
-        finally:
-            client.close()
-        holding = [name for name in wanted if name in found
-                   and (found[name].total_message_count or 0) > (found[name].dead_letter_message_count or 0)]
-        with Syphon(sender.config) as syphon:
-            deferred = {name: len(numbers) for name, numbers in syphon.deferred(holding).items()}
-    width = max(len(name) for name in [*wanted, *found, "backlog queue"])
-    print(f"{'backlog queue':<{width}}  {'active':>8}  {'deferred':>8}  {'dead-letter':>11}")
-    for name in wanted + sorted(set(found) - set(wanted)):
-        props = found.get(name)
-        if props is None:
-            print(f"{name:<{width}}  {'missing':>8}  {'-':>8}  {'-':>11}")
-        elif name in wanted:
-            print(f"{name:<{width}}  {props.active_message_count:>8}  {deferred.get(name, 0):>8}  "
-                  f"{props.dead_letter_message_count:>11}")
-        else:
-            print(f"{name:<{width}}  {props.active_message_count:>8}  {'-':>8}  {props.dead_letter_message_count:>11}"
-                  "  (not a backlog queue of this configuration: never used)")
-    if any(deferred.values()):
-        print("deferred (counted in active): set aside by a syphon job, which reads them back by sequence number; "
-              "left by a job that died, they wait for its next run or Syphon.drain() to take them back")
-    if not entities:
-        print("entities: none seen by this process (health is kept per sending process)")
-    for entity, state in sorted(entities.items()):
-        print(f"entity {entity}: {state}")
-    return 0
-
-
 def _paired(args: argparse.Namespace) -> int:
-    from .errors import SparkSbError, classify, redact
+    """``spark-sb provision`` and ``spark-sb status`` (:mod:`spark_sb.status`): errors on one line, no traceback;
+    exit 2 for a configuration problem, 1 otherwise."""
+    from . import status as report
+    from .config import load_config
+    from .errors import ConfigError, SparkSbError, classify, redact
+
+    def out(line: str) -> None:
+        print(line, flush=True)
+
+    def err(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
     try:
-        return _provision(args) if args.command == "provision" else _status(args)
-    except SparkSbError as err:
-        print(f"spark-sb {args.command}: {err}", file=sys.stderr)
-        return 1
-    except Exception as err:  # a Service Bus or HTTP failure: one line, no traceback
-        first_line = (redact(str(err)).splitlines() or [type(err).__name__])[0]
-        print(f"spark-sb {args.command}: {classify(err).value}: {first_line}", file=sys.stderr)
-        return 1
+        if args.command == "provision":
+            return report.provision(args.conf, out, err)
+        return report.status(load_config(args.conf), out, err)
+    except SparkSbError as exc:
+        err(f"spark-sb {args.command}: {exc}")
+        configuration = isinstance(exc, ConfigError) or classify(exc).is_configuration
+        return report.EXIT_CONFIGURATION if configuration else report.EXIT_UNREACHABLE
+    except Exception as exc:  # a Service Bus or HTTP failure: one line, no traceback
+        first_line = (redact(str(exc)).splitlines() or [type(exc).__name__])[0]
+        err(f"spark-sb {args.command}: {classify(exc).value}: {first_line}")
+        return report.EXIT_CONFIGURATION if classify(exc).is_configuration else report.EXIT_UNREACHABLE
 
 
 def _emulator(args: argparse.Namespace) -> int:
+    from .durations import format_duration
+
     try:
         from .emulator import server
         from .emulator.broker import BrokerError
@@ -318,9 +302,12 @@ def _emulator(args: argparse.Namespace) -> int:
             return 2
     try:
         if args.action == "fault":
+            if args.entity and (unknown := _unknown_entity(server, args.admin, args.entity)):
+                print(f"spark-sb emulator fault: --entity: {unknown}", file=sys.stderr)
+                return 2
             result = server.fault(args.admin, args.kind, args.entity, args.duration)
             what = result.get("entity") or "the namespace"
-            until = f" for {args.duration:g} s" if args.duration else " until healed"
+            until = f" for {format_duration(args.duration)}" if args.duration else " until healed"
             print(f"{result['namespace']}: {args.kind} on {what}{until}")
         else:
             result = server.heal(args.admin, args.entity)
@@ -329,6 +316,27 @@ def _emulator(args: argparse.Namespace) -> int:
         print(f"spark-sb emulator: {err}", file=sys.stderr)
         return 1
     return 0
+
+
+def _unknown_entity(server: Any, admin_url: str, entity: str) -> str | None:
+    """Why the namespace at ``admin_url`` has no ``entity`` to fault (with a did-you-mean), or None when it has
+    it. A fault on an entity covers its subscriptions (a topic) and its dead-letter queue: those paths count as
+    the entity's."""
+    from .config import did_you_mean
+
+    try:
+        answer = server.send_control(admin_url, "entities")
+    except RuntimeError as err:
+        if "unknown control endpoint" in str(err):
+            return None  # an emulator that does not list its entities: the fault as asked
+        raise
+    paths = [str(path) for path in answer.get("entities", [])]
+    base = entity.strip().strip("/").removesuffix("/$DeadLetterQueue").removesuffix("/$deadletterqueue")
+    if base in paths:
+        return None
+    namespace = answer.get("namespace", admin_url)
+    return f"namespace {namespace} has no entity {entity!r}{did_you_mean(base, paths)}" + (
+        "" if paths else " (it has none)")
 
 
 def _report(args: argparse.Namespace) -> int:

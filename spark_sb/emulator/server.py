@@ -653,8 +653,18 @@ def _fault_reader(server: NamespaceServer) -> Callable[[str | None], str | None]
     return read
 
 
+def _entity_paths(server: NamespaceServer) -> list[str]:
+    """The namespace's queues, topics and subscriptions (``TOPIC/subscriptions/NAME``), sorted."""
+    broker = server.broker
+    assert broker is not None
+    topics = broker.list_entities(model.TOPIC)
+    paths = [q.name for q in broker.list_entities(model.QUEUE)] + [t.name for t in topics]
+    paths += [s.path for t in topics for s in broker.list_entities(model.SUBSCRIPTION, t.name)]
+    return sorted(paths)
+
+
 def _control(server: NamespaceServer) -> Callable[[str, str, dict[str, Any]], tuple[int, dict[str, Any]]]:
-    """The ``/$emulator/`` endpoints of the admin port: fault, heal, faults."""
+    """The ``/$emulator/`` endpoints of the admin port: fault, heal, faults, stats, entities."""
 
     def handle(method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         op = path.rstrip("/").rsplit("/", 1)[-1]
@@ -677,6 +687,8 @@ def _control(server: NamespaceServer) -> Callable[[str, str, dict[str, Any]], tu
             return 200, {"namespace": server.name, "faults": faults}
         if method == "GET" and op == "stats":
             return 200, server.call(server.stats)
+        if method == "GET" and op == "entities":  # what a fault can name: spark-sb emulator fault --entity
+            return 200, {"namespace": server.name, "entities": server.call(lambda: _entity_paths(server))}
         return 404, {"error": f"unknown control endpoint {method} {path}"}
 
     def guarded(method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:

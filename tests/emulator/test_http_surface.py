@@ -13,6 +13,7 @@ import pytest
 
 from spark_sb import cli
 from spark_sb.emulator import Emulator, NamespaceOptions, sas
+from spark_sb.emulator.model import QueueSpec
 from spark_sb.emulator.server import DEFAULT_KEY, DEFAULT_KEY_NAME, WEBSOCKET_PATH, send_control
 
 MIB = 1024 * 1024
@@ -223,6 +224,9 @@ def test_a_sas_token_with_manage_opens_the_controls_too(emu: Emulator) -> None:
 
 def test_the_cli_still_faults_and_heals(emu: Emulator, capsys: pytest.CaptureFixture[str]) -> None:
     admin = emu["surface"].admin_url
+    server = emu.server("surface")
+    if "orders" not in send_control(admin, "entities")["entities"]:  # the CLI faults only an entity that exists
+        server.call(lambda: server.broker.create_entity(QueueSpec(name="orders")))
     assert cli.main(["emulator", "fault", "--admin", admin, "busy", "--entity", "orders"]) in (0, None)
     assert _faults(emu)["orders"]["kind"] == "busy"
     assert cli.main(["emulator", "heal", "--admin", admin]) in (0, None)

@@ -81,7 +81,10 @@ def test_a_bad_namespace_option_is_a_clear_cli_error(tmp_path) -> None:
 
 
 def test_fault_cli_reaches_a_running_emulator_and_reports_an_unreachable_one(tmp_path) -> None:
-    with EmulatorProcess.start(data_dir=tmp_path, namespaces=[NamespaceOptions("p")]) as emu:
+    entities = tmp_path / "entities.yaml"
+    entities.write_text("queues:\n  - name: orders\n")
+    with EmulatorProcess.start(data_dir=tmp_path / "data", namespaces=[NamespaceOptions("p")],
+                               entities=entities) as emu:
         out = _cli("emulator", "fault", "--admin", emu["p"].admin_url, "busy", "--entity", "orders", "--duration", "5")
         assert out.returncode == 0 and "busy on orders for 5 s" in out.stdout
         out = _cli("emulator", "heal", "--admin", emu["p"].admin_url)
