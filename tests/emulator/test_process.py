@@ -293,13 +293,15 @@ def test_one_variable_moves_the_emulator_and_conf_local_yaml_to_other_ports(tmp_
 
     base = _free_block(4)
     env = {**os.environ, "SPARK_SB_BASE_PORT": str(base)}
-    proc = subprocess.Popen([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory"],
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, "-m", "spark_sb.cli", "emulator", "start", "--in-memory",
+                             "--entities", str(root / "conf" / "entities.yaml")],  # as getting started starts it
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         lines = [proc.stdout.readline().strip() for _ in range(2)]
         assert [line.split(" ", 1)[0] for line in lines] == ["primary", "secondary"]
         assert f"Endpoint=sb://localhost:{base};" in lines[0] and f"Endpoint=sb://localhost:{base + 1};" in lines[1]
-        conf = str(Path(__file__).resolve().parents[2] / "conf" / "local.yaml")
+        conf = str(root / "conf" / "local.yaml")
         for command in ("provision", "status"):
             ran = subprocess.run([sys.executable, "-m", "spark_sb.cli", command, "--conf", conf], capture_output=True,
                                  text=True, timeout=60, env=env)
