@@ -49,9 +49,15 @@ receive waits for the first message, default 1); ``reportBacklogDepth`` (default
 received from at once, each in a thread with its own connection; deferring costs a round trip per message, so
 against a far namespace this multiplies the rate by the number of entities read at once). The ``servicebus``
 source also takes ``entity`` (required: ``orders``, or ``events/subscriptions/all``) and ``namespaces``
-(``primary``, ``secondary`` or ``primary,secondary``; default ``primary``). It checks before anything starts
-that the entity exists and needs no session: a session-enabled entity is **refused** with a clear error,
-since a deferred session message can be fetched only by the holder of its session's lock.
+(``primary``, ``secondary`` or ``primary,secondary``; default ``primary``); a batch read takes ``entity``,
+``namespaces``, ``readRetryTimeout``, ``fromSequenceNumber``, ``toSequenceNumber`` and ``maxMessages``.
+
+Refused at ``load()``, batch or stream (Spark calls the source's ``schema()`` there, :func:`_check_at_load`), as
+the writer refuses them: an option the source does not take, named with a did-you-mean
+(:func:`spark_sb.options.check_known`), and an entity that does not exist or needs sessions (a deferred session
+message can be fetched only by the holder of its session's lock), asked of the administration API within
+``admin_timeout`` (when it does not answer, ``load()`` goes on and the reader checks again when the query runs).
+A stream reader that cannot be built fails the query with its own error (:class:`_RefusedStreamReader`).
 
 Columns of ``servicebus`` (:data:`SERVICEBUS_SCHEMA`), in the style of the Kafka and Event Hubs sources:
 ``namespace`` (primary or secondary), ``entity``, ``message_id``, ``body`` (binary), ``sequence_number``,
