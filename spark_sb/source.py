@@ -384,10 +384,11 @@ def _ask_admin(config: SparkSbConfig, entity: Entity) -> Exception | None:
 
 class _RefusedStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):  # type: ignore[misc]
     """What ``streamReader()`` returns when the reader could not be built: each call Spark makes raises that
-    error, and ``stop`` does nothing. PySpark's streaming source runner (4.1, 4.2) builds the reader inside a
-    ``try`` whose ``finally`` stops it, so an error raised by ``streamReader()`` itself reaches the user as
-    ``UnboundLocalError: cannot access local variable 'reader'``, the real error only in its context (and not
-    at all with ``SPARK_HIDE_TRACEBACK``); raised by the first call instead, it is what the query fails with."""
+    error, and ``stop`` does nothing. PySpark's streaming source runner (4.2; Apache Spark's 4.1 source reads the
+    same) builds the reader inside a ``try`` whose ``finally`` stops it, so an error raised by ``streamReader()``
+    itself reaches the user as ``UnboundLocalError: cannot access local variable 'reader'``, the real error only
+    in its context (and not at all with ``SPARK_HIDE_TRACEBACK``); raised by the first call instead, it is what the
+    query fails with."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
