@@ -25,9 +25,10 @@ _LOGGER = logging.getLogger(__name__)
 
 __all__ = ["SPARK_OPTIONS", "check_known", "config_options", "option", "options_config", "positive"]
 
-#: options Spark itself puts among a data source's options: the path given to ``save``/``load`` and a stream's
-#: checkpoint location
-SPARK_OPTIONS = ("path", "checkpointLocation")
+#: options Spark itself puts among a data source's options: the path given to ``save``/``load`` (``paths``, a JSON
+#: list, when ``load`` is given several) and a stream's checkpoint location. Spark hands them over lower-cased, as
+#: every option (a case-insensitive dict)
+SPARK_OPTIONS = ("path", "paths", "checkpointLocation")
 #: what other connectors call the entity option
 _ENTITY_ALIASES = frozenset({"queue", "topic", "queuename", "topicname", "entitypath", "entityname", "destination"})
 

@@ -49,9 +49,15 @@ receive waits for the first message, default 1); ``reportBacklogDepth`` (default
 received from at once, each in a thread with its own connection; deferring costs a round trip per message, so
 against a far namespace this multiplies the rate by the number of entities read at once). The ``servicebus``
 source also takes ``entity`` (required: ``orders``, or ``events/subscriptions/all``) and ``namespaces``
-(``primary``, ``secondary`` or ``primary,secondary``; default ``primary``). It checks before anything starts
-that the entity exists and needs no session: a session-enabled entity is **refused** with a clear error,
-since a deferred session message can be fetched only by the holder of its session's lock.
+(``primary``, ``secondary`` or ``primary,secondary``; default ``primary``); a batch read takes ``entity``,
+``namespaces``, ``readRetryTimeout``, ``fromSequenceNumber``, ``toSequenceNumber`` and ``maxMessages``.
+
+Refused at ``load()``, batch or stream (Spark calls the source's ``schema()`` there, :func:`_check_at_load`), as
+the writer refuses them: an option the source does not take, named with a did-you-mean
+(:func:`spark_sb.options.check_known`), and an entity that does not exist or needs sessions (a deferred session
+message can be fetched only by the holder of its session's lock), asked of the administration API within
+``admin_timeout`` (when it does not answer, ``load()`` goes on and the reader checks again when the query runs).
+A stream reader that cannot be built fails the query with its own error (:class:`_RefusedStreamReader`).
 
 Columns of ``servicebus`` (:data:`SERVICEBUS_SCHEMA`), in the style of the Kafka and Event Hubs sources:
 ``namespace`` (primary or secondary), ``entity``, ``message_id``, ``body`` (binary), ``sequence_number``,
@@ -137,6 +143,7 @@ from .errors import (  # noqa: E402
     unreachable_reason,
 )
 from .lifeline import watch_parent  # noqa: E402
+from .options import check_known as _check_known  # noqa: E402
 from .options import config_options  # noqa: E402
 from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
@@ -231,6 +238,14 @@ RECEIVES_IN_FLIGHT = 8
 #: the longest a namespace host name that does not resolve is taken for a DNS blip before it fails the query
 RESOLVE_RETRY_SECONDS = 30.0
 
+#: the options of a stream of either source, besides the configuration's (``conf``, ``config`` or flat options)
+_STREAM_OPTIONS = ("maxMessagesPerTrigger", "receiveTimeout", "reportBacklogDepth", "readRetryTimeout",
+                   "receivesInFlight")
+#: the ``servicebus`` source's options in a stream, and in a batch read
+_SERVICEBUS_STREAM_OPTIONS = ("entity", "namespaces", *_STREAM_OPTIONS)
+_SERVICEBUS_BATCH_OPTIONS = ("entity", "namespaces", "readRetryTimeout", "fromSequenceNumber", "toSequenceNumber",
+                             "maxMessages")
+
 
 def register(spark: SparkSession | ConnectSession) -> None:
     """Register the ``servicebus`` and ``servicebus-backlog`` formats with ``spark``."""
@@ -266,10 +281,14 @@ class BacklogDataSource(DataSource):
         return FORMAT
 
     def schema(self) -> StructType:
+        """Spark calls this at ``load()``, before the query starts: an option the source does not take, or a
+        configuration that does not load, is refused there."""
+        _check_known(self.options, _STREAM_OPTIONS, f"{FORMAT} source")
+        _options_config(self.options)
         return SCHEMA
 
-    def streamReader(self, schema: StructType) -> BacklogStreamReader:
-        return BacklogStreamReader(self.options)
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return _stream_reader(lambda: BacklogStreamReader(self.options))
 
 
 class ServiceBusDataSource(DataSource):
@@ -281,14 +300,16 @@ class ServiceBusDataSource(DataSource):
         return SERVICEBUS_FORMAT
 
     def schema(self) -> StructType:
-        path = _option(self.options, "entity")
-        return DEAD_LETTER_SCHEMA if path is not None and split_dead_letter(path.strip())[1] else SERVICEBUS_SCHEMA
+        """Spark calls this at ``load()``, batch or stream alike, before anything runs: what the source cannot do is
+        refused there (:func:`_check_at_load`)."""
+        path = _check_at_load(self.options)
+        return DEAD_LETTER_SCHEMA if split_dead_letter(path)[1] else SERVICEBUS_SCHEMA
 
     def reader(self, schema: StructType) -> ServiceBusBatchReader:
         return ServiceBusBatchReader(self.options)
 
-    def streamReader(self, schema: StructType) -> ServiceBusStreamReader:
-        return ServiceBusStreamReader(self.options)
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return _stream_reader(lambda: ServiceBusStreamReader(self.options))
 
     def writer(self, schema: StructType, overwrite: bool) -> Any:
         """``df.write.format("servicebus").save()``: see :mod:`spark_sb.writer`."""
@@ -311,6 +332,83 @@ class Entity:
     key: str
     side: Literal["primary", "secondary"]
     path: str
+
+
+def _check_at_load(options: Mapping[str, str]) -> str:
+    """What ``load()`` refuses, batch or stream alike, and the entity's path. Spark calls a Python data source's
+    ``schema()`` there (unless the user gave a schema); ``reader()`` only when a batch read runs and
+    ``streamReader()`` only once the stream has started, in its own thread, and both check again: an option
+    neither reading takes (with a did-you-mean), a bad ``entity`` or ``namespaces``, a configuration that does not
+    load, an entity that does not exist or requires sessions. The entity is asked about through each namespace's
+    administration API (:func:`_ask_admin`: one request within its ``admin_timeout``); a namespace whose API does
+    not answer delays ``load()`` by that much and refuses nothing: the reader checks again when the query runs."""
+    _check_known(options, dict.fromkeys((*_SERVICEBUS_STREAM_OPTIONS, *_SERVICEBUS_BATCH_OPTIONS)),
+                 f"{SERVICEBUS_FORMAT} source")
+    path = _entity_option(options)
+    sides = _namespaces_option(options)
+    config = _options_config(options)
+    for side in sides:
+        unanswered = _ask_admin(config, Entity(f"{side}:{path}", side, path))
+        if unanswered is not None:
+            _LOGGER.warning("%s %r: the administration API of the %s did not answer (%s: %s); the entity is checked "
+                            "again when the query runs", SERVICEBUS_FORMAT, path, side, type(unanswered).__name__,
+                            redact(str(unanswered))[:200])
+    return path
+
+
+def _ask_admin(config: SparkSbConfig, entity: Entity) -> Exception | None:
+    """Check ``entity`` through its namespace's administration API (one request, bounded by the namespace's
+    ``admin_timeout``): :class:`EntityNotFoundError` when it does not exist, :class:`ConfigError` when it requires
+    sessions (its dead-letter queue never does). Returns what failed when the API did not answer (an outage, or a
+    credential without the Manage right, which reading does not need), else None."""
+    namespace = getattr(config, entity.side)
+    base, dead_letter = split_dead_letter(entity.path)
+    topic, marker, subscription = base.partition("/subscriptions/")
+    try:
+        with admin_client(namespace, retry_total=0) as admin:
+            found = admin.get_subscription(topic, subscription) if marker else admin.get_queue(base)
+    except Exception as exc:
+        if classify(exc) is not ErrorClass.CONFIGURATION_NOT_FOUND:
+            return exc
+        raise EntityNotFoundError(f"{entity.side} {namespace.fully_qualified_namespace}", base, "the servicebus "
+                                  "source reads a queue or a topic subscription (topic/subscriptions/name), or its "
+                                  "dead-letter queue (.../$DeadLetterQueue)") from exc
+    if found.requires_session and not dead_letter:
+        instead = (f"a subscription of {topic} without sessions" if marker else "a queue without sessions")
+        raise ConfigError("entity", f"requires sessions on the {entity.side} ({namespace.fully_qualified_namespace}): "
+                          "the servicebus source cannot read it (it defers each batch's messages and reads them back "
+                          "by sequence number, which a session entity allows only to the holder of each session's "
+                          f"lock); read {instead}, or receive this one with the SDK's session receiver", entity.path)
+    return None
+
+
+class _RefusedStreamReader(DataSourceStreamReader, *_AVAILABLE_NOW):  # type: ignore[misc]
+    """What ``streamReader()`` returns when the reader could not be built: each call Spark makes raises that
+    error, and ``stop`` does nothing. PySpark's streaming source runner (4.2; Apache Spark's 4.1 source reads the
+    same) builds the reader inside a ``try`` whose ``finally`` stops it, so an error raised by ``streamReader()``
+    itself reaches the user as ``UnboundLocalError: cannot access local variable 'reader'``, the real error only
+    in its context (and not at all with ``SPARK_HIDE_TRACEBACK``); raised by the first call instead, it is what the
+    query fails with."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise self.error
+
+    initialOffset = latestOffset = partitions = read = commit = getDefaultReadLimit = _refuse
+    prepareForTriggerAvailableNow = reportLatestOffset = _refuse
+
+    def stop(self) -> None:
+        pass
+
+
+def _stream_reader(build: Callable[[], DataSourceStreamReader]) -> DataSourceStreamReader:
+    """``build()``, or a reader raising its error from Spark's first call (see :class:`_RefusedStreamReader`)."""
+    try:
+        return build()
+    except Exception as exc:
+        return _RefusedStreamReader(exc)
 
 
 @dataclass(frozen=True)
@@ -532,35 +630,19 @@ class _EntityAccess:
             raise converted from exc
 
     def _check(self, entity: Entity) -> None:
-        """Before anything starts: the entity exists and needs no session (the administration API says; when
-        it cannot answer, a peek shows at least that the entity exists). An outage is logged, not raised. A
-        dead-letter queue is checked by its queue or subscription; it never needs a session."""
-        namespace = getattr(self.config, entity.side)
-        where = self._where(entity)
-        base, dead_letter = split_dead_letter(entity.path)
-        topic, marker, subscription = base.partition("/subscriptions/")
-        try:
-            with admin_client(namespace, retry_total=0) as admin:
-                found = (admin.get_subscription(topic, subscription) if marker else admin.get_queue(base))
-            sessions = bool(found.requires_session) and not dead_letter
-        except Exception as exc:
-            if classify(exc) is ErrorClass.CONFIGURATION_NOT_FOUND:
-                raise EntityNotFoundError(where, base, "the servicebus source reads a queue or a topic "
-                                          "subscription (topic/subscriptions/name), or its dead-letter queue "
-                                          "(.../$DeadLetterQueue)") from exc
-            _LOGGER.info("the administration API of the %s did not answer (%s); checking %r by a peek", entity.side,
-                         type(exc).__name__, entity.path)
-            try:
-                with self._namespace(entity).receiver(entity.path) as receiver:
-                    receiver.peek_messages(max_message_count=1)
-            except Exception as peek_error:
-                self._unavailable(entity, "checking the entity", peek_error)
+        """Before anything starts: the entity exists and needs no session (the administration API says,
+        :func:`_ask_admin`; when it cannot answer, a peek shows at least that the entity exists). An outage is
+        logged, not raised."""
+        unanswered = _ask_admin(self.config, entity)
+        if unanswered is None:
             return
-        if sessions:
-            raise ConfigError("entity", f"requires sessions on the {entity.side}: the servicebus source reads "
-                              "session-less queues and subscriptions only (it defers each batch's messages and "
-                              "reads them back by sequence number, which a session entity allows only to the "
-                              "holder of each session's lock)", entity.path)
+        _LOGGER.info("the administration API of the %s did not answer (%s); checking %r by a peek", entity.side,
+                     type(unanswered).__name__, entity.path)
+        try:
+            with self._namespace(entity).receiver(entity.path) as receiver:
+                receiver.peek_messages(max_message_count=1)
+        except Exception as peek_error:
+            self._unavailable(entity, "checking the entity", peek_error)
 
 
 def _in_session(message: Any) -> bool:
@@ -1149,6 +1231,7 @@ class BacklogStreamReader(DeferringStreamReader):
     PARTITION_SIZE = None
 
     def __init__(self, options: Mapping[str, str]) -> None:
+        _check_known(options, _STREAM_OPTIONS, f"{FORMAT} source")
         config = _options_config(options)
         queues = config.send_availability.backlog_queue_names()
         super().__init__(options, config, [Entity(q, "secondary", q) for q in queues],
@@ -1173,6 +1256,7 @@ class ServiceBusStreamReader(DeferringStreamReader):
     SINK_SETTLES = False
 
     def __init__(self, options: Mapping[str, str]) -> None:
+        _check_known(options, _SERVICEBUS_STREAM_OPTIONS, f"{SERVICEBUS_FORMAT} source in a stream (spark.readStream)")
         path = _entity_option(options)
         if split_dead_letter(path)[1]:
             raise ConfigError("entity", "is a dead-letter queue, which the servicebus source reads in batch only: "
@@ -1256,6 +1340,7 @@ class ServiceBusBatchReader(_EntityAccess, DataSourceReader):
     ``readRetryTimeout``, then :class:`SourceUnavailableError` names the namespace and the entity."""
 
     def __init__(self, options: Mapping[str, str]) -> None:
+        _check_known(options, _SERVICEBUS_BATCH_OPTIONS, f"{SERVICEBUS_FORMAT} source in a batch read (spark.read)")
         self.options = dict(options)
         path = _entity_option(self.options)
         self.dead_letter = split_dead_letter(path)[1]
