@@ -133,6 +133,7 @@ from .errors import (  # noqa: E402
     as_spark_sb_error,
     classify,
     is_blip,
+    raise_if_refused,
     redact,
     unreachable_reason,
 )
@@ -544,6 +545,7 @@ class _EntityAccess:
                 found = (admin.get_subscription(topic, subscription) if marker else admin.get_queue(base))
             sessions = bool(found.requires_session) and not dead_letter
         except Exception as exc:
+            raise_if_refused(exc, where, entity=entity.path)
             if classify(exc) is ErrorClass.CONFIGURATION_NOT_FOUND:
                 raise EntityNotFoundError(where, base, "the servicebus source reads a queue or a topic "
                                           "subscription (topic/subscriptions/name), or its dead-letter queue "
@@ -1101,7 +1103,8 @@ def active_counts(config: SparkSbConfig, entities: Sequence[Entity], what: str =
     """Active messages per entity key, from the administration API of each namespace that answers (each request
     bounded by the namespace's ``admin_timeout``). An entity is left out, with a warning, when its namespace
     does not answer (the rest of that namespace too: its endpoint is not tried again for each) or when it does
-    not exist, unless ``missing_is_empty`` (a backlog queue not provisioned yet holds nothing)."""
+    not exist, unless ``missing_is_empty`` (a backlog queue not provisioned yet holds nothing). A namespace that
+    refuses the credential raises :class:`~spark_sb.errors.CredentialRejectedError` at once: no retry helps."""
     counts: dict[str, int] = {}
     for side in dict.fromkeys(e.side for e in entities):
         try:
@@ -1116,7 +1119,8 @@ def active_counts(config: SparkSbConfig, entities: Sequence[Entity], what: str =
                             counts[entity.key] = 0
                         else:
                             _LOGGER.warning("%s depth: %r not found on the %s", what, entity.path, side)
-        except Exception as exc:  # the callers say what an unknown count means to them
+        except Exception as exc:  # the callers say what an unknown count means to them; never for a refusal
+            raise_if_refused(exc, f"{side} {getattr(config, side).fully_qualified_namespace}")
             _LOGGER.warning("%s depth on the %s unavailable: %s: %s", what, side, type(exc).__name__,
                             redact(str(exc))[:200])
     return counts

@@ -279,9 +279,12 @@ def test_config_error_names_option_and_value() -> None:
 
 def test_as_spark_sb_error_turns_a_rejected_credential_into_a_clear_error(client: ServiceBusClient) -> None:
     raised = raised_by_sdk(client, TokenAuthFailure(401, b"InvalidSignature"))
-    error = as_spark_sb_error(raised, namespace="contoso.servicebus.windows.net", entity="orders")
+    error = as_spark_sb_error(raised, namespace="primary contoso.servicebus.windows.net", entity="orders")
     assert isinstance(error, CredentialRejectedError)
-    assert "contoso.servicebus.windows.net/orders" in str(error)
+    # the namespace, its host and the refusal (the CBS status and its description, not the SDK's wrapper's
+    # "Service Bus has encountered an error")
+    assert str(error) == ("the primary namespace (contoso.servicebus.windows.net) refused the credential for "
+                          "'orders': 401 InvalidSignature")
     too_large = raised_by_sdk(client, AMQPLinkError(ErrorCondition.LinkMessageSizeExceeded, description="big"))
     bad = as_spark_sb_error(too_large, entity="orders", message_id="m-1")
     assert isinstance(bad, BadMessageError) and "'m-1'" in str(bad)
@@ -421,3 +424,4 @@ def test_a_connection_refused_at_the_quota_is_pushback_not_an_outage() -> None:
     lost = ServiceBusConnectionError(message="connection lost")
     assert is_connection_quota(refused) and classify(refused) is ErrorClass.THROTTLED
     assert not is_connection_quota(lost) and classify(lost) is ErrorClass.OUTAGE
+

@@ -294,3 +294,32 @@ def test_a_message_reaching_an_idle_receiver_is_released_for_others(namespace, m
             while not got and time.monotonic() < deadline:
                 got = [str(m) for m in other.receive_messages(max_message_count=1, max_wait_time=1)]
             assert got == ["for whoever asks"]
+
+
+@pytest.mark.parametrize("use", ["sender", "receiver"])
+def test_a_rejected_credential_is_tried_once_not_retried_by_the_sdk(emulator, primary, make_queue, use) -> None:
+    """The SDK marks an authentication error retryable and retries it for its whole policy (3 retries with its
+    defaults, about 15 s): a wrong key was refused four times, on four connections, before the caller saw it. A
+    handle of the bus raises it on the first refusal; the error is the SDK's, classified ``configuration-credential``."""
+    import re
+
+    from spark_sb.config import NamespaceConfig
+    from spark_sb.errors import ErrorClass, classify
+
+    q = make_queue()
+    wrong = re.sub(r"SharedAccessKey=[^;]*", "SharedAccessKey=d3Jvbmc=", primary.connection_string)
+    ns = bus.Namespace("primary", NamespaceConfig(connection_string=wrong, admin_endpoint=primary.admin_url))
+    server = emulator.server("primary")
+    opened = server.call(lambda: server.stats()["connections_opened"])
+    try:
+        with pytest.raises(ServiceBusError) as refused:
+            if use == "sender":
+                with ns.sender(q) as sender:
+                    sender.send_messages(ServiceBusMessage("never sent"))
+            else:
+                with ns.receiver(q) as receiver:
+                    receiver.peek_messages(max_message_count=1)
+    finally:
+        ns.close()
+    assert classify(refused.value) is ErrorClass.CONFIGURATION_CREDENTIAL
+    assert server.call(lambda: server.stats()["connections_opened"]) - opened == 1
