@@ -55,6 +55,8 @@ what a dropped connection looks like. A CBS status 404 (the audience's entity do
 from __future__ import annotations
 
 import enum
+import importlib
+import inspect
 import logging
 import re
 import socket
@@ -117,6 +119,7 @@ __all__ = [
     "refusal",
     "retry_after",
     "unreachable_reason",
+    "unwrap",
 ]
 
 
@@ -761,3 +764,63 @@ def is_unanswered(exc: BaseException) -> bool:
     return any(isinstance(link, ServiceRequestError | ServiceResponseError | ConnectionError | TimeoutError
                           | socket.gaierror) for link in _causes(exc))
 
+
+# --- what a user catches from Spark ------------------------------------------------------------------------
+
+#: a spark-sb error as Python prints it on the last line of a traceback (``spark_sb.errors.ConfigError: ...``);
+#: Spark appends `` SQLSTATE: 38000`` to an error class's message
+_PRINTED = re.compile(r"^[ \t]*(?P<module>spark_sb(?:\.\w+)*)\.(?P<name>[A-Za-z_]\w*): (?P<message>.*?)"
+                      r"(?: SQLSTATE: \w{5})?[ \t]*$", re.MULTILINE)
+
+
+def _printed_class(module: str, name: str) -> type[SparkSbError] | None:
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except Exception:  # noqa: BLE001 - a module this process cannot import (an extra missing): not one of ours here
+        return None
+    return found if isinstance(found, type) and issubclass(found, SparkSbError) else None
+
+
+def _texts(exc: BaseException) -> Iterator[str]:
+    """The text of ``exc`` and of every exception of its chain; for a Py4J error, the Java exception's too."""
+    for link in _causes(exc):
+        try:
+            yield str(link)
+        except Exception:  # noqa: BLE001 - a Py4J error's text needs the JVM, which may be gone
+            continue
+
+
+def unwrap(exc: BaseException) -> SparkSbError | None:
+    """The spark-sb error behind ``exc``, which is what a user catches from Spark, or None when there is none.
+
+    Spark hands an error raised in a Python data source, a Python worker or a ``foreachBatch`` function to the
+    caller wrapped: ``AnalysisException`` (``PYTHON_DATA_SOURCE_ERROR``, a source failing at ``load()``),
+    ``PythonException`` (an executor's task), ``StreamingQueryException`` (from ``awaitTermination()``), a Py4J
+    ``Py4JJavaError``, or their Spark Connect counterparts. Only the Python traceback's text crosses the process:
+    ``unwrap`` finds the last spark-sb error printed in it (``spark_sb.errors.ConfigError: ...``) and rebuilds an
+    instance of that class with that message, so ``isinstance``, ``error_class`` and ``retryable`` work as on the
+    original. A rebuilt error's other attributes (``option``, ``namespace``, ``entity``...) are None; its
+    ``__cause__`` is ``exc``. A spark-sb error itself, or one in ``exc``'s chain (``__cause__``, ``__context__``),
+    is returned as it is.
+
+    ``None``: ``exc`` carries no spark-sb error (a bug, a Spark error of its own): re-raise it.
+    """
+    for link in _causes(exc):
+        if isinstance(link, SparkSbError):
+            return link
+    found: tuple[type[SparkSbError], str] | None = None
+    for text in _texts(exc):
+        for match in _PRINTED.finditer(text):
+            error_type = _printed_class(match["module"], match["name"])
+            if error_type is not None:
+                found = (error_type, match["message"])
+    if found is None:
+        return None
+    error_type, message = found
+    error = error_type.__new__(error_type)
+    Exception.__init__(error, message)
+    for name in inspect.signature(error_type.__init__).parameters:
+        if name not in ("self", "args", "kwargs") and not hasattr(error, name):
+            setattr(error, name, None)
+    error.__cause__ = exc
+    return error
