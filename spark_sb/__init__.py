@@ -39,6 +39,7 @@ _EXPORTS = {
     "ReplicationError": ".errors",
     "SourceUnavailableError": ".errors",
     "SyphonSettleError": ".syphon",
+    "unwrap": ".errors",  # the spark-sb error behind what Spark raised
 }
 
 __all__ = [
@@ -62,6 +63,7 @@ __all__ = [
     "dedupe",
     "load_config",
     "register",
+    "unwrap",
 ]
 
 if TYPE_CHECKING:
@@ -78,6 +80,7 @@ if TYPE_CHECKING:
         ReplicationError,
         SourceUnavailableError,
         SparkSbError,
+        unwrap,
     )
     from .paired import PairedSender
     from .sink import PairedSink

@@ -55,6 +55,8 @@ what a dropped connection looks like. A CBS status 404 (the audience's entity do
 from __future__ import annotations
 
 import enum
+import importlib
+import inspect
 import logging
 import re
 import socket
@@ -111,9 +113,13 @@ __all__ = [
     "is_too_large",
     "is_unanswered",
     "needs_session",
+    "namespace_words",
+    "raise_if_refused",
     "redact",
+    "refusal",
     "retry_after",
     "unreachable_reason",
+    "unwrap",
 ]
 
 
@@ -253,17 +259,35 @@ class PairingError(SparkSbError):
 
 
 class CredentialRejectedError(SparkSbError):
-    """A namespace rejected the configured credential, or the credential lacks a right (Send, Listen, Manage)."""
+    """A namespace rejected the configured credential, or the credential lacks a right (Send, Listen, Manage).
+
+    The message names the namespace, its host and the refusal, e.g. ``the secondary namespace (localhost:5673)
+    refused the credential: 401 InvalidSignature: ...`` (``namespace`` is ``"<primary|secondary> <host>"``).
+
+    :ivar namespace: ``primary <host>`` or ``secondary <host>`` (or a host alone, or None).
+    :ivar entity: the entity of the refused call, when one.
+    """
 
     error_class = ErrorClass.CONFIGURATION_CREDENTIAL
 
     def __init__(self, namespace: str | None, detail: str, *, entity: str | None = None) -> None:
         self.namespace = namespace
         self.entity = entity
-        where = namespace or "the namespace"
+        text = f"{namespace_words(namespace)} refused the credential"
         if entity:
-            where = f"{where}/{entity}"
-        super().__init__(redact(f"credential rejected by {where}: {detail}"))
+            text += f" for {entity!r}"
+        super().__init__(redact(f"{text}: {detail}"))
+
+
+def namespace_words(namespace: str | None) -> str:
+    """How a message names a namespace: ``"primary contoso.servicebus.windows.net"`` -> ``the primary namespace
+    (contoso.servicebus.windows.net)``; a host alone -> ``the namespace <host>``; None -> ``the namespace``."""
+    if not namespace:
+        return "the namespace"
+    side, _, host = namespace.partition(" ")
+    if side in ("primary", "secondary") and host:
+        return f"the {side} namespace ({host})"
+    return f"the namespace {namespace}"
 
 
 class EntityNotFoundError(SparkSbError):
@@ -546,6 +570,42 @@ def classify(exc: BaseException) -> ErrorClass:
     return ErrorClass.OTHER
 
 
+_XML_DETAIL = re.compile(r"<Detail>(.*?)</Detail>", re.DOTALL)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+def refusal(exc: BaseException) -> str:
+    """What the service said refusing a credential, on one line and without secrets: the status and its
+    description (``401 InvalidSignature: ...`` from the administration API, ``401 Unauthorized: ...`` from a
+    CBS ``put-token``), else the AMQP condition and its description (``amqp:unauthorized-access: ...``), else what
+    the credential raised (azure-identity's ``ClientAuthenticationError``: ``AADSTS...``), else ``exc``'s text.
+    The SDK's own wrapper says only "Service Bus has encountered an error": the answer is in its causes."""
+    causes = list(_causes(exc))
+    for link in causes:
+        status = _status(link)
+        if status not in _REJECTING_STATUS:
+            continue
+        if isinstance(link, HttpResponseError):
+            found = _XML_DETAIL.search(str(link))
+            said = found.group(1) if found else (link.reason or str(link).split("\n")[0])
+        else:  # pyamqp's TokenAuthFailure (a CBS answer), or a management request's status
+            said = _text(getattr(link, "status_description", None)) or _text(getattr(link, "description", None)) \
+                or str(link)
+        return redact(_one_line(f"{status} {said}"))[:500]
+    for link in causes:
+        condition = _condition(link)
+        if condition in _REJECTING_CONDITIONS:
+            said = _text(getattr(link, "description", None)) or str(link)
+            return redact(_one_line(f"{condition}: {said}"))[:500]
+    for link in causes:
+        if isinstance(link, ClientAuthenticationError):
+            return redact(_one_line(str(link.message or link)))[:500]
+    return redact(_one_line(str(exc)))[:500]
+
+
 #: what the SDK's encoder raises for a message it cannot encode (an int property over its range, a TTL out of
 #: the AMQP range, non-UTF-8 text, an unsupported type); ``UnicodeError`` is a ``ValueError``. These are bad
 #: messages only where they come from encoding: the sender converts them at that call site
@@ -573,12 +633,24 @@ def as_spark_sb_error(
     error_class = classify(exc)
     detail = redact(str(exc))
     if error_class is ErrorClass.CONFIGURATION_CREDENTIAL:
-        return CredentialRejectedError(namespace, detail, entity=entity)
+        return CredentialRejectedError(namespace, refusal(exc), entity=entity)
     if error_class is ErrorClass.CONFIGURATION_NOT_FOUND:
         return EntityNotFoundError(namespace, entity, detail)
     if error_class is ErrorClass.BAD_MESSAGE:
         return BadMessageError(message_id, entity, detail)
     return None
+
+
+def raise_if_refused(exc: BaseException, namespace: str | None, *, entity: str | None = None) -> None:
+    """Raise :class:`CredentialRejectedError` naming ``namespace`` (``"primary <host>"``) and the refusal
+    (:func:`refusal`) when ``exc`` is a rejected credential (``configuration-credential``); else return. For the
+    places that take any other failure for an outage (a count the administration API did not give, a check that
+    falls back to a peek): a rejected credential is never an outage, and is never retried."""
+    if classify(exc) is not ErrorClass.CONFIGURATION_CREDENTIAL:
+        return
+    if isinstance(exc, CredentialRejectedError):
+        raise exc
+    raise CredentialRejectedError(namespace, refusal(exc), entity=entity) from exc
 
 
 # --- answers that are not failures: what the syphon and the sources read about one message -------------------
@@ -691,3 +763,64 @@ def is_unanswered(exc: BaseException) -> bool:
         return False
     return any(isinstance(link, ServiceRequestError | ServiceResponseError | ConnectionError | TimeoutError
                           | socket.gaierror) for link in _causes(exc))
+
+
+# --- what a user catches from Spark ------------------------------------------------------------------------
+
+#: a spark-sb error as Python prints it on the last line of a traceback (``spark_sb.errors.ConfigError: ...``);
+#: Spark appends `` SQLSTATE: 38000`` to an error class's message
+_PRINTED = re.compile(r"^[ \t]*(?P<module>spark_sb(?:\.\w+)*)\.(?P<name>[A-Za-z_]\w*): (?P<message>.*?)"
+                      r"(?: SQLSTATE: \w{5})?[ \t]*$", re.MULTILINE)
+
+
+def _printed_class(module: str, name: str) -> type[SparkSbError] | None:
+    try:
+        found = getattr(importlib.import_module(module), name, None)
+    except Exception:  # noqa: BLE001 - a module this process cannot import (an extra missing): not one of ours here
+        return None
+    return found if isinstance(found, type) and issubclass(found, SparkSbError) else None
+
+
+def _texts(exc: BaseException) -> Iterator[str]:
+    """The text of ``exc`` and of every exception of its chain; for a Py4J error, the Java exception's too."""
+    for link in _causes(exc):
+        try:
+            yield str(link)
+        except Exception:  # noqa: BLE001 - a Py4J error's text needs the JVM, which may be gone
+            continue
+
+
+def unwrap(exc: BaseException) -> SparkSbError | None:
+    """The spark-sb error behind ``exc``, which is what a user catches from Spark, or None when there is none.
+
+    Spark hands an error raised in a Python data source, a Python worker or a ``foreachBatch`` function to the
+    caller wrapped: ``AnalysisException`` (``PYTHON_DATA_SOURCE_ERROR``, a source failing at ``load()``),
+    ``PythonException`` (an executor's task), ``StreamingQueryException`` (from ``awaitTermination()``), a Py4J
+    ``Py4JJavaError``, or their Spark Connect counterparts. Only the Python traceback's text crosses the process:
+    ``unwrap`` finds the last spark-sb error printed in it (``spark_sb.errors.ConfigError: ...``) and rebuilds an
+    instance of that class with that message, so ``isinstance``, ``error_class`` and ``retryable`` work as on the
+    original. A rebuilt error's other attributes (``option``, ``namespace``, ``entity``...) are None; its
+    ``__cause__`` is ``exc``. A spark-sb error itself, or one in ``exc``'s chain (``__cause__``, ``__context__``),
+    is returned as it is.
+
+    ``None``: ``exc`` carries no spark-sb error (a bug, a Spark error of its own): re-raise it.
+    """
+    for link in _causes(exc):
+        if isinstance(link, SparkSbError):
+            return link
+    found: tuple[type[SparkSbError], str] | None = None
+    for text in _texts(exc):
+        for match in _PRINTED.finditer(text):
+            error_type = _printed_class(match["module"], match["name"])
+            if error_type is not None:
+                found = (error_type, match["message"])
+    if found is None:
+        return None
+    error_type, message = found
+    error = error_type.__new__(error_type)
+    Exception.__init__(error, message)
+    for name in inspect.signature(error_type.__init__).parameters:
+        if name not in ("self", "args", "kwargs") and not hasattr(error, name):
+            setattr(error, name, None)
+    error.__cause__ = exc
+    return error

@@ -139,6 +139,7 @@ from .errors import (  # noqa: E402
     as_spark_sb_error,
     classify,
     is_blip,
+    raise_if_refused,
     redact,
     unreachable_reason,
 )
@@ -339,7 +340,8 @@ def _check_at_load(options: Mapping[str, str]) -> str:
     ``schema()`` there (unless the user gave a schema); ``reader()`` only when a batch read runs and
     ``streamReader()`` only once the stream has started, in its own thread, and both check again: an option
     neither reading takes (with a did-you-mean), a bad ``entity`` or ``namespaces``, a configuration that does not
-    load, an entity that does not exist or requires sessions. The entity is asked about through each namespace's
+    load, an entity that does not exist or requires sessions, a credential the namespace refuses (a wrong key or
+    token; one that lacks only the Manage right may still read). The entity is asked about through each namespace's
     administration API (:func:`_ask_admin`: one request within its ``admin_timeout``); a namespace whose API does
     not answer delays ``load()`` by that much and refuses nothing: the reader checks again when the query runs."""
     _check_known(options, dict.fromkeys((*_SERVICEBUS_STREAM_OPTIONS, *_SERVICEBUS_BATCH_OPTIONS)),
@@ -356,6 +358,12 @@ def _check_at_load(options: Mapping[str, str]) -> str:
     return path
 
 
+def _lacks_manage_right(exc: BaseException) -> bool:
+    """The administration API refused a valid credential that lacks the Manage right (``'Manage' claim(s) are
+    required``): reading needs only Listen, so the check falls back to a peek instead of refusing."""
+    return "claim" in str(exc).lower() and "required" in str(exc).lower()
+
+
 def _ask_admin(config: SparkSbConfig, entity: Entity) -> Exception | None:
     """Check ``entity`` through its namespace's administration API (one request, bounded by the namespace's
     ``admin_timeout``): :class:`EntityNotFoundError` when it does not exist, :class:`ConfigError` when it requires
@@ -368,6 +376,8 @@ def _ask_admin(config: SparkSbConfig, entity: Entity) -> Exception | None:
         with admin_client(namespace, retry_total=0) as admin:
             found = admin.get_subscription(topic, subscription) if marker else admin.get_queue(base)
     except Exception as exc:
+        if not _lacks_manage_right(exc):  # a wrong key or token is raised at once, never taken for an outage
+            raise_if_refused(exc, f"{entity.side} {namespace.fully_qualified_namespace}", entity=entity.path)
         if classify(exc) is not ErrorClass.CONFIGURATION_NOT_FOUND:
             return exc
         raise EntityNotFoundError(f"{entity.side} {namespace.fully_qualified_namespace}", base, "the servicebus "
@@ -1183,7 +1193,8 @@ def active_counts(config: SparkSbConfig, entities: Sequence[Entity], what: str =
     """Active messages per entity key, from the administration API of each namespace that answers (each request
     bounded by the namespace's ``admin_timeout``). An entity is left out, with a warning, when its namespace
     does not answer (the rest of that namespace too: its endpoint is not tried again for each) or when it does
-    not exist, unless ``missing_is_empty`` (a backlog queue not provisioned yet holds nothing)."""
+    not exist, unless ``missing_is_empty`` (a backlog queue not provisioned yet holds nothing). A namespace that
+    refuses the credential raises :class:`~spark_sb.errors.CredentialRejectedError` at once: no retry helps."""
     counts: dict[str, int] = {}
     for side in dict.fromkeys(e.side for e in entities):
         try:
@@ -1198,7 +1209,8 @@ def active_counts(config: SparkSbConfig, entities: Sequence[Entity], what: str =
                             counts[entity.key] = 0
                         else:
                             _LOGGER.warning("%s depth: %r not found on the %s", what, entity.path, side)
-        except Exception as exc:  # the callers say what an unknown count means to them
+        except Exception as exc:  # the callers say what an unknown count means to them; never for a refusal
+            raise_if_refused(exc, f"{side} {getattr(config, side).fully_qualified_namespace}")
             _LOGGER.warning("%s depth on the %s unavailable: %s: %s", what, side, type(exc).__name__,
                             redact(str(exc))[:200])
     return counts

@@ -83,6 +83,7 @@ from .errors import (
     is_lock_lost,
     is_too_large,
     redact,
+    refusal,
 )
 from .paired.retry import ExponentialBackoff, RetryFor
 
@@ -496,7 +497,7 @@ class Syphon:
             self._primary.drop_sender(entity)
             if error_class is ErrorClass.CONFIGURATION_CREDENTIAL:
                 raise CredentialRejectedError(
-                    f"primary {self.config.primary.fully_qualified_namespace}", redact(str(exc)), entity=entity,
+                    f"primary {self.config.primary.fully_qualified_namespace}", refusal(exc), entity=entity,
                 ) from exc
             self._skip_until[entity] = self._clock() + self._retry_interval
             self._healthy_at.pop(entity, None)

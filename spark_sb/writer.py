@@ -75,7 +75,7 @@ from pyspark.sql.types import MapType, StructType, TimestampType  # noqa: E402
 
 from .bus import admin_client  # noqa: E402
 from .config import SinkConfig, SparkSbConfig, unsendable  # noqa: E402
-from .errors import ConfigError, ErrorClass, classify, redact  # noqa: E402
+from .errors import ConfigError, ErrorClass, classify, raise_if_refused, redact  # noqa: E402
 from .options import check_known as _check_known  # noqa: E402
 from .options import option as _option  # noqa: E402
 from .options import options_config as _options_config  # noqa: E402
@@ -392,6 +392,7 @@ def _ask_primary(config: SparkSbConfig, entity: str) -> bool:
                         raise
                     _LOGGER.debug("%r is not a %s on the primary", entity, kind)
     except Exception as exc:
+        raise_if_refused(exc, f"primary {namespace.fully_qualified_namespace}")
         _LOGGER.warning("the primary %s did not answer whether %r exists within %g s (%s); the sends will tell",
                         namespace.fully_qualified_namespace, entity, namespace.admin_timeout_seconds,
                         type(exc).__name__)

@@ -63,6 +63,7 @@ from spark_sb.errors import (
     needs_session,
     redact,
     unreachable_reason,
+    unwrap,
 )
 
 SECRET = "c2VjcmV0LWtleS12YWx1ZQ=="
@@ -279,9 +280,12 @@ def test_config_error_names_option_and_value() -> None:
 
 def test_as_spark_sb_error_turns_a_rejected_credential_into_a_clear_error(client: ServiceBusClient) -> None:
     raised = raised_by_sdk(client, TokenAuthFailure(401, b"InvalidSignature"))
-    error = as_spark_sb_error(raised, namespace="contoso.servicebus.windows.net", entity="orders")
+    error = as_spark_sb_error(raised, namespace="primary contoso.servicebus.windows.net", entity="orders")
     assert isinstance(error, CredentialRejectedError)
-    assert "contoso.servicebus.windows.net/orders" in str(error)
+    # the namespace, its host and the refusal (the CBS status and its description, not the SDK's wrapper's
+    # "Service Bus has encountered an error")
+    assert str(error) == ("the primary namespace (contoso.servicebus.windows.net) refused the credential for "
+                          "'orders': 401 InvalidSignature")
     too_large = raised_by_sdk(client, AMQPLinkError(ErrorCondition.LinkMessageSizeExceeded, description="big"))
     bad = as_spark_sb_error(too_large, entity="orders", message_id="m-1")
     assert isinstance(bad, BadMessageError) and "'m-1'" in str(bad)
@@ -421,3 +425,47 @@ def test_a_connection_refused_at_the_quota_is_pushback_not_an_outage() -> None:
     lost = ServiceBusConnectionError(message="connection lost")
     assert is_connection_quota(refused) and classify(refused) is ErrorClass.THROTTLED
     assert not is_connection_quota(lost) and classify(lost) is ErrorClass.OUTAGE
+
+
+# --- unwrap: the spark-sb error behind what Spark raised (tests/spark/test_errors_through_spark.py: the real ones) --
+
+
+class _Wrapped(Exception):
+    """What Spark hands the caller: only the Python traceback's text of the error crossed the process."""
+
+
+_TRACEBACK = """[STREAM_FAILED] Query [id = 1] terminated with exception: Traceback (most recent call last):
+  File "/x/spark_sb/source.py", line 10, in _check
+    raise CredentialRejectedError(namespace, refusal(exc), entity=entity) from exc
+spark_sb.errors.CredentialRejectedError: the primary namespace (localhost:5672) refused the credential: 401 No
+ SQLSTATE: 38000
+\tat org.apache.spark.api.python.BasePythonRunner.handlePythonException(PythonRunner.scala:1)"""
+
+
+def test_unwrap_rebuilds_the_spark_sb_error_from_the_text_spark_carries() -> None:
+    wrapped = _Wrapped(_TRACEBACK)
+    error = unwrap(wrapped)
+    assert type(error) is CredentialRejectedError
+    assert str(error) == "the primary namespace (localhost:5672) refused the credential: 401 No"
+    assert error.error_class is ErrorClass.CONFIGURATION_CREDENTIAL and not error.retryable
+    assert (error.namespace, error.entity) == (None, None) and error.__cause__ is wrapped
+    # the last one printed is what was raised; a SQLSTATE Spark appends on the same line is not the message's
+    both = _Wrapped("spark_sb.errors.SourceUnavailableError: first\n\nDuring handling...\n"
+                    "spark_sb.errors.ConfigError: entity: required SQLSTATE: 38000")
+    last = unwrap(both)
+    assert type(last) is ConfigError and str(last) == "entity: required" and last.option is None
+
+
+def test_unwrap_returns_a_spark_sb_error_as_it_is_and_none_for_anything_else() -> None:
+    error = ConfigError("entity", "required")
+    assert unwrap(error) is error
+    try:
+        try:
+            raise error
+        except ConfigError as inner:
+            raise RuntimeError("wrapped in this process") from inner
+    except RuntimeError as outer:
+        assert unwrap(outer) is error
+    assert unwrap(RuntimeError("a bug: spark_sb.errors.NotAClass: x")) is None
+    assert unwrap(_Wrapped("ValueError: spark_sb.errors.ConfigError: not at the start of a line")) is None
+    assert unwrap(_Wrapped("spark_sb.errors.redact: a function, not an error class")) is None

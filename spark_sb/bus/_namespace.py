@@ -35,7 +35,7 @@ from azure.servicebus.management import ServiceBusAdministrationClient
 from .. import messages as msgs
 from ..admin import admin_client as build_admin_client
 from ..config import NamespaceConfig, SparkSbConfig
-from ..errors import is_link_gone, is_message_not_found, needs_session
+from ..errors import is_link_gone, is_message_not_found, needs_session, raise_if_refused
 from . import pipeline
 from ._registry import close_quietly, shared
 
@@ -73,6 +73,31 @@ def _one_listener(sdk_receiver: ServiceBusReceiver) -> ServiceBusReceiver:
 
     sdk_receiver._create_handler = create_handler  # type: ignore[method-assign]
     return sdk_receiver
+
+
+def _refusal_raised(sdk_handle: _T, namespace: str, entity: str) -> _T:
+    """``sdk_handle`` (an SDK sender or receiver of ``entity``), which raises a rejected credential at once, as
+    :class:`~spark_sb.errors.CredentialRejectedError` naming ``namespace`` (``"primary <host>"``), the entity and
+    the refusal.
+
+    The SDK marks ``ServiceBusAuthenticationError`` and ``ServiceBusAuthorizationError`` retryable, whatever their
+    cause, and retries them for its whole retry policy (four refusals in about 15 s with its defaults) before the
+    caller sees them, saying only "Service Bus has encountered an error". A credential the service refused (a CBS
+    401 or 403, ``amqp:unauthorized-access``: :func:`~spark_sb.errors.classify` says ``configuration-credential``) is
+    refused again on every retry: it is raised on the first one. A broken CBS exchange (no status, a lost
+    connection) is still retried as the SDK does. Every retry of the SDK, its own and :mod:`.pipeline`'s, maps an
+    error through the handle's ``_handle_exception``; an SDK without it is left as it is."""
+    handle_exception = getattr(sdk_handle, "_handle_exception", None)
+    if handle_exception is None:
+        return sdk_handle
+
+    def handle_refusal(exception: BaseException) -> Any:
+        error = handle_exception(exception)  # raises the errors the SDK does not retry
+        raise_if_refused(error, namespace, entity=entity)
+        return error
+
+    sdk_handle._handle_exception = handle_refusal  # type: ignore[attr-defined]
+    return sdk_handle
 
 
 def _lock_listen(connection: Any) -> None:
@@ -206,6 +231,11 @@ class Namespace:
     def __repr__(self) -> str:
         return f"Namespace({self.name!r}, {self.namespace.fully_qualified_namespace!r})"
 
+    @property
+    def where(self) -> str:
+        """What errors call it: ``"<name> <host>"`` (``primary contoso.servicebus.windows.net``)."""
+        return f"{self.name} {self.namespace.fully_qualified_namespace}"
+
     # --- handles ---------------------------------------------------------------------------------------
 
     def _handle_lock(self, key: object) -> threading.RLock:
@@ -247,7 +277,8 @@ class Namespace:
 
     def _use_sender(self, key: tuple[str, int]) -> Any:
         return self._use(lambda g: g.senders, key,
-                         lambda client: client.get_queue_sender(key[0], **SENDER_KWARGS))
+                         lambda client: _refusal_raised(client.get_queue_sender(key[0], **SENDER_KWARGS), self.where,
+                                                        key[0]))
 
     @contextmanager
     def sender(self, entity: str) -> Iterator[ServiceBusSender]:
@@ -322,8 +353,8 @@ class Namespace:
         mode = ServiceBusReceiveMode.RECEIVE_AND_DELETE if delete else ServiceBusReceiveMode.PEEK_LOCK
         with self._handle_lock(("receiver", *key)), self._use(
                 lambda g: g.receivers, key,
-                lambda client: _one_listener(
-                    client.get_queue_receiver(queue, prefetch_count=0, receive_mode=mode)),
+                lambda client: _refusal_raised(_one_listener(
+                    client.get_queue_receiver(queue, prefetch_count=0, receive_mode=mode)), self.where, queue),
         ) as (generation, sdk_receiver):
             try:
                 # open it here, with the SDK's retries and try timeout (at once when open): left to the first

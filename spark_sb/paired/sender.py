@@ -81,6 +81,7 @@ from ..errors import (
     is_connection_quota,
     is_unanswered,
     redact,
+    refusal,
     retry_after,
     unreachable_reason,
 )
@@ -830,7 +831,7 @@ class PairedSender:
         """The error of a backlog send the secondary refused for its credential."""
         return CredentialRejectedError(f"secondary {self.config.secondary.fully_qualified_namespace}",
                                        f"sending to backlog queue {queue!r} for entity {entity!r}: "
-                                       f"{redact(str(error))}")
+                                       f"{refusal(error)}")
 
     def _prepare_backlog(self, entity: str, pairing_time: _PairingTime | None = None) -> None:
         """Open the sender of the backlog queue this entity will use, so that the first backlog send after
@@ -897,10 +898,10 @@ class PairedSender:
     def _refused(self, error: BaseException, entity: str) -> SparkSbError:
         """The configuration error a send raises after a ping of ``entity`` was refused with ``error``."""
         namespace = f"primary {self.config.primary.fully_qualified_namespace}"
-        detail = f"a ping while failed over was refused: {redact(str(error))}"
         if classify(error) is ErrorClass.CONFIGURATION_CREDENTIAL:
-            return CredentialRejectedError(namespace, detail, entity=entity)
-        return EntityNotFoundError(namespace, entity, detail)
+            return CredentialRejectedError(namespace, f"a ping while failed over was refused: {refusal(error)}",
+                                           entity=entity)
+        return EntityNotFoundError(namespace, entity, f"a ping while failed over was refused: {redact(str(error))}")
 
     def ping(self, entity: str) -> None:
         """Prove the primary entity accepts a message without anyone receiving it (:meth:`Namespace.ping

@@ -294,3 +294,36 @@ def test_a_message_reaching_an_idle_receiver_is_released_for_others(namespace, m
             while not got and time.monotonic() < deadline:
                 got = [str(m) for m in other.receive_messages(max_message_count=1, max_wait_time=1)]
             assert got == ["for whoever asks"]
+
+
+@pytest.mark.parametrize("use", ["sender", "receiver"])
+def test_a_rejected_credential_is_raised_at_once_naming_the_namespace(emulator, primary, make_queue, use) -> None:
+    """The SDK marks an authentication error retryable and retries it for its whole policy (3 retries with its
+    defaults, about 15 s): a wrong key was refused four times, on four connections, before the caller saw the SDK's
+    "Service Bus has encountered an error". A handle of the bus raises CredentialRejectedError on the first refusal,
+    naming the namespace, its host, the entity and the refusal, never the key."""
+    import re
+
+    from spark_sb.config import NamespaceConfig
+    from spark_sb.errors import CredentialRejectedError, ErrorClass
+
+    q = make_queue()
+    wrong = re.sub(r"SharedAccessKey=[^;]*", "SharedAccessKey=d3Jvbmc=", primary.connection_string)
+    ns = bus.Namespace("primary", NamespaceConfig(connection_string=wrong, admin_endpoint=primary.admin_url))
+    server = emulator.server("primary")
+    opened = server.call(lambda: server.stats()["connections_opened"])
+    try:
+        with pytest.raises(CredentialRejectedError) as refused:
+            if use == "sender":
+                with ns.sender(q) as sender:
+                    sender.send_messages(ServiceBusMessage("never sent"))
+            else:
+                with ns.receiver(q) as receiver:
+                    receiver.peek_messages(max_message_count=1)
+    finally:
+        ns.close()
+    assert refused.value.error_class is ErrorClass.CONFIGURATION_CREDENTIAL and not refused.value.retryable
+    assert str(refused.value).startswith(f"the primary namespace (localhost:{primary.amqp_port}) refused the "
+                                         f"credential for {q!r}: 401 "), str(refused.value)
+    assert "d3Jvbmc=" not in str(refused.value) and primary.key not in str(refused.value)
+    assert server.call(lambda: server.stats()["connections_opened"]) - opened == 1
