@@ -775,6 +775,15 @@ def run_available_now(spark: Any, conf: Any, timeout: float | None = 300.0, *, s
             return republisher, timed_out("")
 
 
+def _listened(spark: Any, seconds: float = 5.0) -> None:
+    """Wait (up to ``seconds``) until Spark's listeners heard every event so far, so that :func:`log_batch_steps`'
+    line of the last batch comes before the job's last line."""
+    try:
+        spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty(int(seconds * 1000))
+    except Exception:  # noqa: BLE001 - only the order of two lines is at stake
+        _LOGGER.debug("could not wait for Spark's listeners", exc_info=True)
+
+
 def _moved(republisher: Any) -> str:
     """What the syphon's batches did, for its last line: ``moved 750, re-parked 0, dead-lettered 0 in 3 batches``."""
     totals, batches = republisher.totals, republisher.batches
@@ -884,6 +893,7 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
         _LOGGER.debug("the syphon failed", exc_info=True)
         print(f"{parser.prog}: the syphon failed after {_moved(republisher)}: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(EXIT_QUERY_FAILED) from None
+    _listened(spark)
     if outcome is None:  # the stream stopped (stopped by someone)
         outcome = UntilEmpty(False, None, f"the query stopped, {_left(backlog_depth(config))}")
         print(f"{parser.prog}: {_moved(republisher)}; {outcome.why}", file=sys.stderr)
