@@ -441,8 +441,9 @@ def _logging(prog: str, args: argparse.Namespace) -> None:
 def _one_line(err: BaseException) -> str:
     """What failed, in one line: the error's class and message (the last ``Error``/``Exception`` line of the Python
     traceback a Spark error carries, the class without its module), at most 1,000 characters."""
-    text = str(err)
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    from .errors import redact
+
+    lines = [line.strip() for line in redact(str(err)).splitlines() if line.strip()]
     named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)
              and not line.startswith(("py4j.", "org.apache.spark.", "java.", "pyspark."))]
     if named:
@@ -659,7 +660,8 @@ def _bound(timeout: float | None) -> float | None:
 
 
 def await_until_empty(query: Any, idle_batches: int = 2, timeout: float | None = 300.0, poll: float = 0.5,
-                      depth: Callable[[], int | None] | None = None, settle: float = 30.0) -> UntilEmpty:
+                      depth: Callable[[], int | None] | None = None, settle: float = 30.0,
+                      republisher: Any = None) -> UntilEmpty:
     """Stop the query once ``idle_batches`` consecutive triggers found nothing and the backlog depth is 0, or after
     ``timeout`` seconds (0 or None: no bound, until the backlog is empty); returns how it ended
     (:class:`UntilEmpty`) and logs a warning naming what it left when the backlog was not seen empty. The depth
@@ -670,29 +672,32 @@ def await_until_empty(query: Any, idle_batches: int = 2, timeout: float | None =
     one, e.g. the administration API does not answer) is never taken for an empty backlog: the loop goes on
     asking, within ``timeout``. At the timeout the batch in flight may finish first (up to ``settle`` seconds,
     as :func:`await_batches` does), so that the depth it reports is counted between two batches. A query that
-    failed raises its error (``StreamingQueryException``), as ``awaitTermination`` does."""
+    failed raises its error (``StreamingQueryException``), as ``awaitTermination`` does, but for a batch that found
+    the primary down (:class:`~spark_sb.syphon.PrimaryDownError`, raised by ``republisher``, the query's
+    foreachBatch): that ends it with the primary down (:attr:`UntilEmpty.primary_down`)."""
     started, deadline = time.monotonic(), _bound(timeout)
     idle, last, seen = 0, None, None
-    while query.isActive and (deadline is None or time.monotonic() < deadline):
-        progress = query.lastProgress
-        if progress is not None and progress.get("timestamp") != last:
-            last = progress.get("timestamp")
-            rows = progress.get("numInputRows", 0)
-            seen = _backlog_depth(progress)
-            if seen is None and depth is not None and rows == 0:
-                seen = depth()
-            idle = idle + 1 if rows == 0 and seen == 0 else 0
-            if idle >= idle_batches:
-                break
-        query.awaitTermination(poll)
-    active = query.isActive
-    # the batch in flight finishes, so that what is left is counted between two batches; raises the error of a
-    # query that failed
     try:
+        while query.isActive and (deadline is None or time.monotonic() < deadline):
+            progress = query.lastProgress
+            if progress is not None and progress.get("timestamp") != last:
+                last = progress.get("timestamp")
+                rows = progress.get("numInputRows", 0)
+                seen = _backlog_depth(progress)
+                if seen is None and depth is not None and rows == 0:
+                    seen = depth()
+                idle = idle + 1 if rows == 0 and seen == 0 else 0
+                if idle >= idle_batches:
+                    break
+            query.awaitTermination(poll)  # raises the error of a query that failed
+        active = query.isActive
+        # the batch in flight finishes, so that what is left is counted between two batches; raises the error of
+        # a query that failed
         stop_between_batches(query, settle)
     except Exception as err:
-        if not _stopped_for_primary(err, None):
+        if not _stopped_for_primary(err, republisher):
             raise
+        _GATES.pop(str(query.id), None)
         outcome = _primary_down(depth() if depth is not None else None, _DOWN_MID_RUN)
         _LOGGER.warning("syphon --until-empty: %s", outcome.why)
         return outcome
@@ -881,7 +886,7 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
                 spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
                 query, _ = start_syphon(spark, config, republisher=republisher)
                 outcome = await_until_empty(query, timeout=args.timeout, depth=lambda: backlog_depth(config),
-                                            settle=STOP_SETTLE)
+                                            settle=STOP_SETTLE, republisher=republisher)
         else:
             _stream(spark, config, republisher)
     except StreamingQueryException as err:

@@ -195,3 +195,23 @@ def test_the_one_line_of_a_failure_names_the_error_and_its_message() -> None:
         "CredentialRejectedError: the primary refused the credential (Unauthorized)")
     assert jobs._one_line(ValueError("no\nmore")) == "ValueError: no"
     assert jobs._one_line(KeyError()) == "KeyError"
+
+
+def test_a_failed_writer_run_ends_with_one_line_naming_the_error(spark, primary, secondary, make_queue, tmp_path,
+                                                                 capsys, monkeypatch) -> None:
+    from spark_sb.sink import PairedSink
+
+    def fail(self: Any, df: Any, batch_id: int) -> None:
+        raise RuntimeError("the metrics table's storage refused the append")
+
+    monkeypatch.setattr(PairedSink, "__call__", fail)  # foreachBatch runs in this (the driver's) process
+    config = sink_config(primary, secondary, entity=make_queue(), source={"format": "rate", "rows_per_second": 20},
+                         checkpoint_location=str(tmp_path / "checkpoint"))
+    conf = tmp_path / "writer.json"
+    conf.write_text(json.dumps(config))
+    assert run_job(jobs.writer_main, ["--conf", str(conf), "--max-batches", "3"]) == jobs.EXIT_QUERY_FAILED
+    err = capsys.readouterr().err
+    _only_ours(err, "spark-sb-writer")
+    assert _lines(err)[-1] == ("spark-sb-writer: the writer query failed after 0 batches (the next run replays its "
+                               "batch from the checkpoint): RuntimeError: the metrics table's storage refused the "
+                               "append"), err[-2000:]
