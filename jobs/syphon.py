@@ -2,7 +2,8 @@
 
     spark-submit --packages io.delta:delta-spark_2.13:4.4.0 jobs/syphon.py --conf conf/local.yaml [--until-empty]
     # (Delta for Spark 4.2; spark_sb.capabilities.delta_package() names it for the installed delta-spark)
-    python jobs/syphon.py --conf conf/local.yaml [--until-empty]          # a local session (local[2])
+    python jobs/syphon.py --conf conf/local.yaml [--until-empty [--timeout SECONDS]] [--verbose | --log-config FILE]
+    # a local session (local[2])
 
 A thin wrapper over :func:`spark_sb.jobs.syphon_main` (also installed as the ``spark-sb-syphon`` command and
 the entry point of the Databricks bundle's syphon job). See :mod:`spark_sb.jobs`.

@@ -37,7 +37,7 @@ gave. Shape (defaults shown)::
       checkpoint_location: null       # writer job only
       source: {format: rate, rows_per_second: 10}   # or {table: name} or {path: ..., format: ...}
       trigger: null                   # processing-time trigger, e.g. 2s; null: as fast as possible
-      max_batches: null               # writer job: stop after this many batches
+      max_batches: null               # writer job: stop after this many batches of a run
 
 An option set to null is unset (its default applies). Strings may use ``${ENV_VAR}`` or
 ``${ENV_VAR:-default}`` (``$${`` is a literal ``${``); an unset variable without a default is an error naming
@@ -1271,7 +1271,8 @@ class SinkConfig(_Frozen):
     """The writer job's processing-time trigger, e.g. ``2s`` (1 ms to 1 day). None: each batch as soon as the
     last one ends."""
     max_batches: Count | None = Field(default=None, ge=1)
-    """The writer job stops after this many batches. None: it runs until stopped."""
+    """The writer job stops after this many batches of a run (``--max-batches`` overrides it): a run on an
+    existing checkpoint runs this many more, whatever batch it resumes from. None: it runs until stopped."""
 
     @model_validator(mode="after")
     def _consistent(self) -> SinkConfig:

@@ -41,7 +41,7 @@ from .capabilities import (
     trigger_available_now,
 )
 from .config import load_config
-from .errors import ConfigError, UnsupportedSparkError
+from .errors import ConfigError, SparkSbError, UnsupportedSparkError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -217,10 +217,14 @@ class BatchGate:
         self.refused: list[int] = []
         #: the last batch whose function returned (Spark commits it next)
         self.last: int | None = None
+        #: how many batches' function returned: the batches of this run (:func:`await_batches`)
+        self.ran = 0
+        #: refuse every batch once this many ran (:func:`await_batches` sets it; None: no limit)
+        self.limit: int | None = None
 
     def __call__(self, df: Any, batch_id: int) -> Any:
         with self._cond:
-            if self._closed:
+            if self._closed or (self.limit is not None and self.ran >= self.limit):
                 self.refused.append(batch_id)
                 raise StoppedBetweenBatches(f"batch {batch_id} not run: the query is stopping (the next run on "
                                             "this checkpoint replays it)")
@@ -232,6 +236,7 @@ class BatchGate:
                 self._running -= 1
                 self._cond.notify_all()
         self.last = batch_id
+        self.ran += 1
         return result
 
     def close(self, settle: float) -> bool:
@@ -296,15 +301,36 @@ def stop_between_batches(query: Any, settle: float = 30.0) -> None:
 
 
 def await_batches(query: Any, max_batches: int | None, poll: float = 0.2, settle: float = 30.0) -> None:
-    """Wait until ``max_batches`` batches completed, or until the query terminates. The query is then stopped
-    between two batches (:func:`stop_between_batches`, waiting up to ``settle`` seconds for the batch in
-    flight), so that no batch is interrupted half-sent."""
-    while query.isActive:
+    """Wait until ``max_batches`` batches of this run completed, or until the query terminates. The query is then
+    stopped between two batches (:func:`stop_between_batches`, waiting up to ``settle`` seconds for the batch in
+    flight), so that no batch is interrupted half-sent. The batches are counted from the start of this query,
+    whatever batch id its checkpoint resumes from: ``--max-batches 3`` twice on one checkpoint runs 3 batches,
+    then 3 more. A query :func:`start_writer` or :func:`start_syphon` started refuses the batch after the last
+    (:class:`BatchGate`: it does nothing, and the next run replays it); another is counted by its progress
+    reports since this call, and stopped once they show ``max_batches``."""
+    gate = _GATES.get(str(query.id))
+    if gate is not None:
+        gate.limit = max_batches
+    first: int | None = None  # another query: the first batch id its progress showed here
+
+    def done() -> bool:
+        nonlocal first
+        if max_batches is None:
+            return False
+        if gate is not None:
+            return gate.ran >= max_batches or bool(gate.refused)
         progress = query.lastProgress
-        if max_batches is not None and progress is not None and progress["batchId"] >= max_batches - 1:
-            stop_between_batches(query, settle)
-            return
+        if progress is None:
+            return False
+        if first is None:
+            first = int(progress["batchId"])
+        return int(progress["batchId"]) - first + 1 >= max_batches
+
+    while query.isActive and not done():
         query.awaitTermination(poll)
+    if done():
+        stop_between_batches(query, settle)  # a batch the gate refused ended the query: not a failure
+        return
     _GATES.pop(str(query.id), None)
     query.awaitTermination()
 
@@ -314,6 +340,13 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conf", required=True,
                         help="spark-sb YAML configuration (a local path, or /dbfs/..., /Volumes/..., /Workspace/...)")
+    parser.add_argument("--verbose", "-v", action="store_true",
+                        help="log every library's lines too: the Azure SDK's connections and HTTP requests, "
+                        "py4j's tracebacks, spark-sb's DEBUG lines (default: spark-sb's own lines at INFO, every "
+                        "other library's at WARNING and above)")
+    parser.add_argument("--log-config", metavar="FILE", default=None,
+                        help="configure logging from FILE instead (Python's logging.config: a dictConfig in "
+                        "YAML or JSON, or a fileConfig .ini/.cfg/.conf); --verbose is then ignored")
     return parser
 
 
@@ -328,43 +361,153 @@ def _load(prog: str, conf: str, check: Callable[[Any], None] = lambda config: No
     return config
 
 
-def _logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("py4j").setLevel(logging.WARNING)  # one line per gateway call otherwise
+#: the format of the jobs' log lines on the console
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _QuietStops(logging.Filter):
+    """On py4j's ``py4j.clientserver`` logger: drops its record "There was an exception while executing the Python
+    Proxy on the Python Side" (an ERROR with the traceback) for a batch a job stopped on purpose
+    (:class:`StoppedBetweenBatches`, :class:`~spark_sb.syphon.PrimaryDownError`), and, unless ``verbose``, for
+    any failure of a ``foreachBatch`` function: that error fails the query, and the job says it in one line."""
+
+    def __init__(self, verbose: bool) -> None:
+        super().__init__()
+        self.verbose = verbose
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        if error is None:
+            return True
+        if not self.verbose:
+            return False
+        from .syphon import PrimaryDownError
+
+        return not isinstance(error, (StoppedBetweenBatches, PrimaryDownError))
+
+
+def configure_logging(verbose: bool = False, log_config: str | os.PathLike[str] | None = None) -> None:
+    """The jobs' logging. ``log_config``: a file for Python's ``logging.config`` (``.ini``, ``.cfg`` or ``.conf``:
+    ``fileConfig``; anything else: a ``dictConfig`` in YAML or JSON), applied as it is (loggers that exist stay
+    enabled unless it says ``disable_existing_loggers: true``). Else spark-sb's own loggers (``spark_sb``) log at
+    INFO and every other library's (``azure``, the AMQP stack, ``urllib3``, ``py4j``...) at WARNING, on stderr
+    with :data:`LOG_FORMAT`; ``verbose``: every library's at INFO and spark-sb's at DEBUG. A root logger that
+    already has a handler (an application that configured logging before calling the job) keeps it: no second
+    one is added. Either way a batch a job stopped on purpose prints no traceback (:class:`_QuietStops`).
+    Raises :class:`ConfigError` for a ``log_config`` that cannot be read or applied."""
+    import logging.config
+
+    py4j = logging.getLogger("py4j.clientserver")
+    for old in [f for f in py4j.filters if isinstance(f, _QuietStops)]:
+        py4j.removeFilter(old)
+    if log_config is not None:
+        path = Path(log_config)
+        try:
+            if path.suffix.lower() in (".ini", ".cfg", ".conf"):
+                if not path.is_file():
+                    raise FileNotFoundError(f"no such file: {path}")
+                logging.config.fileConfig(path, disable_existing_loggers=False)
+            else:
+                import yaml
+
+                settings = yaml.safe_load(path.read_text())
+                if not isinstance(settings, dict):
+                    raise ValueError("not a dictConfig mapping (version: 1, handlers, loggers, root...)")
+                logging.config.dictConfig({"disable_existing_loggers": False, **settings})
+        except Exception as err:  # noqa: BLE001 - any fault of the file is the user's to fix
+            raise ConfigError("--log-config", f"{path}: {type(err).__name__}: {err}") from err
+        py4j.addFilter(_QuietStops(verbose=True))
+        return
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.WARNING)
+    logging.getLogger("spark_sb").setLevel(logging.DEBUG if verbose else logging.INFO)
+    logging.getLogger("py4j").setLevel(logging.WARNING)  # one INFO line per gateway call otherwise
+    py4j.addFilter(_QuietStops(verbose))
+
+
+def _logging(prog: str, args: argparse.Namespace) -> None:
+    """:func:`configure_logging` from the job's arguments, or exit 2 naming what is wrong with ``--log-config``."""
+    try:
+        configure_logging(args.verbose, args.log_config)
+    except ConfigError as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def _one_line(err: BaseException) -> str:
+    """What failed, in one line: the error's class and message (the last ``Error``/``Exception`` line of the Python
+    traceback a Spark error carries, the class without its module), at most 1,000 characters."""
+    from .errors import redact
+
+    lines = [line.strip() for line in redact(str(err)).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)
+             and not line.startswith(("py4j.", "org.apache.spark.", "java.", "pyspark."))]
+    if named:
+        line = named[-1]
+        name, _, message = line.partition(": ")
+        return f"{name.rsplit('.', 1)[-1]}: {message}"[:1000]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")[:1000]
 
 
 def writer_main(argv: Sequence[str] | None = None) -> int:
-    """``spark-sb-writer --conf FILE [--max-batches N] [--checkpoint DIR]``: the paired writer."""
+    """``spark-sb-writer --conf FILE [--max-batches N] [--checkpoint DIR] [--verbose | --log-config FILE]``: the
+    paired writer. It ends with one line on stderr saying what it sent and where; exit 1 with one line naming the
+    error when its query failed (the next run on the checkpoint replays the batch), 2 for a configuration it
+    cannot run."""
     parser = _parser("spark-sb-writer", "The paired writer: sends sink.source's rows to Service Bus through "
                      "the paired sink (writeStream.foreachBatch(PairedSink)).")
-    parser.add_argument("--max-batches", type=int, default=None, help="stop after this many batches")
+    parser.add_argument("--max-batches", type=int, default=None, metavar="N",
+                        help="stop after N batches of this run (default sink.max_batches; unset: run until "
+                        "stopped); a run on an existing checkpoint runs N more")
     parser.add_argument("--checkpoint", default=None, help="overrides sink.checkpoint_location")
     args = parser.parse_args(argv)
+    if args.max_batches is not None and args.max_batches < 1:
+        parser.error(f"--max-batches: must be 1 or more, got {args.max_batches}")
     require_spark(parser.prog)
-    _logging()
+    _logging(parser.prog, args)
     config = _load(parser.prog, args.conf)
     spark = build_session("spark-sb-paired-writer")
+    from pyspark.errors import StreamingQueryException
+
+    max_batches = args.max_batches or config.sink.max_batches
     query, sink = start_writer(spark, config, checkpoint=args.checkpoint)
     started = time.monotonic()
-    await_batches(query, args.max_batches or config.sink.max_batches)
-    _LOGGER.info("stopped after %d batches in %.0f s: %s", sink.totals.batches, time.monotonic() - started,
-                 sink.totals.describe())
+    try:
+        await_batches(query, max_batches)
+    except StreamingQueryException as err:
+        _LOGGER.debug("the writer query failed: %s", err)
+        print(f"{parser.prog}: the writer query failed after {sink.totals.batches} batches (the next run replays "
+              f"its batch from the checkpoint): {_one_line(err)}", file=sys.stderr)
+        raise SystemExit(EXIT_QUERY_FAILED) from None
+    totals = sink.totals
+    parked = f"; {totals.backlog_total} of them wait in the backlog for the syphon" if totals.backlog_total else ""
+    ending = (f"stopped after --max-batches {max_batches}" if max_batches is not None else "the query stopped")
+    print(f"{parser.prog}: {totals.batches} batches in {time.monotonic() - started:.0f} s, {totals.describe()}"
+          f"{parked}; {ending}", file=sys.stderr)
     return 0
 
 
 # --- the syphon ------------------------------------------------------------------------------------------
 
 def start_syphon(spark: Any, conf: Any, *, max_per_trigger: int | None = None,
-                 receive_timeout: float = 1.0, available_now: bool = False) -> tuple[Any, Any]:
+                 receive_timeout: float = 1.0, available_now: bool = False, republisher: Any = None
+                 ) -> tuple[Any, Any]:
     """Start the syphon query; returns ``(query, republisher)``. ``available_now``: ``trigger(availableNow=True)``
-    (Spark 4.2 and later): the query moves what the backlog held when it started, then stops. Raises
-    ``ConfigError`` when the checkpoint or the ledger location is missing, before anything starts, and
-    :class:`~spark_sb.errors.UnsupportedSparkError` on a Spark without what it needs."""
+    (Spark 4.2 and later): the query moves what the backlog held when it started, then stops. ``republisher``: a
+    :class:`~spark_sb.republisher.Republisher` of an earlier query on the same checkpoint to go on with (its
+    totals add up; a new one by default). Raises ``ConfigError`` when the checkpoint or the ledger location is
+    missing, before anything starts, and :class:`~spark_sb.errors.UnsupportedSparkError` on a Spark without what
+    it needs."""
     from .republisher import Republisher
     from .source import config_options, register
 
     config = load_config(conf)
-    republisher = Republisher(config)  # refuses a configuration without checkpoint or ledger
+    if republisher is None:
+        republisher = Republisher(config)  # refuses a configuration without checkpoint or ledger
     register(spark)
     stream = (spark.readStream.format("servicebus-backlog")
               .options(**config_options(config))  # by reference: no secret in the plan
@@ -442,11 +585,66 @@ EXIT_BACKLOG_LEFT = 3
 class UntilEmpty:
     """How ``--until-empty`` ended. ``empty``: the backlog depth was seen at 0 (never when it was unknown).
     ``depth``: the depth when it stopped (0 when empty; None when the administration API gave none). ``why``:
-    one sentence for the log and the job's output."""
+    one sentence for the log and the job's output. ``primary_down``: it stopped because the primary namespace did
+    not answer (before a run, or during a batch: :func:`primary_check`), having re-parked nothing since."""
 
     empty: bool
     depth: int | None
     why: str
+    primary_down: bool = False
+
+
+#: how long a job waits at its end (``--timeout``, ``--max-batches``) for the batch in flight to finish
+STOP_SETTLE = 30.0
+
+
+def _waiting(depth: int | None) -> str:
+    if depth is None:
+        return ("an unknown number of messages wait in the backlog (the secondary's administration API gave no "
+                "count)")
+    return f"{depth} message{' waits' if depth == 1 else 's wait'} in the backlog"
+
+
+def _primary_down(depth: int | None, cause: str) -> UntilEmpty:
+    return UntilEmpty(False, depth, f"the primary is down, {_waiting(depth)} ({cause})", primary_down=True)
+
+
+#: the cause :func:`_primary_down` names when a batch found the primary down
+_DOWN_MID_RUN = "it stopped answering during a batch, which re-parked nothing and is replayed by the next run"
+
+
+def primary_check(conf: Any) -> UntilEmpty | None:
+    """What the syphon job asks before a run moves anything: whether the primary namespace answers at all
+    (:func:`spark_sb.syphon.probe_primary`: one ping of an entity that does not exist, bounded by
+    ``send_availability.primary_try_timeout``). None when it answers, or when the backlog is empty anyway; else
+    how the run ends without moving or re-parking anything: "the primary is down, N messages wait in the
+    backlog" (N from :func:`spark_sb.source.backlog_depth`), logged as a warning."""
+    from .syphon import probe_primary
+
+    config = load_config(conf)
+    failure = probe_primary(config)
+    if failure is None:
+        return None
+    from .source import backlog_depth
+
+    outcome = _primary_down(backlog_depth(config), f"{type(failure).__name__}: {_first_line(failure)}")
+    if outcome.depth == 0:
+        return None
+    _LOGGER.warning("syphon: %s; nothing moved or re-parked", outcome.why)
+    return outcome
+
+
+def _first_line(err: BaseException, most: int = 200) -> str:
+    from .errors import redact
+
+    lines = redact(str(err)).strip().splitlines()
+    return (lines[0] if lines else "")[:most]
+
+
+def _stopped_for_primary(err: BaseException, republisher: Any) -> bool:
+    """Whether the query failed because a batch found the primary down (:class:`~spark_sb.syphon.PrimaryDownError`:
+    a stop, not a failure)."""
+    return getattr(republisher, "primary_down", None) is not None or "PrimaryDownError" in str(err)
 
 
 def _left(depth: int | None) -> str:
@@ -462,7 +660,8 @@ def _bound(timeout: float | None) -> float | None:
 
 
 def await_until_empty(query: Any, idle_batches: int = 2, timeout: float | None = 300.0, poll: float = 0.5,
-                      depth: Callable[[], int | None] | None = None, settle: float = 30.0) -> UntilEmpty:
+                      depth: Callable[[], int | None] | None = None, settle: float = 30.0,
+                      republisher: Any = None) -> UntilEmpty:
     """Stop the query once ``idle_batches`` consecutive triggers found nothing and the backlog depth is 0, or after
     ``timeout`` seconds (0 or None: no bound, until the backlog is empty); returns how it ended
     (:class:`UntilEmpty`) and logs a warning naming what it left when the backlog was not seen empty. The depth
@@ -473,25 +672,35 @@ def await_until_empty(query: Any, idle_batches: int = 2, timeout: float | None =
     one, e.g. the administration API does not answer) is never taken for an empty backlog: the loop goes on
     asking, within ``timeout``. At the timeout the batch in flight may finish first (up to ``settle`` seconds,
     as :func:`await_batches` does), so that the depth it reports is counted between two batches. A query that
-    failed raises its error (``StreamingQueryException``), as ``awaitTermination`` does."""
+    failed raises its error (``StreamingQueryException``), as ``awaitTermination`` does, but for a batch that found
+    the primary down (:class:`~spark_sb.syphon.PrimaryDownError`, raised by ``republisher``, the query's
+    foreachBatch): that ends it with the primary down (:attr:`UntilEmpty.primary_down`)."""
     started, deadline = time.monotonic(), _bound(timeout)
     idle, last, seen = 0, None, None
-    while query.isActive and (deadline is None or time.monotonic() < deadline):
-        progress = query.lastProgress
-        if progress is not None and progress.get("timestamp") != last:
-            last = progress.get("timestamp")
-            rows = progress.get("numInputRows", 0)
-            seen = _backlog_depth(progress)
-            if seen is None and depth is not None and rows == 0:
-                seen = depth()
-            idle = idle + 1 if rows == 0 and seen == 0 else 0
-            if idle >= idle_batches:
-                break
-        query.awaitTermination(poll)
-    active = query.isActive
-    # the batch in flight finishes, so that what is left is counted between two batches; raises the error of a
-    # query that failed
-    stop_between_batches(query, settle)
+    try:
+        while query.isActive and (deadline is None or time.monotonic() < deadline):
+            progress = query.lastProgress
+            if progress is not None and progress.get("timestamp") != last:
+                last = progress.get("timestamp")
+                rows = progress.get("numInputRows", 0)
+                seen = _backlog_depth(progress)
+                if seen is None and depth is not None and rows == 0:
+                    seen = depth()
+                idle = idle + 1 if rows == 0 and seen == 0 else 0
+                if idle >= idle_batches:
+                    break
+            query.awaitTermination(poll)  # raises the error of a query that failed
+        active = query.isActive
+        # the batch in flight finishes, so that what is left is counted between two batches; raises the error of
+        # a query that failed
+        stop_between_batches(query, settle)
+    except Exception as err:
+        if not _stopped_for_primary(err, republisher):
+            raise
+        _GATES.pop(str(query.id), None)
+        outcome = _primary_down(depth() if depth is not None else None, _DOWN_MID_RUN)
+        _LOGGER.warning("syphon --until-empty: %s", outcome.why)
+        return outcome
     if idle >= idle_batches:
         return UntilEmpty(True, 0, "the backlog is empty")
     if depth is not None:  # the depth now, not the last idle trigger's
@@ -505,69 +714,150 @@ def await_until_empty(query: Any, idle_batches: int = 2, timeout: float | None =
     return UntilEmpty(False, seen, why)
 
 
-def run_available_now(spark: Any, conf: Any, timeout: float | None = 300.0) -> tuple[Any, UntilEmpty]:
+def run_available_now(spark: Any, conf: Any, timeout: float | None = 300.0, *, settle: float = STOP_SETTLE,
+                      republisher: Any = None) -> tuple[Any, UntilEmpty]:
     """The syphon's ``--until-empty`` where Spark offers ``Trigger.AvailableNow`` (4.2): a run moves what the
     backlog held when it started, then stops. Then it asks the backlog's depth
     (:func:`spark_sb.source.backlog_depth`): messages that run re-parked (their destination was down) and
     messages the sink parked while it ran are new messages in the backlog, so another run follows after
-    ``syphon.retry_interval`` until the depth is 0, or until ``timeout`` seconds passed (0 or None: no bound;
-    checked between runs, a run is never cut short). An unknown depth (the administration API gave none) is not
-    an empty backlog. Returns the last run's republisher and how it ended (:class:`UntilEmpty`), having logged a
-    warning naming what it left when the backlog is not empty. A run that failed raises its error
-    (``StreamingQueryException``: e.g. the source's ``SourceUnavailableError``)."""
+    ``syphon.retry_interval`` until the depth is 0, or until ``timeout`` seconds passed (0 or None: no bound).
+    The timeout bounds the runs too: at it, the batch in flight finishes (up to ``settle`` seconds) and the run
+    stops between two batches. Before each run, :func:`primary_check`: with the primary down it ends at once,
+    moving and re-parking nothing; a batch that finds it down (:class:`~spark_sb.syphon.PrimaryDownError`) ends
+    it too. An unknown depth (the administration API gave none) is not an empty backlog. Returns the republisher
+    (``republisher``, else a new one; one for every run, so its totals add up) and how it ended
+    (:class:`UntilEmpty`), having logged a warning naming what it left when the backlog is not empty. A run that
+    failed raises its error (``StreamingQueryException``: e.g. the source's ``SourceUnavailableError``)."""
+    from .republisher import Republisher
     from .source import backlog_depth
 
     config = load_config(conf)
+    republisher = republisher or Republisher(config)
     started, deadline = time.monotonic(), _bound(timeout)
+
+    def over() -> bool:
+        return deadline is not None and time.monotonic() >= deadline
+
+    def timed_out(what: str) -> UntilEmpty:
+        left = backlog_depth(config)
+        if left == 0:
+            return UntilEmpty(True, 0, "the backlog is empty")
+        why = (f"stopped after {time.monotonic() - started:.0f} s (the --until-empty timeout, {timeout:g} s) "
+               f"with {_left(left)}{what}")
+        _LOGGER.warning("syphon --until-empty: %s", why)
+        return UntilEmpty(False, left, why)
+
     while True:
-        query, republisher = start_syphon(spark, config, available_now=True)
-        _GATES.pop(str(query.id), None)  # the run ends itself, between two batches
-        query.awaitTermination()  # raises the error of a run that failed
+        down = primary_check(config)
+        if down is not None:
+            return republisher, down
+        query, _ = start_syphon(spark, config, available_now=True, republisher=republisher)
+        try:
+            if deadline is None:
+                query.awaitTermination()  # raises the error of a run that failed
+                _GATES.pop(str(query.id), None)  # the run ended itself, between two batches
+            elif not query.awaitTermination(max(deadline - time.monotonic(), 0.001)):
+                stop_between_batches(query, settle)  # the batch in flight finishes; raises a failure
+                return republisher, timed_out("; messages parked while it ran wait for the next run")
+            else:
+                _GATES.pop(str(query.id), None)
+        except Exception as err:
+            _GATES.pop(str(query.id), None)
+            if not _stopped_for_primary(err, republisher):
+                raise
+            outcome = _primary_down(backlog_depth(config), _DOWN_MID_RUN)
+            _LOGGER.warning("syphon --until-empty: %s", outcome.why)
+            return republisher, outcome
         left = backlog_depth(config)
         if left == 0:
             return republisher, UntilEmpty(True, 0, "the backlog is empty")
-        reparked = republisher.totals.get("reparked", 0)
-        what = _left(left) + (f" ({reparked} re-parked by the last run: their destination was down)"
-                              if reparked else "")
-        if deadline is not None and time.monotonic() >= deadline:
-            why = (f"stopped after {time.monotonic() - started:.0f} s (the --until-empty timeout, {timeout:g} s) "
-                   f"with {what}; messages parked while it ran wait for the next run")
-            _LOGGER.warning("syphon --until-empty: %s", why)
-            return republisher, UntilEmpty(False, left, why)
-        _LOGGER.info("the run left %s: another run in %s", what, config.syphon.retry_interval)
-        time.sleep(config.syphon.retry_interval.total_seconds())
+        if over():
+            return republisher, timed_out("; messages parked while it ran wait for the next run")
+        _LOGGER.info("the run left %s: another run in %s", _left(left), config.syphon.retry_interval)
+        pause = config.syphon.retry_interval.total_seconds()
+        time.sleep(pause if deadline is None else max(min(pause, deadline - time.monotonic()), 0))
+        if over():
+            return republisher, timed_out("")
 
 
-def _failure(err: BaseException) -> str:
-    """The line of a query's error that names what failed: the last ``...Error: ...`` or ``...Exception: ...``
-    line of the Python traceback it carries, else its first line."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)
-             and not line.startswith(("py4j.", "org.apache.spark.", "java."))]
-    return (named[-1] if named else lines[0] if lines else type(err).__name__)[:1000]
+def _listened(spark: Any, seconds: float = 5.0) -> None:
+    """Wait (up to ``seconds``) until Spark's listeners heard every event so far, so that :func:`log_batch_steps`'
+    line of the last batch comes before the job's last line."""
+    try:
+        spark.sparkContext._jsc.sc().listenerBus().waitUntilEmpty(int(seconds * 1000))
+    except Exception:  # noqa: BLE001 - only the order of two lines is at stake
+        _LOGGER.debug("could not wait for Spark's listeners", exc_info=True)
+
+
+def _moved(republisher: Any) -> str:
+    """What the syphon's batches did, for its last line: ``moved 750, re-parked 0, dead-lettered 0 in 3 batches``."""
+    totals, batches = republisher.totals, republisher.batches
+    return (f"moved {totals.get('delivered', 0)}, re-parked {totals.get('reparked', 0)}, dead-lettered "
+            f"{totals.get('dead_lettered', 0)} in {batches} batch{'' if batches == 1 else 'es'}")
+
+
+def _stream(spark: Any, config: Any, republisher: Any) -> None:
+    """The syphon without ``--until-empty``: a stream until it is stopped. While the primary does not answer
+    (:func:`primary_check`, before the query starts, and a batch that finds it down) no query runs: it is asked
+    again every ``syphon.retry_interval``, and the query starts again (from its checkpoint) once it answers."""
+    from pyspark.errors import StreamingQueryException
+
+    pause = config.syphon.retry_interval.total_seconds()
+    down: UntilEmpty | None = None
+    while True:
+        check = primary_check(config)
+        if check is not None:
+            if down is None:
+                _LOGGER.warning("syphon: waiting for the primary, asked again every %s", config.syphon.retry_interval)
+            down = check
+            time.sleep(pause)
+            continue
+        if down is not None:
+            _LOGGER.info("syphon: the primary answers again: the stream goes on")
+            down = None
+        query, _ = start_syphon(spark, config, republisher=republisher)
+        try:
+            query.awaitTermination()
+            return
+        except StreamingQueryException as err:
+            _GATES.pop(str(query.id), None)
+            if not _stopped_for_primary(err, republisher):
+                raise
+            republisher.primary_down = None
+            _LOGGER.warning("syphon: the primary stopped answering during a batch: the stream waits for it (the "
+                            "batch is replayed)")
 
 
 def syphon_main(argv: Sequence[str] | None = None) -> int:
-    """``spark-sb-syphon --conf FILE [--until-empty [--timeout SECONDS]]``: the syphon job.
+    """``spark-sb-syphon --conf FILE [--until-empty [--timeout SECONDS]] [--verbose | --log-config FILE]``: the
+    syphon job.
+
+    Before a run moves anything it asks whether the primary namespace answers (:func:`primary_check`); while it
+    does not, nothing is moved or re-parked. It ends with one line on stderr saying what it did and what it left
+    (``spark-sb-syphon: moved 750, re-parked 0, dead-lettered 0 in 3 batches; the backlog is empty``).
 
     Exit status: 0 when it stopped with the backlog empty (``--until-empty``); :data:`EXIT_QUERY_FAILED` (1) when
-    the syphon query failed, its error printed (nothing is lost: the next run replays the batch from the
-    checkpoint); :data:`EXIT_BACKLOG_LEFT` (3) when ``--until-empty`` stopped at its ``--timeout`` with messages
-    left in the backlog, or with its depth unknown (the administration API gave no count): it prints what it
-    left. Messages parked or re-parked while it ran count as left: the next run moves them, but a scheduled run
-    that ends with the backlog not empty does not report success. 2: a configuration or a Spark it cannot run
-    on."""
+    the syphon query failed, its error named in that line (nothing is lost: the next run replays the batch from
+    the checkpoint); :data:`EXIT_BACKLOG_LEFT` (3) when ``--until-empty`` stopped with messages left in the
+    backlog: at its ``--timeout``, with the depth unknown (the administration API gave no count), or because the
+    primary is down ("the primary is down, N messages wait in the backlog"). Messages parked or re-parked while it
+    ran count as left: the next run moves them, but a scheduled run that ends with the backlog not empty does not
+    report success. 2: a configuration or a Spark it cannot run on."""
     parser = _parser("spark-sb-syphon", "The syphon: moves the messages parked in the backlog queues back to "
                      "the primary (servicebus-backlog source -> foreachBatch(Republisher)), recording each in "
-                     "the Delta ledger syphon.ledger; its checkpoint is syphon.checkpoint_location.")
+                     "the Delta ledger syphon.ledger; its checkpoint is syphon.checkpoint_location. Before a run "
+                     "moves anything it asks whether the primary namespace answers: while it does not, nothing is "
+                     "moved or re-parked (--until-empty ends at once with exit status 3; the stream waits).")
     parser.add_argument("--until-empty", action="store_true",
                         help="move what the backlog holds and stop once it is empty (trigger(availableNow=True) "
                         "runs on Spark 4.2 and later, run again while the backlog is not empty; earlier, stop once "
                         f"a trigger found nothing and the backlog depth is 0); exit {EXIT_BACKLOG_LEFT}, saying "
-                        "what it left, when the backlog is not empty (or its depth unknown) at --timeout")
+                        "what it left, when the backlog is not empty (or its depth unknown) at --timeout, or when "
+                        "the primary is down")
     parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="how long --until-empty goes on (default 300; 0: until the backlog is empty, "
-                        "without bound)")
+                        help="how long --until-empty goes on, counted once Spark has started (default 300; 0: "
+                        "until the backlog is empty, without bound): at the timeout the batch in flight finishes "
+                        f"(up to {STOP_SETTLE:g} s more) and the job stops")
     args = parser.parse_args(argv)
     if args.timeout < 0:
         parser.error(f"--timeout: must be 0 (no bound) or more seconds, got {args.timeout:g}")
@@ -577,31 +867,43 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
     except UnsupportedSparkError as err:
         print(f"{parser.prog}: {err}", file=sys.stderr)
         raise SystemExit(2) from None
-    _logging()
+    _logging(parser.prog, args)
     config = _load(parser.prog, args.conf, lambda config: config.syphon.require_job_locations())
     spark = build_session("spark-sb-syphon")
     from pyspark.errors import StreamingQueryException
 
-    outcome = None
+    from .republisher import Republisher
+    from .source import backlog_depth
+
+    republisher = Republisher(config)
+    outcome: UntilEmpty | None = None
     try:
         if args.until_empty and trigger_available_now():
-            republisher, outcome = run_available_now(spark, config, timeout=args.timeout)
+            _, outcome = run_available_now(spark, config, timeout=args.timeout, republisher=republisher)
         elif args.until_empty:  # an idle stream reports progress every second (not 10 s), and the loop stops it
-            from .source import backlog_depth
-
-            spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
-            query, republisher = start_syphon(spark, config)
-            outcome = await_until_empty(query, timeout=args.timeout, depth=lambda: backlog_depth(config))
+            outcome = primary_check(config)
+            if outcome is None:
+                spark.conf.set("spark.sql.streaming.noDataProgressEventInterval", "1s")
+                query, _ = start_syphon(spark, config, republisher=republisher)
+                outcome = await_until_empty(query, timeout=args.timeout, depth=lambda: backlog_depth(config),
+                                            settle=STOP_SETTLE, republisher=republisher)
         else:
-            query, republisher = start_syphon(spark, config)
-            query.awaitTermination()
+            _stream(spark, config, republisher)
     except StreamingQueryException as err:
-        _LOGGER.error("the syphon query failed: %s", err)
-        print(f"{parser.prog}: the syphon query failed (nothing is lost: the next run replays its batch from the "
-              f"checkpoint): {_failure(err)}", file=sys.stderr)
+        _LOGGER.debug("the syphon query failed: %s", err)
+        print(f"{parser.prog}: the syphon query failed after {_moved(republisher)} (nothing is lost: the next run "
+              f"replays its batch from the checkpoint): {_one_line(err)}", file=sys.stderr)
         raise SystemExit(EXIT_QUERY_FAILED) from None
-    _LOGGER.info("syphon stopped: %s", republisher.totals)
-    if outcome is not None and not outcome.empty:
-        print(f"{parser.prog}: --until-empty {outcome.why}", file=sys.stderr)
+    except SparkSbError as err:
+        _LOGGER.debug("the syphon failed", exc_info=True)
+        print(f"{parser.prog}: the syphon failed after {_moved(republisher)}: {_one_line(err)}", file=sys.stderr)
+        raise SystemExit(EXIT_QUERY_FAILED) from None
+    _listened(spark)
+    if outcome is None:  # the stream stopped (stopped by someone)
+        outcome = UntilEmpty(False, None, f"the query stopped, {_left(backlog_depth(config))}")
+        print(f"{parser.prog}: {_moved(republisher)}; {outcome.why}", file=sys.stderr)
+        return 0
+    print(f"{parser.prog}: {_moved(republisher)}; {outcome.why}", file=sys.stderr)
+    if not outcome.empty:
         raise SystemExit(EXIT_BACKLOG_LEFT)
     return 0

@@ -34,7 +34,7 @@ from . import tables
 from .bus import shared_namespace
 from .bus.deferred import peek_deferred
 from .config import SparkSbConfig
-from .syphon import Outcome, republish_received, settle_outcomes
+from .syphon import PRIMARY_DOWN, Outcome, PrimaryDownError, republish_received, settle_outcomes
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -111,6 +111,11 @@ class Republisher:
     settle the batch's backlog messages from the driver. A replayed batch
     skips what the ledger records for it and only settles it (see the comment above :data:`LEDGER_DDL`).
 
+    A batch that found the primary namespace down (outcomes ``left`` with reason
+    :data:`~spark_sb.syphon.PRIMARY_DOWN`: nothing re-parked) records and settles the rest as any batch, then
+    raises :class:`~spark_sb.syphon.PrimaryDownError`, so that Spark does not commit it: the run stops there and
+    the next run replays it (:attr:`primary_down` says so in this process).
+
     ``after`` (for tests) is called with each step's name once it is done: ``"republished"``,
     ``"recorded"``, ``"settled"``."""
 
@@ -119,6 +124,10 @@ class Republisher:
         self.config = config
         self.ledger = str(config.syphon.ledger)
         self.totals: dict[str, int] = {}
+        #: batches this object ran to the end (a batch that stopped for the primary counts)
+        self.batches = 0
+        #: the error of the batch that found the primary down (None: none did)
+        self.primary_down: PrimaryDownError | None = None
         #: seconds spent in each step over all batches: read and republish, ledger, settle
         self.step_seconds: dict[str, float] = {}
         self._after = after or (lambda step, batch_id: None)
@@ -171,3 +180,8 @@ class Republisher:
         _LOGGER.info("syphon batch %d: %s, %d backlog messages settled (recorded by an earlier attempt: %d); "
                      "read and republish %.2f s, ledger %.2f s, settle %.2f s", batch_id, counts or "nothing",
                      settled, len(before), *steps.values())
+        self.batches += 1
+        waiting = sum(1 for o in new if o.outcome == "left" and o.reason == PRIMARY_DOWN)
+        if waiting:
+            self.primary_down = PrimaryDownError(batch_id, waiting)
+            raise self.primary_down

@@ -40,6 +40,12 @@ Choices where behaviour.md is silent:
   ``reparked`` and the copy carries it on, so a replay adds no second copy and no second delivery. That
   search costs one peek per 250 messages after the batch's oldest (it stops early once every message of the
   batch has its copy); a batch that is not a replay pays nothing;
+* re-parking asks first whether the primary namespace answers at all (:func:`primary_unanswered`, once per
+  call): a destination down while the namespace answers is an outage of that entity, and its messages are
+  re-parked so that the other destinations' go on; a namespace that does not answer is the primary down, and
+  then nothing is re-parked or sent in that call: every message not settled yet stays deferred with outcome
+  ``left`` and reason :data:`PRIMARY_DOWN` (the syphon job's republisher then stops its run, see
+  :class:`PrimaryDownError`), so that an outage does not rewrite the backlog batch after batch;
 * a message whose lock was lost before it could be settled is left to the broker (it comes back);
 * taking back (:meth:`Syphon.take_back`, which :meth:`Syphon.drain` runs first): a syphon job's source defers
   the messages of each batch and reads them back by sequence number, so a job that died leaves them deferred,
@@ -89,9 +95,9 @@ from .paired.retry import ExponentialBackoff, RetryFor
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["REJECTED_BY_DESTINATION", "X_MS_REPARKED_FROM", "MoveSummary", "Outcome", "Syphon",
-           "SyphonSettleError", "reparked_copies", "republish_deferred", "republish_received",
-           "settle_outcomes", "summary_dict"]
+__all__ = ["PRIMARY_DOWN", "PROBE_ENTITY", "REJECTED_BY_DESTINATION", "X_MS_REPARKED_FROM", "MoveSummary",
+           "Outcome", "PrimaryDownError", "Syphon", "SyphonSettleError", "primary_unanswered", "probe_primary",
+           "reparked_copies", "republish_deferred", "republish_received", "settle_outcomes", "summary_dict"]
 
 #: dead-letter reason for a restored message that the destination refused as invalid
 REJECTED_BY_DESTINATION = "RejectedByDestination"
@@ -99,6 +105,56 @@ REJECTED_BY_DESTINATION = "RejectedByDestination"
 #: (:func:`spark_sb.messages.from_backlog` strips it with every ``x-ms-*`` property)
 X_MS_REPARKED_FROM = msgs.X_MS_REPARKED_FROM
 _MAX_DESCRIPTION = 1024
+#: the ledger reason of a message left in the backlog, not re-parked, because the primary namespace did not answer
+PRIMARY_DOWN = "PrimaryDown"
+#: the entity :func:`primary_unanswered` pings: one that does not exist, so that the namespace's "not found"
+#: proves it answers without touching a destination
+PROBE_ENTITY = "spark-sb-primary-probe"
+
+
+def primary_unanswered(primary: Namespace) -> BaseException | None:
+    """Whether the primary namespace answers at all: a ping (:meth:`~spark_sb.bus.Namespace.ping`) of
+    :data:`PROBE_ENTITY`, which does not exist. Any answer (not found, as expected; a credential refused for that
+    path; busy; success, should it exist) means the namespace is up; an outage-class failure (the connection
+    refused or lost, a host that does not resolve, no answer within ``primary_try_timeout``) that it is down:
+    that failure is returned, else None. Bounded by the primary's try timeout and retry policy
+    (``send_availability.primary_try_timeout``, ``primary_retry_total``). A failure that is no Service Bus
+    answer at all (a bug) is raised."""
+    try:
+        primary.ping(PROBE_ENTITY)
+    except Exception as exc:
+        error_class = classify(exc)
+        if error_class is ErrorClass.OUTAGE:
+            return exc
+        if error_class is ErrorClass.OTHER:
+            raise
+    finally:
+        primary.drop_sender(PROBE_ENTITY)
+    return None
+
+
+def probe_primary(config: SparkSbConfig) -> BaseException | None:
+    """:func:`primary_unanswered` for ``config``'s primary, on a connection of its own (closed after): what the
+    syphon job asks before a run moves anything."""
+    primary = Namespace("primary", config.primary, config.send_availability.primary_client_kwargs())
+    try:
+        return primary_unanswered(primary)
+    finally:
+        primary.close()
+
+
+class PrimaryDownError(SparkSbError):
+    """A syphon batch found the primary namespace down (:func:`primary_unanswered`): it re-parked nothing, and
+    left deferred every message it had not settled yet (outcome ``left``, reason :data:`PRIMARY_DOWN`). Raised
+    by the job's republisher once the batch's ledger rows are written and what it delivered, re-parked or
+    dead-lettered is settled, so that Spark does not commit the batch: the run stops, and the next run replays
+    the batch (its pre-check waits for the primary). Nothing is lost."""
+
+    def __init__(self, batch_id: int, left: int) -> None:
+        super().__init__(f"the primary namespace did not answer during batch {batch_id}: {left} of its messages "
+                         "stay in the backlog, not re-parked (the next run replays the batch)")
+        self.batch_id = batch_id
+        self.left = left
 
 
 @dataclass
@@ -214,6 +270,7 @@ class Syphon:
         self._skip_until: dict[str, float] = {}
         self._healthy_at: dict[str, float] = {}  # when each destination last accepted a ping or a send
         self._left_sessions: set[tuple[str, str]] = set()  # of the current settle call (see _leave)
+        self._primary_down: bool | None = None  # of the current settle call: None until asked (see _leave)
         self._primary = Namespace("primary", config.primary, config.send_availability.primary_client_kwargs())
         self._secondary = Namespace("secondary", config.secondary, {"retry_total": 0})
         #: held by whoever uses this syphon (one batch at a time: :func:`syphon_for`)
@@ -420,6 +477,7 @@ class Syphon:
         for items in groups.values():  # a session reaches its destination in the order it was parked
             items.sort(key=lambda item: int(getattr(item[0], "sequence_number", None) or 0))
         self._left_sessions = set()  # (entity, session id) of this call's messages left: their later ones stay too
+        self._primary_down = None  # asked again by this call's first re-park
         if behind:
             for entity, items in list(groups.items()):
                 waiting = [item for item in items if _above_gap(entity, item, behind)]
@@ -441,7 +499,7 @@ class Syphon:
 
     def _deliver(self, receiver: Any, entity: str, items: list[tuple[Any, ServiceBusMessage]],
                  summary: MoveSummary, *, one_by_one: bool = False, fresh: bool = False) -> None:
-        if self._skip_until.get(entity, 0.0) > self._clock():
+        if self._primary_down or self._skip_until.get(entity, 0.0) > self._clock():
             self._leave(receiver, entity, items, summary)
             return
         behind = [item for item in items if _session(entity, item) in self._left_sessions]
@@ -493,14 +551,17 @@ class Syphon:
                     self._dead_letter(receiver, message, msgs.DESTINATION_NOT_FOUND,
                                       f"{entity!r} does not exist on the primary", summary, entity)
                 return
-            self._leave(receiver, entity, rest, summary)
+            if not (self.repark and error_class is ErrorClass.CONFIGURATION_CREDENTIAL):  # that fails the batch:
+                self._leave(receiver, entity, rest, summary)  # copies re-parked then would be churn only
             self._primary.drop_sender(entity)
             if error_class is ErrorClass.CONFIGURATION_CREDENTIAL:
                 raise CredentialRejectedError(
                     f"primary {self.config.primary.fully_qualified_namespace}", refusal(exc), entity=entity,
                 ) from exc
-            self._skip_until[entity] = self._clock() + self._retry_interval
             self._healthy_at.pop(entity, None)
+            if self._primary_down:  # not the entity: the namespace; the next call asks again at once
+                return
+            self._skip_until[entity] = self._clock() + self._retry_interval
             _LOGGER.info("destination %r unavailable (%s): %d messages stay in the backlog for %.3g s", entity,
                          type(exc).__name__, len(rest), self._retry_interval)
 
@@ -523,18 +584,36 @@ class Syphon:
         """Leave these messages in the backlog: abandoned (or, re-parking, left deferred: the source offers them
         again first), but a message without a session when re-parking: its copy goes to the end of the queue.
         A session's message is never re-parked (its copy would go behind the session's later messages), and once
-        one is left, so are the later messages of its session in this call."""
+        one is left, so are the later messages of its session in this call. Before the first re-park of a call
+        the primary namespace is asked whether it answers at all (:func:`primary_unanswered`): when it does not,
+        nothing is re-parked in this call, every message is left deferred with reason :data:`PRIMARY_DOWN`."""
         self._left_sessions.update(session for session in (_session(entity, item) for item in items) if session)
         if entity not in summary.down:
             summary.down.append(entity)
-        kept = [item for item in items if not self.repark or _session(entity, item) is not None]
+        parked = [self.repark and _session(entity, item) is None for item in items]
+        primary_down = any(parked) and self._primary_is_down()
+        if primary_down:
+            parked = [False] * len(items)
+        kept = [item for item, park in zip(items, parked, strict=True) if not park]
         for message, _ in kept:
             _settle(receiver, "abandon_message", message)
-            summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left"))
+            summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left",
+                                             PRIMARY_DOWN if primary_down else None))
         if kept:
             _add(summary.left, entity, len(kept))
         if len(kept) < len(items):
-            self._repark(receiver, entity, [item for item in items if _session(entity, item) is None], summary)
+            self._repark(receiver, entity, [item for item, park in zip(items, parked, strict=True) if park], summary)
+
+    def _primary_is_down(self) -> bool:
+        """Whether the primary namespace does not answer, asked once per :meth:`settle` call."""
+        if self._primary_down is None:
+            failure = primary_unanswered(self._primary)
+            self._primary_down = failure is not None
+            if failure is not None:
+                _LOGGER.warning("the primary namespace %s does not answer (%s: %s): nothing is re-parked, this "
+                                "batch's messages stay in the backlog", self.config.primary.fully_qualified_namespace,
+                                type(failure).__name__, redact(str(failure))[:200])
+        return self._primary_down
 
     def _repark(self, receiver: Any, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
         """Send a copy of each message back to its backlog queue, in batches that fit, then complete the

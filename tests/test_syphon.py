@@ -338,7 +338,7 @@ def test_re_parking_carries_on_through_a_secondary_that_stops_answering_for_a_fe
             client.get_queue_receiver(queue) as receiver:
         found = peek_deferred(receiver, numbers)
     close_all()
-    emulator.fault("primary", "down")  # the destination: its messages are re-parked
+    emulator.fault("primary", "down", entity=home)  # the destination (the namespace answers): re-parked
     emulator.fault("secondary", "down", duration=2.0)
     try:
         outcomes = republish_received(cfg, {queue: found})
