@@ -41,7 +41,7 @@ from .capabilities import (
     trigger_available_now,
 )
 from .config import load_config
-from .errors import ConfigError, SparkSbError, UnsupportedSparkError
+from .errors import ConfigError, UnsupportedSparkError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -342,8 +342,9 @@ def _parser(prog: str, description: str) -> argparse.ArgumentParser:
                         help="spark-sb YAML configuration (a local path, or /dbfs/..., /Volumes/..., /Workspace/...)")
     parser.add_argument("--verbose", "-v", action="store_true",
                         help="log every library's lines too: the Azure SDK's connections and HTTP requests, "
-                        "py4j's tracebacks, spark-sb's DEBUG lines (default: spark-sb's own lines at INFO, every "
-                        "other library's at WARNING and above)")
+                        "py4j's tracebacks, spark-sb's DEBUG lines and the whole error of a failure (default: "
+                        "spark-sb's own lines at INFO, every other library's at WARNING and above, a failure in "
+                        "one line; a root logger configured before the job keeps its handlers)")
     parser.add_argument("--log-config", metavar="FILE", default=None,
                         help="configure logging from FILE instead (Python's logging.config: a dictConfig in "
                         "YAML or JSON, or a fileConfig .ini/.cfg/.conf); --verbose is then ignored")
@@ -474,14 +475,19 @@ def writer_main(argv: Sequence[str] | None = None) -> int:
     from pyspark.errors import StreamingQueryException
 
     max_batches = args.max_batches or config.sink.max_batches
-    query, sink = start_writer(spark, config, checkpoint=args.checkpoint)
     started = time.monotonic()
     try:
-        await_batches(query, max_batches)
-    except StreamingQueryException as err:
-        _LOGGER.debug("the writer query failed: %s", err)
-        print(f"{parser.prog}: the writer query failed after {sink.totals.batches} batches (the next run replays "
-              f"its batch from the checkpoint): {_one_line(err)}", file=sys.stderr)
+        query, sink = start_writer(spark, config, checkpoint=args.checkpoint)
+        try:
+            await_batches(query, max_batches)
+        except StreamingQueryException as err:
+            _LOGGER.debug("the writer query failed: %s", err)
+            print(f"{parser.prog}: the writer query failed after {sink.totals.batches} batches (the next run "
+                  f"replays its batch from the checkpoint): {_one_line(err)}", file=sys.stderr)
+            raise SystemExit(EXIT_QUERY_FAILED) from None
+    except Exception as err:  # before the query ran: its source, its sink
+        _LOGGER.debug("the writer failed", exc_info=True)
+        print(f"{parser.prog}: the writer failed: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(EXIT_QUERY_FAILED) from None
     totals = sink.totals
     parked = f"; {totals.backlog_total} of them wait in the backlog for the syphon" if totals.backlog_total else ""
@@ -894,7 +900,7 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
         print(f"{parser.prog}: the syphon query failed after {_moved(republisher)} (nothing is lost: the next run "
               f"replays its batch from the checkpoint): {_one_line(err)}", file=sys.stderr)
         raise SystemExit(EXIT_QUERY_FAILED) from None
-    except SparkSbError as err:
+    except Exception as err:  # outside a query: the pre-check, the backlog's depth, the query's start
         _LOGGER.debug("the syphon failed", exc_info=True)
         print(f"{parser.prog}: the syphon failed after {_moved(republisher)}: {_one_line(err)}", file=sys.stderr)
         raise SystemExit(EXIT_QUERY_FAILED) from None
