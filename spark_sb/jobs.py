@@ -441,9 +441,13 @@ def _logging(prog: str, args: argparse.Namespace) -> None:
 
 def _one_line(err: BaseException) -> str:
     """What failed, in one line: the error's class and message (the last ``Error``/``Exception`` line of the Python
-    traceback a Spark error carries, the class without its module), at most 1,000 characters."""
-    from .errors import redact
+    traceback a Spark error carries, the class without its module), at most 1,000 characters. A spark-sb error is
+    found as :func:`spark_sb.errors.unwrap` finds it (the one a user's own code gets back the same way)."""
+    from .errors import redact, unwrap
 
+    ours = unwrap(err)
+    if ours is not None and str(ours).strip():
+        return f"{type(ours).__name__}: {redact(str(ours)).strip().splitlines()[0]}"[:1000]
     lines = [line.strip() for line in redact(str(err)).splitlines() if line.strip()]
     named = [line for line in lines if re.match(r"^[\w.]+(Error|Exception): ", line)
              and not line.startswith(("py4j.", "org.apache.spark.", "java.", "pyspark."))]
