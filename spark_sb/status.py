@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import re
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, TypeVar
 
@@ -31,7 +31,7 @@ from . import bus
 from .admin import admin_endpoint_of
 from .bus.deferred import PAGE
 from .config import NamespaceConfig, SparkSbConfig
-from .errors import ConfigError, ErrorClass, classify, is_unanswered, redact, unreachable_reason
+from .errors import ConfigError, ErrorClass, _causes, classify, is_unanswered, redact, unreachable_reason
 from .messages import parked_session
 
 __all__ = ["EXIT_CONFIGURATION", "EXIT_OK", "EXIT_UNREACHABLE", "Problem", "describe", "provision", "status"]
@@ -92,27 +92,14 @@ _NETWORK_WORDS = (
                 r"name resolution|no address associated"), "host not found"),
     (re.compile(r"(?i)certificate verify failed|ssl"), "TLS handshake failed"),
     (re.compile(r"(?i)reset by peer|connection aborted|remote end closed|remotedisconnected|broken pipe|"
-                r"eof occurred|connection closed|unexpected eof"), "the connection was closed without an answer"),
+                r"eof occurred|connection closed|unexpected eof|unexpectedly closed"),
+     "the connection was closed without an answer"),
     (re.compile(r"(?i)timed? ?out"), "no answer in time"),
 )
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    seen: set[int] = set()
-    stack = [exc]
-    while stack and len(seen) < 32:
-        current = stack.pop()
-        if id(current) in seen:
-            continue
-        seen.add(id(current))
-        yield current
-        for linked in (getattr(current, "inner_exception", None), current.__cause__, current.__context__):
-            if isinstance(linked, BaseException):
-                stack.append(linked)
-
-
 def _status_code(exc: BaseException) -> int | None:
-    for link in _chain(exc):
+    for link in _causes(exc):
         for name in ("status_code", "_status_code"):
             value = getattr(link, name, None)
             if isinstance(value, int) and not isinstance(value, bool):
@@ -126,7 +113,7 @@ def _status_code(exc: BaseException) -> int | None:
 def _detail(exc: BaseException) -> str:
     """The service's own words: an administration error's ``<Detail>``, a CBS refusal's ``Description:``, else
     the first line of the deepest message that says something."""
-    texts = [str(link) for link in _chain(exc)]
+    texts = [str(link) for link in _causes(exc)]
     for text in texts:
         found = re.search(r"<Detail>(.*?)</Detail>", text, re.DOTALL) or re.search(r"Description: ([^\n]+)", text)
         if found:
@@ -139,7 +126,7 @@ def _network_reason(exc: BaseException) -> str | None:
     reason = unreachable_reason(exc)
     if reason is not None:
         return reason
-    text = " | ".join(f"{type(link).__name__}: {link}" for link in _chain(exc))
+    text = " | ".join(f"{type(link).__name__}: {link}" for link in _causes(exc))
     return next((words for pattern, words in _NETWORK_WORDS if pattern.search(text)), None)
 
 
