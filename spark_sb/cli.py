@@ -11,23 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-
-def _duration_seconds(text: str) -> float:
-    """A positive duration (``60s``, ``2m``, ``PT1M``, seconds) as seconds, for argparse."""
-    from .durations import DurationError, parse_seconds
-
-    try:
-        seconds = parse_seconds(text)
-    except DurationError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive duration, got {text!r}")
-    return seconds
-
-
-def _timeout_seconds(text: str) -> float:
-    """A duration as seconds, where 0 means "no timeout", for argparse."""
-    return 0.0 if text.strip() in ("0", "0s") else _duration_seconds(text)
+from .durations import seconds_argument as _duration_seconds
+from .durations import timeout_argument as _timeout_seconds
 
 
 def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -86,6 +86,25 @@ def parse_seconds(value: object, *, iso_only: bool = False) -> float:
     return total
 
 
+def seconds_argument(text: str) -> float:
+    """A positive duration (``60s``, ``2m``, ``PT1M``, or a number of seconds) as seconds: an ``argparse`` type, as
+    every command's duration options take them."""
+    import argparse
+
+    try:
+        seconds = parse_seconds(text)
+    except DurationError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive duration, got {text!r}")
+    return seconds
+
+
+def timeout_argument(text: str) -> float:
+    """:func:`seconds_argument` where 0 (``0``, ``0s``) means "no bound"."""
+    return 0.0 if text.strip() in ("0", "0s") else seconds_argument(text)
+
+
 def parse_duration(value: object) -> timedelta:
     """A :class:`~datetime.timedelta` from any accepted spelling; :class:`DurationError` if not."""
     if isinstance(value, timedelta):

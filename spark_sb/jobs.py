@@ -41,6 +41,7 @@ from .capabilities import (
     trigger_available_now,
 )
 from .config import load_config
+from .durations import timeout_argument
 from .errors import ConfigError, UnsupportedSparkError
 
 _LOGGER = logging.getLogger(__name__)
@@ -864,13 +865,12 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
                         f"a trigger found nothing and the backlog depth is 0); exit {EXIT_BACKLOG_LEFT}, saying "
                         "what it left, when the backlog is not empty (or its depth unknown) at --timeout, or when "
                         "the primary is down")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                        help="how long --until-empty goes on, counted once Spark has started (default 300; 0: "
-                        "until the backlog is empty, without bound): at the timeout the batch in flight finishes "
+    parser.add_argument("--timeout", type=timeout_argument, default=300.0, metavar="DURATION",
+                        help="how long --until-empty goes on, counted once Spark has started (5m, 300s or seconds; "
+                        "default 300 s; 0: until the backlog is empty, without bound): at the timeout the batch in "
+                        "flight finishes "
                         f"(up to {STOP_SETTLE:g} s more) and the job stops")
     args = parser.parse_args(argv)
-    if args.timeout < 0:
-        parser.error(f"--timeout: must be 0 (no bound) or more seconds, got {args.timeout:g}")
     require_spark(parser.prog)
     try:
         require_python_data_sources(parser.prog)

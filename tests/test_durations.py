@@ -50,3 +50,24 @@ def test_formats() -> None:
     assert [format_duration(timedelta(seconds=s)) for s in (7200, 3600, 90, 1.5, 0.5, 0)] == [
         "2 h", "60 min", "90 s", "1.5 s", "500 ms", "0 s"]
     assert [iso_duration(s) for s in (60.0, 30.5, 93600.0, 0.0)] == ["PT1M", "PT30.5S", "P1DT2H", "PT0S"]
+
+
+def test_the_syphon_job_takes_its_timeout_as_a_duration_like_every_other_option(tmp_path) -> None:
+    """``spark-sb-syphon --timeout`` took only a number of seconds while every other duration takes ``5m``; a bad
+    one is refused by name before anything starts (exit 2). (A missing configuration stops it before Spark.)"""
+    import subprocess
+    import sys
+
+    def syphon(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", "import sys; from spark_sb.jobs import syphon_main; "
+                               "sys.exit(syphon_main(sys.argv[1:]))", "--conf", str(tmp_path / "missing.yaml"), *args],
+                              capture_output=True, text=True, timeout=120)
+
+    for accepted in ("2m", "90s", "45", "0"):
+        ran = syphon("--until-empty", "--timeout", accepted)
+        assert ran.returncode == 2 and "cannot read the configuration file" in ran.stderr, (accepted, ran.stderr)
+    refused = syphon("--until-empty", "--timeout", "5x")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1].startswith("spark-sb-syphon: error: argument --timeout: not a "
+                                                              "duration"), refused.stderr
+    assert "got '-1s'" in syphon("--timeout=-1s").stderr
