@@ -23,7 +23,7 @@ from spark_sb.capabilities import admission_control, python_data_sources
 if not python_data_sources():  # Spark 3.5: the sources cannot load there (test_spark_versions shows the error)
     collect_ignore = ["test_batch_read.py", "test_format_writer.py", "test_receive_lanes.py", "test_replication_stream.py",
                       "test_resend_fidelity.py", "test_servicebus_source.py", "test_source_blips.py", "test_source_edges.py",
-                      "test_source_refusals.py",
+                      "test_source_refusals.py", "test_errors_through_spark.py", "test_job_console.py",
                       "test_syphon_drain_after_kill.py", "test_syphon_stream.py", "test_until_empty.py",
                       "test_writer_edges.py"]
 

@@ -48,13 +48,21 @@ def test_the_streaming_readers_latest_offset_takes_a_start_and_a_limit_exactly_w
 
 
 @pytest.mark.skipif(not python_data_sources(), reason="Spark 3.5 has no Python data sources")
-def test_both_sources_register_and_load_on_spark_4(spark) -> None:
+def test_both_sources_register_and_load_on_spark_4(spark, primary, secondary, make_queue) -> None:
+    """Both formats load a stream with their schema (the servicebus source checks its entity at ``load()``, so it
+    reads one that exists, on the emulator pair)."""
     from spark_sb import register
+    from spark_sb.options import config_options
     from spark_sb.source import SCHEMA, SERVICEBUS_SCHEMA
 
+    from .conftest import sink_config
+
     register(spark)
-    for name, schema in (("servicebus-backlog", SCHEMA), ("servicebus", SERVICEBUS_SCHEMA)):
-        stream = spark.readStream.format(name).option("conf", str(CONF)).load()
+    config = sink_config(primary, secondary)
+    config.pop("sink")
+    queue = make_queue()
+    for name, schema, extra in (("servicebus-backlog", SCHEMA, {}), ("servicebus", SERVICEBUS_SCHEMA, {"entity": queue})):
+        stream = spark.readStream.format(name).options(**config_options(config), **extra).load()
         assert stream.isStreaming and stream.schema == schema
 
 

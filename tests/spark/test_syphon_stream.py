@@ -161,10 +161,11 @@ def test_round_trip_through_the_stream_with_a_ledger(spark, setup, primary, seco
 class _KillingReader(BacklogStreamReader):
     """The source's reader, failing once (a marker file says it did) at the option ``killAt``."""
 
+    kill: dict[str, str] = {}  # killat, killmarker: the killing source's own options
+
     def _kill(self, point: str) -> None:
-        options = {str(k).lower(): v for k, v in self.options.items()}  # Spark's options are case-insensitive
-        marker = Path(options["killmarker"])
-        if options.get("killat") == point and not marker.exists():
+        marker = Path(self.kill["killmarker"])
+        if self.kill.get("killat") == point and not marker.exists():
             marker.write_text(point)
             raise RuntimeError(f"killed at {point}")
 
@@ -185,12 +186,23 @@ class _KillingReader(BacklogStreamReader):
 
 
 class _KillingSource(BacklogDataSource):
+    """The backlog source with two options of its own, ``killAt`` and ``killMarker``, kept from the source's
+    options (which refuse an option they do not know)."""
+
+    _OWN = ("killat", "killmarker")
+
+    def __init__(self, options: Any) -> None:
+        self.kill = {str(k).lower(): v for k, v in options.items() if str(k).lower() in self._OWN}
+        super().__init__({k: v for k, v in options.items() if str(k).lower() not in self._OWN})
+
     @classmethod
     def name(cls) -> str:
         return "servicebus-backlog-killing"
 
     def streamReader(self, schema: Any) -> BacklogStreamReader:
-        return _KillingReader(self.options)
+        reader = _KillingReader(self.options)
+        reader.kill = self.kill
+        return reader
 
 
 def test_killing_the_query_at_any_point_loses_and_duplicates_nothing(spark, setup, primary, secondary, tmp_path
