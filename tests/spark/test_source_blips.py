@@ -22,22 +22,34 @@ class _StallingReader(ServiceBusStreamReader):
     """The source's reader whose first ``read`` (a marker file says it happened) makes the primary hold every
     answer for ``stallSeconds`` first, through the emulator's control API (the read runs in a Python worker)."""
 
+    stall: dict[str, str] = {}  # stallmarker, stalladmin, stallseconds: the stalling source's own options
+
     def read(self, partition: Any) -> Any:
-        options = {str(k).lower(): v for k, v in self.options.items()}  # Spark's options are case-insensitive
-        marker = Path(options["stallmarker"])
+        marker = Path(self.stall["stallmarker"])
         if not marker.exists():
             marker.write_text("stalled")
-            fault(options["stalladmin"], "timeout", duration=float(options["stallseconds"]))
+            fault(self.stall["stalladmin"], "timeout", duration=float(self.stall["stallseconds"]))
         yield from super().read(partition)
 
 
 class _StallingSource(ServiceBusDataSource):
+    """The servicebus source with three options of its own (``stallMarker``, ``stallAdmin``, ``stallSeconds``),
+    kept from the source's options (which refuse an option they do not know)."""
+
+    _OWN = ("stallmarker", "stalladmin", "stallseconds")
+
+    def __init__(self, options: Any) -> None:
+        self.stall = {str(k).lower(): v for k, v in options.items() if str(k).lower() in self._OWN}
+        super().__init__({k: v for k, v in options.items() if str(k).lower() not in self._OWN})
+
     @classmethod
     def name(cls) -> str:
         return "servicebus-stalling"
 
     def streamReader(self, schema: Any) -> ServiceBusStreamReader:
-        return _StallingReader(self.options)
+        reader = _StallingReader(self.options)
+        reader.stall = self.stall
+        return reader
 
 
 def _send(info: Any, entity: str, items: list[ServiceBusMessage]) -> None:
