@@ -61,7 +61,7 @@ $(JS_SDK)/node_modules/.installed: $(JS_SDK)/package-lock.json
 	cd $(JS_SDK) && npm ci --silent --no-audit --no-fund
 	touch $@
 
-.PHONY: install demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench chaos soak
+.PHONY: install demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench bench-quick chaos soak
 # `make install`: .venv with everything the two commands use (spark-sb itself, editable, with the [dev] extras:
 # the emulator, Spark and Delta, the tests' and the docs' tools), and nothing run
 install: $(VENV)/.installed
@@ -132,6 +132,11 @@ lint: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) bench/emulator_ingest.py
 	$(PY) bench/latency.py
+
+# the far-namespace and loopback rows of bench/latency.py in under two minutes: every change to the send path
+# (spark_sb/bus/, spark_sb/paired/, sink.py, writer.py) puts this table in its note beside the one before it
+bench-quick: $(VENV)/.installed
+	$(PY) bench/latency.py --quick
 
 chaos: $(VENV)/.installed
 	$(PY) bench/chaos.py

@@ -41,6 +41,7 @@ Rounds alternate which side goes first; each rate is the median of the rounds. P
 
     .venv/bin/python bench/latency.py [--messages 12000] [--rounds 3] [--in-flight 8] [--syphon-messages 1200]
                                       [--no-spark] [--sessions 12]
+    .venv/bin/python bench/latency.py --quick    # make bench-quick: the rows a send-path change reports
 """
 
 from __future__ import annotations
@@ -359,7 +360,12 @@ def main() -> int:
     parser.add_argument("--no-spark", action="store_true", help="skip the syphon job row (the only one on Spark)")
     parser.add_argument("--sessions", type=int, default=12,
                         help="sessions in the sessions rows (default: %(default)s; 0: no sessions rows)")
+    parser.add_argument("--quick", action="store_true",
+                        help="the far-namespace and loopback rows only, in under two minutes (4000 messages, "
+                             "3 rounds, no Spark, no sessions rows): what a change to the send path reports")
     args = parser.parse_args()
+    if args.quick:
+        args.messages, args.rounds, args.no_spark, args.sessions = min(args.messages, 4000), 3, True, 0
     work = Path(tempfile.mkdtemp(prefix="sb-bench-latency-"))
     rows: list[tuple[str, float, float, str]] = []
 
@@ -387,16 +393,16 @@ def main() -> int:
         emit("sink failed over, secondary on loopback", *plain, ">= 0.90")
         session_rows(emu, plain, "secondary on loopback")
         emit("sink healthy, loopback: one connection per entity (raw: a connection per send in flight)",
-             *shared_connection_row(emu, args), ">= 0.95")
+             *shared_connection_row(emu, args), ">= 1.0")
     finally:
         emu.stop()
     emu = emulator(work, "far-secondary", 0.0, 0.020)
     try:
         plain = failed_over_row(emu, args)
-        emit("sink failed over, secondary 40 ms away", *plain, ">= 2.0")
+        emit("sink failed over, secondary 40 ms away", *plain, ">= 2.5")
         session_rows(emu, plain, "secondary 40 ms away")
         raw, act, pair = active_row(emu, args)
-        emit("active replication, secondary 40 ms away", raw, act, f"{act / pair:.2f} of paired; goal >= 0.75")
+        emit("active replication, secondary 40 ms away", raw, act, f"{act / pair:.2f} of paired; goal >= 0.95")
         if not args.no_spark:
             emit("syphon job, secondary 40 ms away (raw: receive, send, complete)", *syphon_row(emu, args, work),
                  ">= 1.5")
@@ -405,7 +411,7 @@ def main() -> int:
     emu = emulator(work, "near-primary", 0.0025, 0.0)
     try:
         plain = healthy_row(emu, args)
-        emit("sink healthy, primary 5 ms away", *plain, ">= 1.5")
+        emit("sink healthy, primary 5 ms away", *plain, ">= 1.6")
         if args.sessions:
             beside(f"sink healthy with {args.sessions} sessions, nothing parked (4 backlog queues peeked), primary "
                    "5 ms away", healthy_sessions_row(emu, args), plain, "the row without sessions")

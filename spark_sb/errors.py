@@ -110,9 +110,11 @@ __all__ = [
     "is_link_gone",
     "is_lock_lost",
     "is_message_not_found",
+    "is_outcome_unknown",
     "is_too_large",
     "is_unanswered",
     "needs_session",
+    "mark_outcome_unknown",
     "namespace_words",
     "raise_if_refused",
     "redact",
@@ -679,6 +681,22 @@ def is_link_gone(exc: BaseException) -> bool:
         if "link already closed" in text or "detach-forced" in text or type(cause).__name__ == "AMQPLinkError":
             return True
     return False
+
+
+_OUTCOME_UNKNOWN = "spark_sb_outcome_unknown"
+
+
+def mark_outcome_unknown(exc: BaseException) -> None:
+    """Say on ``exc`` (a failed send's error) that the send's transfer was on the wire when its link died or its
+    wait ran out: the service may have stored the messages. A caller that sends them again may store them twice
+    (duplicate detection, keyed on the message id, absorbs that)."""
+    setattr(exc, _OUTCOME_UNKNOWN, True)
+
+
+def is_outcome_unknown(exc: BaseException) -> bool:
+    """Whether a failed send may have stored its messages all the same (:func:`mark_outcome_unknown`): its
+    transfer was written, and no answer came (its link died after it, or its wait ran out)."""
+    return any(getattr(cause, _OUTCOME_UNKNOWN, False) for cause in _causes(exc))
 
 
 def is_too_large(exc: BaseException) -> bool:

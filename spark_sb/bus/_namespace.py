@@ -288,6 +288,31 @@ class Namespace:
         with self._sender_lock(key), self._use_sender(key) as (_, sdk_sender):
             yield sdk_sender
 
+    @contextmanager
+    def batch_sender(self, entity: str) -> Iterator[ServiceBusSender]:
+        """This namespace's SDK sender of ``entity``, open, for building batches (``create_message_batch``,
+        ``ServiceBusMessageBatch.add_message``): held for the ``with`` block without its lock, so that the sends in
+        flight on it and the pump that reads their answers go on while the batches are built (an open sender's
+        ``create_message_batch`` does not touch its link). A sender another thread dropped meanwhile
+        (:meth:`drop_sender`) fails the block with :class:`~spark_sb.bus.pipeline.SenderClosed`: build again.
+        An SDK whose sender does not say it is open (``_max_message_size_on_link``) holds the lock for the block."""
+        key = self._sender_key(entity)
+        io = self._sender_lock(key)
+        with self._use_sender(key) as (_, sdk_sender):
+            if not hasattr(sdk_sender, "_max_message_size_on_link"):
+                with io:
+                    yield sdk_sender
+                return
+            with io:
+                if not sdk_sender._max_message_size_on_link:
+                    sdk_sender.create_message_batch()  # opens the link: the batch size is the link's
+            try:
+                yield sdk_sender
+            except ValueError as exc:
+                if sdk_sender._shutdown.is_set():  # closed under the block: "the handler has already been shutdown"
+                    raise pipeline.SenderClosed from exc
+                raise
+
     def send(self, entity: str, batch: Any) -> None:
         """Send ``batch`` (a ``ServiceBusMessageBatch`` built by this namespace's sender of ``entity``) on that
         sender, with the SDK's retry policy and try timeout: several threads' batches are in flight on its one
@@ -298,7 +323,8 @@ class Namespace:
         for _ in range(3):
             with self._use_sender(key) as (_, sdk_sender):
                 try:
-                    pipeline.send_batch(sdk_sender, self._sender_lock(key), batch)
+                    pipeline.send_batch(sdk_sender, self._sender_lock(key), batch,
+                                        check=lambda error: raise_if_refused(error, self.where, entity=entity))
                     return
                 except pipeline.SenderClosed:
                     _LOGGER.debug("the %s namespace's sender of %r was dropped under a send; sending on a new one",

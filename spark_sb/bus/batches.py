@@ -13,6 +13,7 @@ anything is sent (the paired sender and the replicating sender share it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +32,9 @@ from ..errors import (
     redact,
 )
 from ._namespace import Namespace
+from .pipeline import SenderClosed
+
+_LOGGER = logging.getLogger(__name__)
 
 __all__ = ["PartialSend", "batches_after", "build_batches", "call_messages", "message_id", "send_batches"]
 
@@ -143,6 +147,23 @@ def batches_after(batches: Sequence[Any] | None, sent: int) -> list[Any] | None:
     return [] if sent == 0 else None
 
 
+def _built(side: Namespace, path: str, items: Sequence[ServiceBusMessage], entity: str,
+           built: Sequence[Any] | None) -> list[Any]:
+    """``built`` when ``path``'s link takes batches that large, else ``items`` in batches of ``path``'s sender,
+    built while the sends in flight on it go on (:meth:`~spark_sb.bus.Namespace.batch_sender`); once again on a
+    new sender when another thread dropped it meanwhile."""
+    for _ in range(2):
+        try:
+            with side.batch_sender(path) as sdk_sender:
+                if built is not None and _fit_link(built, sdk_sender):
+                    return list(built)
+                return build_batches(sdk_sender, path, items, entity)
+        except SenderClosed:
+            _LOGGER.debug("the sender of %r was dropped while its batches were built; building them again", path)
+    with side.batch_sender(path) as sdk_sender:
+        return build_batches(sdk_sender, path, items, entity)
+
+
 def send_batches(side: Namespace, path: str, items: Sequence[ServiceBusMessage], entity: str, *,
                  built: Sequence[Any] | None = None, on_built: Callable[[list[Any]], None] | None = None) -> None:
     """Send ``items`` to ``path`` on ``side`` in as few batches as fit. ``entity`` is what errors name (the
@@ -156,11 +177,7 @@ def send_batches(side: Namespace, path: str, items: Sequence[ServiceBusMessage],
     the batches sent, before the first is sent."""
     sent = 0
     try:
-        with side.sender(path) as sdk_sender:
-            if built is not None and _fit_link(built, sdk_sender):
-                batches = list(built)
-            else:
-                batches = build_batches(sdk_sender, path, items, entity)
+        batches = _built(side, path, items, entity, built)
         if on_built is not None:
             on_built(batches)
         # one after the other (a failure leaves a prefix sent), while other threads' sends share the link

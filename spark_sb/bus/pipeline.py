@@ -15,14 +15,27 @@ ones wait for their dispositions. Measured on the emulator with a namespace 40 m
 connection moved 1 KiB messages 2.4 to 2.8 times as fast as the sequential raw send, against 2.1 to 2.3 times
 for 8 threads with a connection each (``bench/latency.py``).
 
-The SDK's own behaviour around a send is kept: its retry policy (``retry_total``, backoff), its per-attempt
-``try_timeout``, and its mapping of AMQP errors to ``ServiceBusError`` subclasses (``_handle_exception``, which
-also closes the handler after a connection error; a thread whose delivery was on it then fails with "connection
-not running" and retries on the handler the next attempt opens, like a send that failed on its own connection).
+The SDK's retry policy (``retry_total``, backoff), its per-attempt ``try_timeout`` and its mapping of AMQP errors to
+``ServiceBusError`` subclasses are kept. Its error *handling* is not: the SDK's ``_handle_exception`` closes the
+sender's handler after most errors, which is right when one send owns the link and wrong when eight share it (one
+refused delivery closed the link under the seven others, and a failed send closed a handler another thread had just
+opened). Here an error belongs to what failed (``docs/sizing.md``, "One connection, many sends"):
 
-It uses the SDK's internals (``_open``, ``_handler``, ``_transfer_message``, ``do_work``, ``_handle_exception``,
-``_backoff``), checked by :func:`supported` at import: an SDK without them sends one batch at a time under the lock,
-through its public ``send_messages``.
+* **a refused delivery** (the service's disposition rejects it: no session id for a session queue, server busy,
+  quota) fails its own send, mapped as the SDK maps it; the link and the other sends go on;
+* **a lost link or connection** (a detach, such as ``amqp:link:detach-forced``; a dead socket) fails the sends on
+  it, each with the link's own AMQP condition; the first of them to see it closes the handler, exactly once (it is
+  still the sender's current one), and every one of them sends again at once on the new link: one reconnect,
+  shared. A send whose transfer was on the wire when its link died may have been stored: when it fails in the end
+  its error says so (:func:`spark_sb.errors.is_outcome_unknown`), and a resend is absorbed by duplicate detection;
+* **an attempt's own wait** running out (its try timeout) fails that send as timed out (its outcome unknown too);
+  the link stays open.
+
+A transfer is written to the socket by the thread that sends it, at once (the pump only reads): a send costs one
+round trip, not one plus the pump's next wake.
+
+It uses the SDK's internals (:data:`INTERNALS`), checked at import (:func:`check_internals`): an SDK without one of
+them sends through its public ``send_messages``, one batch at a time per connection, and says why once.
 """
 
 from __future__ import annotations
@@ -33,20 +46,37 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from azure.servicebus.exceptions import OperationTimeoutError
 
+from ..errors import mark_outcome_unknown
+
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["SenderClosed", "SenderIo", "send_batch", "supported"]
+__all__ = ["INTERNALS", "SenderClosed", "SenderIo", "check_internals", "missing_internals", "send_batch",
+           "supported"]
 
 try:  # the SDK's pyamqp, vendored under azure.servicebus
-    from azure.servicebus._pyamqp.constants import MESSAGE_DELIVERY_DONE_STATES, MessageDeliveryState
+    from azure.servicebus import ServiceBusSender
+    from azure.servicebus._pyamqp.client import SendClient
+    from azure.servicebus._pyamqp.constants import (
+        MESSAGE_DELIVERY_DONE_STATES,
+        LinkDeliverySettleReason,
+        LinkState,
+        MessageDeliveryState,
+    )
     from azure.servicebus._pyamqp.error import ErrorCondition, MessageException
     from azure.servicebus._pyamqp.message import BatchMessage, _MessageDelivery
-except ImportError:  # pragma: no cover - another SDK layout: sends go one at a time
+    from azure.servicebus._pyamqp.sender import SenderLink
+    from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
+    _NOT_DELIVERED = LinkDeliverySettleReason.NOT_DELIVERED
+    _ATTACHED = LinkState.ATTACHED
+    _IMPORT_ERROR: str | None = None
+except (ImportError, AttributeError) as err:  # pragma: no cover - another SDK layout: sends go one at a time
     _MessageDelivery = None  # type: ignore[assignment,misc]  # mypy: an optional import's fallback (python/mypy#1153)
+    _IMPORT_ERROR = str(err)
 
 
 class _Delivery(_MessageDelivery if _MessageDelivery is not None else object):  # type: ignore[misc]
@@ -57,7 +87,14 @@ class _Delivery(_MessageDelivery if _MessageDelivery is not None else object):  
         self.failure: BaseException | None = None
         self.sdk_sender = sdk_sender
         self.handler = handler
+        self.pending: Any = None  # pyamqp's PendingDelivery of the transfer (``sent``: written to the socket)
+        self.reason: Any = None  # set by the SDK's ``_on_send_complete``: why the delivery was settled
         super().__init__(message, MessageDeliveryState.WaitingToBeSent, expiry)
+
+    @property
+    def on_the_wire(self) -> bool:
+        """Whether the transfer was written: the service may have stored it, answered or not."""
+        return bool(getattr(self.pending, "sent", False))
 
     @property
     def state(self) -> Any:
@@ -179,9 +216,32 @@ class SenderIo:
                             break
                     if _unsent(handler):
                         handler._link.update_pending_deliveries()
-            except Exception as exc:  # noqa: BLE001 - handed to each waiting send, which maps it as the SDK does
+            except Exception as exc:  # noqa: BLE001 - the connection failed: handed to each send waiting on it
                 for delivery in mine:
                     delivery.fail(exc)
+
+    def reset(self, sdk_sender: Any, handler: Any) -> bool:
+        """Close ``sdk_sender``'s handler after its link or connection failed, if it is still ``handler`` (the one
+        the failure was seen on): the first send (or the pump) to see a failure closes it, exactly once; a send that
+        finds a new handler already there just sends on it. Returns whether this call closed it."""
+        with self:
+            if handler is None or sdk_sender._handler is not handler:
+                return False
+            _LOGGER.debug("closing the sender's link and connection after they failed; the sends on it go again")
+            try:
+                sdk_sender._close_handler()
+            except Exception as exc:  # noqa: BLE001 - a dead connection may fail its own close; it is gone anyway
+                _LOGGER.debug("closing a failed handler raised %s", type(exc).__name__)
+                sdk_sender._handler, sdk_sender._running = None, False
+            return True
+
+    def pump_now(self, handler: Any) -> None:
+        """Read the frames already there for ``handler`` (a send whose own wait ran out reads them before it says
+        it timed out: they may hold its answer, read by nobody while another thread held the lock)."""
+        with self:
+            waiting = [d for d in self._outstanding if d.handler is handler and not d.wake.is_set()]
+            if waiting:
+                self._pump_once(waiting)
 
     def _take_for_pump(self, timeout: float) -> bool:
         """Take the lock for the pump once nobody holds it and no thread waits to write, within ``timeout``
@@ -201,9 +261,32 @@ class _Unsettled(Exception):
     """A send's own wait for its disposition ran out (its try timeout); the link may well be fine."""
 
 
+class _LinkLost(Exception):
+    """The link or the connection under a delivery failed (``error``: what it failed with, its AMQP condition
+    kept); ``on_the_wire``: the transfer had been written (the service may have stored it)."""
+
+    def __init__(self, handler: Any, error: BaseException, on_the_wire: bool) -> None:
+        super().__init__(str(error))
+        self.handler = handler
+        self.error = error
+        self.on_the_wire = on_the_wire
+
+
+class _Refused(Exception):
+    """The service answered the delivery with a rejection (``error``): a matter of this send alone."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class SenderClosed(Exception):
     """The sender was closed by another thread (``Namespace.drop_sender``) before this attempt: nothing of the
     attempt was sent; send again on the namespace's new sender."""
+
+#: the conditions of a rejected delivery that say its link or connection is gone, not the message refused
+_LINK_CONDITIONS = () if _MessageDelivery is None else (
+    ErrorCondition.LinkDetachForced, ErrorCondition.ConnectionCloseForced, ErrorCondition.LinkStolen)
 
 #: the longest the pump waits on the socket, and a send on its delivery, before looking again
 _POLL = 0.05
@@ -240,17 +323,67 @@ def _unsent(handler: Any) -> bool:
     return link is not None and any(not delivery.sent for delivery in getattr(link, "_pending_deliveries", ()))
 
 
+#: the SDK internals :func:`send_batch` pipelines with: (what, where, name). Missing one, sends go through the SDK's
+#: public ``send_messages``, one batch at a time per connection.
+INTERNALS: tuple[tuple[str, Any, str], ...] = () if _MessageDelivery is None else (
+    ("ServiceBusSender", ServiceBusSender, "_open"),
+    ("ServiceBusSender", ServiceBusSender, "_close_handler"),
+    ("ServiceBusSender", ServiceBusSender, "_handle_exception"),
+    ("ServiceBusSender", ServiceBusSender, "_backoff"),
+    ("ServiceBusSender", ServiceBusSender, "create_message_batch"),
+    ("SendClient", SendClient, "_transfer_message"),
+    ("SendClient", SendClient, "_on_send_complete"),
+    ("SendClient", SendClient, "do_work"),
+    ("SenderLink", SenderLink, "update_pending_deliveries"),
+    ("SenderLink", SenderLink, "send_transfer"),
+    ("PyamqpTransport", PyamqpTransport, "create_servicebus_exception"),
+)
+#: what every ``ServiceBusSender`` instance must hold (set in its constructor): looked at on each sender's first send
+_INSTANCE_INTERNALS = ("_config", "_shutdown", "_running", "_amqp_transport")
+
+_missing: list[str] = []
+_said: set[str] = set()  # the reasons already logged (once each)
+
+
+def missing_internals() -> list[str]:
+    """The SDK internals :func:`send_batch` needs that this azure-servicebus lacks (empty when it has them all)."""
+    if _MessageDelivery is None:
+        return [f"azure.servicebus._pyamqp ({_IMPORT_ERROR})"]
+    return [f"{owner}.{name}" for owner, where, name in INTERNALS if not hasattr(where, name)]
+
+
+def check_internals() -> list[str]:
+    """Look for :data:`INTERNALS` again (done at import) and keep the answer: what is missing, which makes every
+    :func:`send_batch` send through ``send_messages``."""
+    _missing[:] = missing_internals()
+    _said.clear()
+    return list(_missing)
+
+
 def supported(sdk_sender: Any) -> bool:
-    """Whether ``sdk_sender`` (an SDK ``ServiceBusSender``) has the internals :func:`send_batch` pipelines with."""
-    return _MessageDelivery is not None and all(
-        hasattr(sdk_sender, name) for name in ("_open", "_handle_exception", "_backoff", "_config", "_shutdown"))
+    """Whether :func:`send_batch` pipelines on ``sdk_sender`` (an SDK ``ServiceBusSender``): the SDK has every
+    internal of :data:`INTERNALS` and the sender the attributes it sets up. When not, says why once."""
+    missing = list(_missing) or [name for name in _INSTANCE_INTERNALS if not hasattr(sdk_sender, name)]
+    if not missing:
+        return True
+    reason = ", ".join(missing)
+    if reason not in _said:
+        _said.add(reason)
+        _LOGGER.warning("this azure-servicebus has no %s: several sends in flight on one link are off; each "
+                        "connection sends one batch at a time (the SDK's send_messages)", reason)
+    return False
 
 
-def send_batch(sdk_sender: Any, io: SenderIo, batch: Any) -> None:
+check_internals()
+
+
+def send_batch(sdk_sender: Any, io: SenderIo, batch: Any, *,
+               check: Callable[[BaseException], None] | None = None) -> None:
     """Send ``batch`` (a ``ServiceBusMessageBatch`` of ``sdk_sender``) on ``sdk_sender``, which other threads may
     be sending on at the same time through this function (each holding ``io`` only while it calls the handler).
-    Returns once the service accepted the batch; raises the ``ServiceBusError`` the SDK's ``send_messages``
-    would have raised."""
+    Returns once the service accepted the batch; raises the ``ServiceBusError`` the SDK maps the failure to (see
+    the module docstring for who fails and who closes what). ``check(error)`` sees each mapped error first and may
+    raise its own (the namespace raises a rejected credential at once)."""
     if not supported(sdk_sender):
         with io:
             sdk_sender.send_messages(batch)
@@ -258,29 +391,65 @@ def send_batch(sdk_sender: Any, io: SenderIo, batch: Any) -> None:
     config = sdk_sender._config
     try_timeout = config.try_timeout if config.try_timeout and config.try_timeout > 0 else None
     retried = 0
+    reconnected = False
+    unknown = False  # an attempt's transfer was written and never answered: it may be stored already
     while True:
         try:
             _attempt(sdk_sender, io, batch, try_timeout)
+            if unknown:
+                _LOGGER.debug("a batch sent again after its link failed with it on the wire may be stored twice "
+                              "(duplicate detection absorbs it)")
             return
         except SenderClosed:
             raise
         except _Unsettled:
-            # this send's wait ran out, not the link: the SDK would close the handler (its send owns the link),
-            # which here would fail every other send in flight on it, and send again what the service may have
-            # stored already. The link stays open; only this send fails (or is retried) as timed out.
+            # this send's wait ran out, not the link: only this send fails (or is sent again) as timed out
+            unknown = True
             error: Exception = OperationTimeoutError(message="Send operation timed out")
-        except Exception as exc:  # noqa: BLE001 - mapped (and re-raised when final) by the SDK's own rules
-            with io:
+        except _Refused as refused:
+            error = _mapped(sdk_sender, refused.error, check)
+            if not error._retryable:  # type: ignore[attr-defined]
+                raise error from None
+        except _LinkLost as lost:
+            unknown = unknown or lost.on_the_wire
+            error = _mapped(sdk_sender, lost.error, check)
+            io.reset(sdk_sender, lost.handler)
+            if not reconnected:  # the one reconnect, shared: every send on the link goes again at once
+                reconnected = True
+                continue
+            if not error._retryable:  # type: ignore[attr-defined]
+                raise _marked(error, unknown) from None
+        except Exception as exc:  # noqa: BLE001 - opening or writing failed: the SDK's handling, under the lock
+            with io:  # the handler is the one this thread opened or wrote on, still current: the SDK closes it
                 error = sdk_sender._handle_exception(exc)  # raises when the error is not retryable
+            if check is not None:
+                check(error)
         retried += 1
         if retried > config.retry_total:
-            raise error
+            raise _marked(error, unknown)
         sdk_sender._backoff(retried_times=retried, last_exception=error)
 
 
+def _mapped(sdk_sender: Any, error: BaseException, check: Callable[[BaseException], None] | None) -> Exception:
+    """``error`` (pyamqp's) as the SDK maps it to a ``ServiceBusError``, without closing anything."""
+    mapped: Exception = sdk_sender._amqp_transport.create_servicebus_exception(
+        _LOGGER, error, custom_endpoint_address=sdk_sender._config.custom_endpoint_address)
+    if check is not None:
+        check(mapped)
+    return mapped
+
+
+def _marked(error: Exception, unknown: bool) -> Exception:
+    if unknown:
+        mark_outcome_unknown(error)
+    return error
+
+
 def _attempt(sdk_sender: Any, io: SenderIo, batch: Any, timeout: float | None) -> None:
-    """One attempt: open the sender if needed, write the transfer, wait until ``timeout`` for its disposition,
-    which the sender's pump thread reads (:meth:`SenderIo.track`)."""
+    """One attempt: open the sender if needed, write the transfer (now, not at the pump's next wake), wait until
+    ``timeout`` for its disposition, which the sender's pump thread reads (:meth:`SenderIo.track`). Raises
+    :class:`_Refused`, :class:`_LinkLost` or :class:`_Unsettled` for what happened to the delivery; an error in
+    opening or writing as it comes."""
     deadline = None if timeout is None else time.monotonic() + timeout
     with io:
         if sdk_sender._shutdown.is_set():
@@ -289,20 +458,45 @@ def _attempt(sdk_sender: Any, io: SenderIo, batch: Any, timeout: float | None) -
         handler = sdk_sender._handler
         delivery = _Delivery(sdk_sender, handler, BatchMessage(*batch._message),
                              None if timeout is None else time.time() + timeout)
-        handler._transfer_message(delivery, timeout or 0)
+        link = handler._link
+        if link is None or link.get_state() != _ATTACHED:
+            # the link died while no send was waiting on it (nobody read its detach until now)
+            raise _LinkLost(handler, _link_error(handler) or MessageException(
+                condition=ErrorCondition.ClientError, description="Send failed - link not attached."), False)
+        delivery.pending = handler._transfer_message(delivery, timeout or 0)
+        link.update_pending_deliveries()  # the transfer goes on the wire now
         io.track(delivery)
     try:
         while not delivery.wake.wait(_POLL if deadline is None else max(0.0, min(_POLL, deadline - time.monotonic()))):
             if deadline is not None and time.monotonic() >= deadline:
-                raise _Unsettled
+                io.pump_now(handler)  # its answer may be there, unread while another thread held the lock
+                if not delivery.wake.is_set():
+                    raise _Unsettled
     finally:
         io.untrack(delivery)
     if delivery.failure is not None:
-        raise delivery.failure
+        raise _LinkLost(handler, _link_error(handler) or delivery.failure, delivery.on_the_wire)
     if delivery.state in (MessageDeliveryState.Error, MessageDeliveryState.Cancelled, MessageDeliveryState.Timeout):
         error = delivery.error
+        if delivery.reason == _NOT_DELIVERED:
+            # the link dropped it (a detach, a discarded session): the link's error, not "unknown-error"
+            raise _LinkLost(handler, _link_error(handler) or error or MessageException(
+                condition=ErrorCondition.ClientError, description="Send failed - link detached."), delivery.on_the_wire)
         if isinstance(error, TimeoutError):
-            raise OperationTimeoutError(message="Send operation timed out") from error
+            raise _Unsettled from error
         if error is None:
-            raise MessageException(condition=ErrorCondition.UnknownError, description="Send failed.")
-        raise error
+            error = MessageException(condition=ErrorCondition.UnknownError, description="Send failed.")
+        if getattr(error, "condition", None) in _LINK_CONDITIONS:
+            # refused because its link or connection is being closed (written before the detach was read)
+            raise _LinkLost(handler, error, True)
+        raise _Refused(error)
+
+
+def _link_error(handler: Any) -> BaseException | None:
+    """The error ``handler``'s link or connection failed with (a detach's condition and description), if any."""
+    link = getattr(handler, "_link", None)
+    error = getattr(link, "_error", None)
+    if error is None:
+        connection = getattr(handler, "_connection", None)
+        error = getattr(connection, "_error", None)
+    return error if isinstance(error, BaseException) else None

@@ -942,6 +942,9 @@ class NamespaceServer(Handler):
                     self._close_link(link, *link.sb.error)
                 elif kind == "entity" and link.sb is not None:
                     self._on_send(link, dlv, data)
+                elif kind == "entity" and getattr(link, "condition", None) is not None:
+                    # a transfer the client wrote before it read the detach: answered with the detach's condition
+                    self._settle_error(dlv, link.condition.name, link.condition.description)
                 else:
                     self._settle_error(dlv, Cond.INTERNAL, "The link is closed.")
             except codec.MalformedMessage as err:
