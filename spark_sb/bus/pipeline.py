@@ -60,6 +60,11 @@ __all__ = ["INTERNALS", "SenderClosed", "SenderIo", "check_internals", "missing_
 
 try:  # the SDK's pyamqp, vendored under azure.servicebus
     from azure.servicebus import ServiceBusSender
+    from azure.servicebus._common.tracing import (
+        get_span_links_from_batch,
+        is_tracing_enabled,
+        send_trace_context_manager,
+    )
     from azure.servicebus._pyamqp.client import SendClient
     from azure.servicebus._pyamqp.constants import (
         MESSAGE_DELIVERY_DONE_STATES,
@@ -132,6 +137,7 @@ class SenderIo:
         self._writers = 0  # threads waiting to take it other than to pump
         self._outstanding: set[_Delivery] = set()
         self._pump_thread: threading.Thread | None = None
+        self._kept_alive = 0.0
 
     def __enter__(self) -> SenderIo:
         me = threading.get_ident()
@@ -182,6 +188,7 @@ class SenderIo:
                         return
                 handler = waiting[-1].handler
                 if not _unsent(handler) and _readable(handler, _POLL) is False:
+                    self._keep_alive(handler)
                     continue
                 if not self._take_for_pump(_POLL):
                     continue
@@ -193,6 +200,21 @@ class SenderIo:
             with self._cv:
                 self._pump_thread = None
             raise
+
+    def _keep_alive(self, handler: Any) -> None:
+        """While deliveries wait on a silent connection, an empty frame when the service's idle timeout is half
+        gone (what the SDK's own reads do; the pump reads only when there is something to read)."""
+        keep_alive = getattr(getattr(handler, "_connection", None), "_get_remote_timeout", None)
+        if keep_alive is None or time.monotonic() - self._kept_alive < _KEEP_ALIVE_EVERY:
+            return
+        self._kept_alive = time.monotonic()
+        if self._take_for_pump(0):
+            try:
+                keep_alive(time.time())
+            except Exception as exc:  # noqa: BLE001 - a dead connection: the next read says so to the sends
+                _LOGGER.debug("an empty frame to keep the connection open failed: %s", type(exc).__name__)
+            finally:
+                self.__exit__()
 
     def _pump_once(self, waiting: list[_Delivery]) -> None:
         """One frame (or the transfers the link queued), under the lock; a handler that was replaced or whose
@@ -290,6 +312,8 @@ _LINK_CONDITIONS = () if _MessageDelivery is None else (
 
 #: the longest the pump waits on the socket, and a send on its delivery, before looking again
 _POLL = 0.05
+#: how often the pump looks whether a silent connection needs an empty frame (seconds)
+_KEEP_ALIVE_EVERY = 1.0
 #: the most frames the pump reads under one hold of the lock, while more are there to read
 _FRAMES_PER_PUMP = 16
 
@@ -388,6 +412,14 @@ def send_batch(sdk_sender: Any, io: SenderIo, batch: Any, *,
         with io:
             sdk_sender.send_messages(batch)
         return
+    # the SDK's own "ServiceBus.send" span (with the links of the messages' spans) when tracing is on
+    links = get_span_links_from_batch(batch) if is_tracing_enabled() else []  # type: ignore[no-untyped-call]
+    with send_trace_context_manager(sdk_sender, links=links):
+        _send(sdk_sender, io, batch, check)
+
+
+def _send(sdk_sender: Any, io: SenderIo, batch: Any, check: Callable[[BaseException], None] | None) -> None:
+    """:func:`send_batch`'s attempts, with the SDK's retry policy."""
     config = sdk_sender._config
     try_timeout = config.try_timeout if config.try_timeout and config.try_timeout > 0 else None
     retried = 0

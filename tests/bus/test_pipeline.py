@@ -279,3 +279,86 @@ def test_an_sdk_without_an_internal_sends_through_send_messages(
 def _opened_sender(namespace: bus.Namespace, queue: str) -> Any:
     with namespace.batch_sender(queue) as sdk_sender:
         return sdk_sender
+
+
+def test_closing_the_namespace_lets_the_sends_in_flight_end(emulator: Emulator, make_queue: Callable[..., str]
+                                                            ) -> None:
+    """A namespace closed while sends are in flight (a worker shutting down) closes its connection once they are
+    answered: none fails, every message is stored once; a send after the close is refused, saying so."""
+    queue = make_queue("far")
+    config = load_config(pair_config(emulator["far"], emulator["secondary"], "pipe"))
+    namespace = bus.Namespace("primary", config.primary)
+    namespace.send(queue, _batch(namespace, queue, ["warm"], None))
+    batches = [_batch(namespace, queue, [f"z{i}-{j}" for j in range(100)], None) for i in range(IN_FLIGHT)]
+    closer = threading.Timer(0.03, namespace.close)  # while the transfers are on their way (40 ms)
+    closer.start()
+    results = _all_at_once([lambda b=b: namespace.send(queue, b) for b in batches])
+    closer.join()
+    assert results == [None] * IN_FLIGHT
+    with pytest.raises(RuntimeError, match="closed"):
+        namespace.send(queue, batches[0])
+    ids = received_ids(emulator["far"].connection_string, queue)
+    assert sorted(ids) == sorted(["warm"] + [f"z{i}-{j}" for i in range(IN_FLIGHT) for j in range(100)])
+
+
+def test_a_connection_whose_sends_wait_long_is_kept_alive(tmp_path: Any) -> None:
+    """A namespace that closes a connection silent for 1.5 s (its open asks for a frame every 0.75 s): a send
+    whose answer is held 4 s keeps its connection open (empty frames), so it is not reconnected under the wait."""
+    emu = Emulator([NamespaceOptions("idle"), NamespaceOptions("secondary")], data_dir=tmp_path, idle_timeout=1.5,
+                   entities={"queues": [{"name": "held"}]})
+    with emu:
+        config = load_config(pair_config(emu["idle"], emu["secondary"], "pipe"))
+        namespace = bus.Namespace("primary", config.primary)
+        try:
+            namespace.send("held", _batch(namespace, "held", ["warm"], None))
+            before = _opened(emu, "idle")
+            emu.fault("idle", "ack-lost", "held")
+            sending = threading.Thread(target=lambda: _ignore(
+                lambda: namespace.send("held", _batch(namespace, "held", ["held"], None))), daemon=True)
+            sending.start()
+            time.sleep(4)
+            opened_while_held = _opened(emu, "idle") - before
+            emu.heal("idle", "held")
+            sending.join(60)
+        finally:
+            namespace.close()
+    assert opened_while_held == 0, "the connection was closed as idle while its send waited"
+
+
+class _Span:
+    """A tracing implementation that records the spans the SDK opens (azure-core's ``AbstractSpan``, the parts the
+    SDK calls)."""
+
+    opened: list[tuple[str, int]] = []
+
+    def __init__(self, name: str = "span", kind: Any = None, links: Any = None, **_: Any) -> None:
+        self.name = name
+        self.links = links or []
+
+    def __enter__(self) -> _Span:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _Span.opened.append((self.name, len(self.links)))
+
+    def add_attribute(self, key: str, value: Any) -> None:
+        pass
+
+    def to_header(self) -> dict[str, str]:
+        return {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+
+
+def test_each_send_has_the_sdks_send_span(emulator: Emulator, far: bus.Namespace, make_queue: Callable[..., str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With tracing on (azure-core's tracing implementation set), a send in flight on the shared link opens the
+    span ``ServiceBus.send`` the SDK's ``send_messages`` opens, linked to its messages' spans."""
+    from azure.core.settings import settings
+
+    queue = make_queue("far")
+    monkeypatch.setattr(_Span, "opened", [])
+    settings.tracing_implementation.set_value(_Span)
+    try:
+        far.send(queue, _batch(far, queue, ["t1", "t2", "t3"], None))
+    finally:
+        settings.tracing_implementation.unset_value()
+    assert ("ServiceBus.send", 3) in _Span.opened, _Span.opened

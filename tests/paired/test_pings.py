@@ -61,6 +61,27 @@ def test_a_ping_that_cannot_reach_the_primary_leaves_the_secondarys_connection_o
     assert backlog_total(secondary_admin, sender) == 4
 
 
+def test_a_send_that_cannot_reach_the_primary_leaves_the_secondarys_connection_open(
+    emulator, make_sender, make_queue, secondary_admin
+) -> None:
+    """Issue 47: a send to the primary that found its connection gone closed both namespaces' clients, so sends
+    in flight to the backlog and the next ones reconnected to the secondary (a worker held 3 connections to it in
+    a failover). Only the side whose connection failed is reset now."""
+    healthy, parked = make_queue(), make_queue()
+    sender = make_sender(failover_interval="0s", backlog_queue_count=1)
+    sender.pair()
+    emulator.fault("primary", "down", entity=parked)
+    assert sender.send(parked, ServiceBusMessage("a")).backlog == 1  # failed over: the secondary's connection open
+    server = emulator.server("secondary")
+    opened = server.call(lambda: server.stats()["connections_opened"])
+    emulator.fault("primary", "down")  # now the whole primary: its connection closed, a new one refused
+    for i in range(3):
+        assert sender.send(healthy, ServiceBusMessage(f"h{i}")).backlog == 1  # the primary's connection lost
+        assert sender.send(parked, ServiceBusMessage(f"p{i}")).backlog == 1
+    assert server.call(lambda: server.stats()["connections_opened"]) == opened
+    assert backlog_total(secondary_admin, sender) == 7
+
+
 def test_a_rejected_credential_on_the_secondary_is_a_credential_error_naming_it(
     emulator, make_sender, make_queue, secondary, secondary_admin
 ) -> None:
