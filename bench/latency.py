@@ -15,6 +15,9 @@ Rows:
 * **syphon job, secondary 40 ms away**: ``jobs/syphon.py``'s query on a local Spark session moving messages
   parked over ten backlog queues (the default count) home, over bench/syphon.py's raw loop (receive a page, send
   it, complete each message: one round trip per message to the far secondary);
+* **8 sends in flight of pre-built batches, secondary 40 ms away**: threads sending batches built before the
+  clock through ``Namespace.send``, all on one link, over the same with a connection each (no rows, no encoding
+  timed: what sharing the link costs; issue 47's goal 0.9);
 * **sink healthy, loopback, one connection per entity**: the partition run with its ``sends_in_flight`` sends
   sharing one connection per entity (the default, ``connections_per_entity: 1``), over the same run with a
   connection per send in flight (``connections_per_entity`` = ``sends_in_flight``, as the sink sent before);
@@ -302,6 +305,63 @@ def shared_connection_row(emu: EmulatorProcess, args: argparse.Namespace) -> tup
         sink_module.close_senders()
 
 
+def link_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, float]:
+    """(a connection per send in flight, one connection): ``--in-flight`` threads sending pre-built batches of 1 KiB
+    messages to the secondary through :meth:`spark_sb.bus.Namespace.send`, each on its own connection against all
+    on one link (``spark_sb.bus.pipeline``). No rows, no encoding in the timing: what the link itself costs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from spark_sb import bus
+
+    config = config_for(emu, args.in_flight)
+
+    def run(connections: int) -> float:
+        namespace = bus.Namespace("secondary", config.secondary, connections_per_entity=connections)
+        pool = ThreadPoolExecutor(args.in_flight)
+        try:
+            lanes = list(range(args.in_flight))
+
+            def lane_batches(lane: int) -> list[Any]:
+                bus.send_lane(lane)
+                namespace.send(QUEUE, _one_batch(namespace, [b"warm-up"]))  # its connection open before the clock
+                out, left = [], args.messages // args.in_flight
+                while left > 0:
+                    with namespace.batch_sender(QUEUE) as sdk_sender:
+                        batch = sdk_sender.create_message_batch()
+                    while left > 0:
+                        try:
+                            batch.add_message(ServiceBusMessage(BODY))
+                        except ValueError:
+                            break
+                        left -= 1
+                    out.append(batch)
+                return out
+
+            prepared = list(pool.map(lane_batches, lanes))
+
+            def send_all(lane: int) -> None:
+                bus.send_lane(lane)
+                for batch in prepared[lane]:
+                    namespace.send(QUEUE, batch)
+
+            started = time.perf_counter()
+            list(pool.map(send_all, lanes))
+            return sum(len(b) for batches in prepared for b in batches) / (time.perf_counter() - started)
+        finally:
+            pool.shutdown()
+            namespace.close()
+
+    return rounds(args.rounds, lambda: run(args.in_flight), lambda: run(1))
+
+
+def _one_batch(namespace: Any, bodies: list[bytes]) -> Any:
+    with namespace.batch_sender(QUEUE) as sdk_sender:
+        batch = sdk_sender.create_message_batch()
+    for body in bodies:
+        batch.add_message(ServiceBusMessage(body))
+    return batch
+
+
 def active_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, float, float]:
     """(raw, active, paired) rates: active replication and the paired sink on the same emulator."""
     active = config_for(emu, args.in_flight, mode="active")
@@ -400,6 +460,8 @@ def main() -> int:
     try:
         plain = failed_over_row(emu, args)
         emit("sink failed over, secondary 40 ms away", *plain, ">= 2.5")
+        emit(f"{args.in_flight} sends in flight of pre-built batches, secondary 40 ms away: one link (raw column: "
+             "a connection per send in flight)", *link_row(emu, args), ">= 0.9")
         session_rows(emu, plain, "secondary 40 ms away")
         raw, act, pair = active_row(emu, args)
         emit("active replication, secondary 40 ms away", raw, act, f"{act / pair:.2f} of paired; goal >= 0.95")
