@@ -148,12 +148,19 @@ def _emulator_proxy(args: argparse.Namespace) -> int:
         return 2
 
 
-#: the exit statuses of provision and status, for their --help and docs/operations.md
+#: the exit statuses of status and provision, for their --help and docs/operations.md (provision asks only the
+#: secondary: it neither reaches the primary nor looks at its entities)
 PAIRED_EXIT_STATUSES = ("exit status: 0 both namespaces answered and accepted the credential; 1 a namespace could "
                         "not be reached (connection refused, host not found, no answer within its admin_timeout, "
                         "connection closed) or answered with an error (busy); 2 a configuration problem: the "
                         "configuration file, a credential a namespace refused, an entity the configuration names "
                         "(or that backlog messages are bound for) that the primary does not have. 2 wins over 1.")
+PROVISION_EXIT_STATUSES = ("exit status: 0 the secondary answered and at least one backlog queue is usable "
+                           "(created, or there already); 1 the secondary could not be reached (connection refused, "
+                           "host not found, no answer within its admin_timeout, connection closed), answered with an "
+                           "error (busy), or no backlog queue is usable; 2 a configuration problem: the "
+                           "configuration file, or a credential the secondary refused. The primary is not asked: "
+                           "spark-sb status checks it.")
 
 
 def _paired_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -163,7 +170,7 @@ def _paired_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "named after send_availability.backlog_prefix) and say which it created, which were there "
                     "already and which are left out (not Active). Each request is bounded by the secondary's "
                     "admin_timeout; a refused credential is reported at once, naming the namespace.",
-        epilog=PAIRED_EXIT_STATUSES)
+        epilog=PROVISION_EXIT_STATUSES)
     provision.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
     status = sub.add_parser(
         "status", help="can each namespace be reached (and if not, why), the primary's entities, and what each "

@@ -277,11 +277,24 @@ def test_status_with_an_admin_endpoint_that_never_answers_is_bounded_by_admin_ti
 
 
 def test_status_and_provision_document_their_exit_statuses() -> None:
-    for command in ("status", "provision"):
-        done = spark_sb(command, "--help")
-        text = " ".join(done.stdout.split())
-        assert "exit status: 0 both namespaces answered" in text and "1 a namespace could not be reached" in text
-        assert "2 a configuration problem" in text
+    done = spark_sb("status", "--help")
+    text = " ".join(done.stdout.split())
+    assert "exit status: 0 both namespaces answered" in text and "1 a namespace could not be reached" in text
+    assert "2 a configuration problem" in text
+
+
+def test_provision_help_gives_its_own_exit_statuses_the_secondary_only(make_config, primary, tmp_path) -> None:
+    """provision asks the secondary alone (a wrong primary key passes it): its --help said status's statuses,
+    "0 both namespaces answered ... an entity ... that the primary does not have" (the walk of issue 46)."""
+    text = " ".join(spark_sb("provision", "--help").stdout.split())
+    assert "exit status: 0 the secondary answered" in text and "1 the secondary could not be reached" in text
+    assert "2 a configuration problem: the configuration file, or a credential the secondary refused" in text
+    assert "both namespaces" not in text and "the primary does not have" not in text
+    # as it says: a primary that refuses the credential does not fail provision
+    conf = _write(tmp_path, _primary(make_config(), connection_string=primary.connection_string.replace(
+        "SharedAccessKey=", "SharedAccessKey=wrong")))
+    done = spark_sb("provision", "--conf", conf)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # --- the emulator's faults ---------------------------------------------------------------------------------
