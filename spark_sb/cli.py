@@ -109,7 +109,12 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         kinds = FAULT_KINDS
     except ModuleNotFoundError:  # no [emulator] extra (a cluster): the command says so when run (_emulator)
         kinds = None
-    fault.add_argument("kind", choices=kinds)
+    fault.add_argument("kind", choices=kinds,
+                       help="down: drop and refuse connections (an entity: detach its links); timeout: take sends, "
+                            "never answer, store nothing; ack-lost: store sends, never answer them (the sender "
+                            "times out although the message is there); busy: server-busy; disabled: "
+                            "entity-disabled; notfound: not-found; quota: resource-limit-exceeded; unauthorized: "
+                            "refuse the credential's token (401)")
     fault.add_argument("--entity", metavar="PATH",
                        help="limit the fault to one entity: a queue, a topic (its subscriptions too) or "
                             "TOPIC/subscriptions/NAME; one the namespace does not have is refused (default: the whole "
@@ -118,7 +123,8 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="heal by itself after this long, e.g. 30s, 2m or 1m30s (a bare number is seconds)")
 
     heal = esub.add_parser("heal", help="remove faults from a running namespace")
-    heal.add_argument("--admin", required=True, metavar="URL")
+    heal.add_argument("--admin", required=True, metavar="URL",
+                      help="the namespace's admin URL, e.g. http://localhost:5300")
     heal.add_argument("--entity", metavar="PATH", help="heal only this entity's fault (default: all)")
 
     proxy = esub.add_parser("proxy", help="run a local HTTP proxy (CONNECT tunnels, Basic authentication) to try "

@@ -347,6 +347,22 @@ def test_every_emulator_fault_kind_is_accepted_from_the_command_line(emulator, m
         assert cli.main(["emulator", "heal", "--admin", admin]) == 0
 
 
+def test_every_fault_kind_is_explained_in_its_help_and_in_the_emulator_page() -> None:
+    """``spark-sb emulator fault --help`` listed the kinds with no word on what each does, and the emulator page's
+    table left out ``ack-lost`` (issue 46's walk)."""
+    from spark_sb.emulator import FAULT_KINDS
+
+    shown = spark_sb("emulator", "fault", "--help")
+    text = " ".join(shown.stdout.split())
+    table = [line for line in (ROOT / "docs" / "emulator.md").read_text().splitlines()
+             if line.strip().startswith("| `")]
+    for kind in FAULT_KINDS:
+        assert re.search(rf"(^|; | ){re.escape(kind)}: \w", text[text.index("positional arguments"):]), (kind, text)
+        assert any(line.strip().startswith(f"| `{kind}` |") for line in table), f"docs/emulator.md: no row for {kind}"
+    heal = " ".join(spark_sb("emulator", "heal", "--help").stdout.split())
+    assert "--admin URL the namespace's admin URL" in heal
+
+
 # --- help --------------------------------------------------------------------------------------------------
 
 
