@@ -42,7 +42,7 @@ from .capabilities import (
 )
 from .config import load_config
 from .durations import timeout_argument
-from .errors import ConfigError, UnsupportedSparkError
+from .errors import ConfigError, SparkSbError, UnsupportedSparkError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -459,11 +459,52 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")[:1000]
 
 
+def writer_credentials(config: Any) -> None:
+    """The writer job's check before Spark starts: a ping (schedule and cancel, nobody receives it) of what the sink
+    sends to, ``sink.entity`` on the primary and the first backlog queue on the secondary, both at once, each
+    bounded by ``send_availability.primary_try_timeout`` without retries. A rejected credential is raised
+    (:class:`~spark_sb.errors.CredentialRejectedError`, naming the namespace, its host and the refusal): a wrong
+    key of the secondary would otherwise pass every batch while the primary is up and fail the first failover.
+    Any other answer, or none (a namespace down, a backlog queue not provisioned yet), is left to the sink: the
+    writer starts during an outage."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .bus import Namespace
+    from .errors import raise_if_refused
+
+    sa = config.send_availability
+    kwargs = sa.primary_client_kwargs()
+    checks = [(side, namespace, entity) for side, namespace, entity in (
+        ("primary", config.primary, config.sink.entity), ("secondary", config.secondary,
+                                                          (sa.backlog_queue_names() or [None])[0])) if entity]
+
+    def refused(side: str, namespace_config: Any, entity: str) -> BaseException | None:
+        namespace = Namespace(side, namespace_config, kwargs)
+        try:
+            namespace.ping(entity)
+        except Exception as exc:  # only a refusal counts here
+            try:
+                raise_if_refused(exc, f"{side} {namespace_config.fully_qualified_namespace}", entity=entity)
+            except Exception as rejected:
+                return rejected
+            _LOGGER.debug("the credential check of %s %r got %s: left to the sink", side, entity,
+                          type(exc).__name__)
+        finally:
+            namespace.close()
+        return None
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="spark-sb-credentials") as pool:
+        found = [pool.submit(refused, *check) for check in checks]
+        for future in found:
+            if (error := future.result()) is not None:
+                raise error
+
+
 def writer_main(argv: Sequence[str] | None = None) -> int:
     """``spark-sb-writer --conf FILE [--max-batches N] [--checkpoint DIR] [--verbose | --log-config FILE]``: the
     paired writer. It ends with one line on stderr saying what it sent and where; exit 1 with one line naming the
     error when its query failed (the next run on the checkpoint replays the batch), 2 for a configuration it
-    cannot run."""
+    cannot run or a credential refused before Spark starts (:func:`writer_credentials`)."""
     parser = _parser("spark-sb-writer", "The paired writer: sends sink.source's rows to Service Bus through "
                      "the paired sink (writeStream.foreachBatch(PairedSink)).")
     parser.add_argument("--max-batches", type=int, default=None, metavar="N",
@@ -476,6 +517,11 @@ def writer_main(argv: Sequence[str] | None = None) -> int:
     require_spark(parser.prog)
     _logging(parser.prog, args)
     config = _load(parser.prog, args.conf)
+    try:
+        writer_credentials(config)
+    except SparkSbError as err:  # a rejected credential: nothing started
+        print(f"{parser.prog}: {type(err).__name__}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     spark = build_session("spark-sb-paired-writer")
     from pyspark.errors import StreamingQueryException
 
