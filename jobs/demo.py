@@ -7,20 +7,19 @@ local Spark session. Part-way the primary namespace goes down; later it
 heals. Each batch prints where its rows went. After the stream stops, the syphon job (`jobs/syphon.py`:
 the `servicebus-backlog` source, `foreachBatch(Republisher)`, a checkpoint and a Delta ledger) moves the
 parked messages home and stops once the backlog is empty; the end accounts for every row by message id: in the primary, left in a backlog queue, dead-lettered
-(with reasons), lost, or duplicated. Exits 0 when nothing is lost or duplicated. No cloud account, no
-manual step. Last, it draws the picture of the outage (``spark_sb.report``, as ``spark-sb report`` does from a
-real run) from the sink's metrics table and the syphon's ledger into ``data/demo/outage.png`` (``--picture``).
+(with reasons), lost, or duplicated. Exits 0 only when every row is in the primary once (none lost,
+duplicated, left in a backlog queue or dead-lettered), else 1. No cloud account, no manual step. Last, it draws the picture of the outage (`spark_sb.report`, as `spark-sb report` does from a
+real run) from the sink's metrics table and the syphon's ledger into `data/demo/outage.png` (`--picture`).
 
-``--mode active`` or ``--mode passive`` shows replication instead (behaviour.md, "Active and passive
-replication"): the same stream sends every row to both namespaces (active) or to the active one, swapping on an
+`--mode active` or `--mode passive` shows replication instead (docs/replication.md): the same stream sends every row to both namespaces (active) or to the active one, swapping on an
 outage (passive: the primary goes down, then, after it healed, the secondary, so the roles swap twice); then
-``format("servicebus")`` reads the entity on both namespaces through ``spark_sb.dedupe`` into a Delta table, and
+`format("servicebus")` reads the entity on both namespaces through `spark_sb.dedupe` into a Delta table, and
 the end counts each row: lost, or kept twice.
 
-``--through-proxy`` runs the paired demo as a locked-down workspace would: every AMQP connection (the sink's
+`--through-proxy` runs the paired demo as a locked-down workspace would: every AMQP connection (the sink's
 executors, the syphon's readers and republisher) is AMQP over WebSockets with TLS (the emulator's wss ports,
-its CA trusted through ``connection_verify``) through a local HTTP proxy with a password that lets only those
-ports through (``transport: websockets``, ``http_proxy``, ``custom_endpoint_address``); the end says how many
+its CA trusted through `connection_verify`) through a local HTTP proxy with a password that lets only those
+ports through (`transport: websockets`, `http_proxy`, `custom_endpoint_address`); the end says how many
 tunnels the proxy opened.
 """
 
@@ -40,6 +39,7 @@ import yaml
 from azure.servicebus import ServiceBusClient, ServiceBusReceiveMode, ServiceBusSubQueue
 
 from spark_sb import messages
+from spark_sb.durations import seconds_argument
 from spark_sb.emulator import DEFAULT_NAMESPACES, EmulatorProcess, NamespaceOptions, fault, heal
 from spark_sb.paired import PairedSender
 
@@ -395,10 +395,17 @@ def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--conf", type=Path, default=ROOT / "conf" / "local.yaml")
-    parser.add_argument("--batches", type=int, default=16)
-    parser.add_argument("--rows", type=int, default=50, help="rows per batch (the rate source's rows per trigger)")
-    parser.add_argument("--trigger", type=float, default=1.0, help="seconds between batches")
+    parser.add_argument("--conf", type=Path, default=ROOT / "conf" / "local.yaml",
+                        help="the configuration whose options the demo keeps (send_availability, syphon); its "
+                             "namespaces become the demo's emulator pair and its sink the demo's (default: "
+                             "conf/local.yaml)")
+    parser.add_argument("--batches", type=int, default=16,
+                        help="sink batches the stream runs, the outage part-way (default: %(default)s)")
+    parser.add_argument("--rows", type=int, default=50,
+                        help="rows a batch: the rate source makes ROWS every TRIGGER (a batch that starts late "
+                             "takes more; default: %(default)s)")
+    parser.add_argument("--trigger", type=seconds_argument, default=1.0, metavar="DURATION",
+                        help="time between batches, e.g. 1s or 500ms (a bare number is seconds; default: 1s)")
     parser.add_argument("--mode", choices=("paired", "active", "passive"), default="paired",
                         help="paired (send availability, the default), or active / passive replication")
     parser.add_argument("--default-ports", action="store_true",

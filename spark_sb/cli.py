@@ -109,7 +109,12 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         kinds = FAULT_KINDS
     except ModuleNotFoundError:  # no [emulator] extra (a cluster): the command says so when run (_emulator)
         kinds = None
-    fault.add_argument("kind", choices=kinds)
+    fault.add_argument("kind", choices=kinds,
+                       help="down: drop and refuse connections (an entity: detach its links); timeout: take sends, "
+                            "never answer, store nothing; ack-lost: store sends, never answer them (the sender "
+                            "times out although the message is there); busy: server-busy; disabled: "
+                            "entity-disabled; notfound: not-found; quota: resource-limit-exceeded; unauthorized: "
+                            "refuse the credential's token (401)")
     fault.add_argument("--entity", metavar="PATH",
                        help="limit the fault to one entity: a queue, a topic (its subscriptions too) or "
                             "TOPIC/subscriptions/NAME; one the namespace does not have is refused (default: the whole "
@@ -118,7 +123,8 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="heal by itself after this long, e.g. 30s, 2m or 1m30s (a bare number is seconds)")
 
     heal = esub.add_parser("heal", help="remove faults from a running namespace")
-    heal.add_argument("--admin", required=True, metavar="URL")
+    heal.add_argument("--admin", required=True, metavar="URL",
+                      help="the namespace's admin URL, e.g. http://localhost:5300")
     heal.add_argument("--entity", metavar="PATH", help="heal only this entity's fault (default: all)")
 
     proxy = esub.add_parser("proxy", help="run a local HTTP proxy (CONNECT tunnels, Basic authentication) to try "
@@ -148,12 +154,19 @@ def _emulator_proxy(args: argparse.Namespace) -> int:
         return 2
 
 
-#: the exit statuses of provision and status, for their --help and docs/operations.md
+#: the exit statuses of status and provision, for their --help and docs/operations.md (provision asks only the
+#: secondary: it neither reaches the primary nor looks at its entities)
 PAIRED_EXIT_STATUSES = ("exit status: 0 both namespaces answered and accepted the credential; 1 a namespace could "
                         "not be reached (connection refused, host not found, no answer within its admin_timeout, "
                         "connection closed) or answered with an error (busy); 2 a configuration problem: the "
                         "configuration file, a credential a namespace refused, an entity the configuration names "
                         "(or that backlog messages are bound for) that the primary does not have. 2 wins over 1.")
+PROVISION_EXIT_STATUSES = ("exit status: 0 the secondary answered and at least one backlog queue is usable "
+                           "(created, or there already); 1 the secondary could not be reached (connection refused, "
+                           "host not found, no answer within its admin_timeout, connection closed), answered with an "
+                           "error (busy), or no backlog queue is usable; 2 a configuration problem: the "
+                           "configuration file, or a credential the secondary refused. The primary is not asked: "
+                           "spark-sb status checks it.")
 
 
 def _paired_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -163,7 +176,7 @@ def _paired_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                     "named after send_availability.backlog_prefix) and say which it created, which were there "
                     "already and which are left out (not Active). Each request is bounded by the secondary's "
                     "admin_timeout; a refused credential is reported at once, naming the namespace.",
-        epilog=PAIRED_EXIT_STATUSES)
+        epilog=PROVISION_EXIT_STATUSES)
     provision.add_argument("--conf", required=True, metavar="FILE", help="the spark-sb YAML configuration")
     status = sub.add_parser(
         "status", help="can each namespace be reached (and if not, why), the primary's entities, and what each "

@@ -42,7 +42,7 @@ from .capabilities import (
 )
 from .config import load_config
 from .durations import timeout_argument
-from .errors import ConfigError, UnsupportedSparkError
+from .errors import ConfigError, SparkSbError, UnsupportedSparkError
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -459,11 +459,62 @@ def _one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")[:1000]
 
 
+def _refused_credentials(config: Any, checks: Sequence[tuple[str, Any, str]]) -> None:
+    """Ping (schedule and cancel: nobody receives it) each ``(side, namespace config, entity)`` at once, each
+    bounded by ``send_availability.primary_try_timeout`` without retries, and raise the first rejected credential
+    (:class:`~spark_sb.errors.CredentialRejectedError`, naming the namespace, its host and the refusal). Any other
+    answer, or none (a namespace down, an entity not there yet), is not this check's business."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from .bus import Namespace
+    from .errors import raise_if_refused
+
+    kwargs = config.send_availability.primary_client_kwargs()
+
+    def refused(side: str, namespace_config: Any, entity: str) -> BaseException | None:
+        namespace = Namespace(side, namespace_config, kwargs)
+        try:
+            namespace.ping(entity)
+        except Exception as exc:  # only a refusal counts here
+            try:
+                raise_if_refused(exc, f"{side} {namespace_config.fully_qualified_namespace}", entity=entity)
+            except Exception as rejected:
+                return rejected
+            _LOGGER.debug("the credential check of %s %r got %s: left to the job", side, entity,
+                          type(exc).__name__)
+        finally:
+            namespace.close()
+        return None
+
+    with ThreadPoolExecutor(max_workers=2, thread_name_prefix="spark-sb-credentials") as pool:
+        found = [pool.submit(refused, *check) for check in checks]
+        for future in found:
+            if (error := future.result()) is not None:
+                raise error
+
+
+def _first_backlog_queue(config: Any) -> list[tuple[str, Any, str]]:
+    names = config.send_availability.backlog_queue_names()
+    return [("secondary", config.secondary, names[0])] if names else []
+
+
+def check_credentials(config: Any) -> None:
+    """What both jobs check before Spark starts (:func:`_refused_credentials`): ``sink.entity`` on the primary,
+    when the configuration names it (what the writer sends to, a destination of the syphon), and the first backlog
+    queue on the secondary (where the writer fails over, what the syphon reads and re-parks to). A wrong key of the
+    secondary passed every writer batch while the primary was up (found at the first failover, in an outage), and
+    with an empty backlog the syphon never met the primary: a wrong primary key ended "the backlog is empty", exit
+    0, run after run. A namespace that does not answer is left to the job: both run during an outage."""
+    entity = config.sink.entity
+    _refused_credentials(config, [*([("primary", config.primary, entity)] if entity else []),
+                                  *_first_backlog_queue(config)])
+
+
 def writer_main(argv: Sequence[str] | None = None) -> int:
     """``spark-sb-writer --conf FILE [--max-batches N] [--checkpoint DIR] [--verbose | --log-config FILE]``: the
     paired writer. It ends with one line on stderr saying what it sent and where; exit 1 with one line naming the
     error when its query failed (the next run on the checkpoint replays the batch), 2 for a configuration it
-    cannot run."""
+    cannot run or a credential refused before Spark starts (:func:`check_credentials`)."""
     parser = _parser("spark-sb-writer", "The paired writer: sends sink.source's rows to Service Bus through "
                      "the paired sink (writeStream.foreachBatch(PairedSink)).")
     parser.add_argument("--max-batches", type=int, default=None, metavar="N",
@@ -476,6 +527,11 @@ def writer_main(argv: Sequence[str] | None = None) -> int:
     require_spark(parser.prog)
     _logging(parser.prog, args)
     config = _load(parser.prog, args.conf)
+    try:
+        check_credentials(config)
+    except SparkSbError as err:  # a rejected credential: nothing started
+        print(f"{parser.prog}: {type(err).__name__}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     spark = build_session("spark-sb-paired-writer")
     from pyspark.errors import StreamingQueryException
 
@@ -853,7 +909,8 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
     backlog: at its ``--timeout``, with the depth unknown (the administration API gave no count), or because the
     primary is down ("the primary is down, N messages wait in the backlog"). Messages parked or re-parked while it
     ran count as left: the next run moves them, but a scheduled run that ends with the backlog not empty does not
-    report success. 2: a configuration or a Spark it cannot run on."""
+    report success. 2: a configuration or a Spark it cannot run on, or a credential refused before Spark starts
+    (:func:`check_credentials`)."""
     parser = _parser("spark-sb-syphon", "The syphon: moves the messages parked in the backlog queues back to "
                      "the primary (servicebus-backlog source -> foreachBatch(Republisher)), recording each in "
                      "the Delta ledger syphon.ledger; its checkpoint is syphon.checkpoint_location. Before a run "
@@ -879,6 +936,11 @@ def syphon_main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(2) from None
     _logging(parser.prog, args)
     config = _load(parser.prog, args.conf, lambda config: config.syphon.require_job_locations())
+    try:
+        check_credentials(config)
+    except SparkSbError as err:  # a rejected credential: nothing started
+        print(f"{parser.prog}: {type(err).__name__}: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     spark = build_session("spark-sb-syphon")
     from pyspark.errors import StreamingQueryException
 

@@ -46,7 +46,7 @@ def options_config(options: Mapping[str, str]) -> SparkSbConfig:
         secret = next((str(k) for k, v in options.items() if is_literal_secret(str(k).rsplit(".", 1)[-1], v)), "options")
         raise ConfigError(secret, "holds a literal secret, which Spark would write into its plan and event log: pass "
                           "the configuration by reference (option conf: a YAML path; or option config: JSON whose "
-                          "secrets are ${ENV_VAR} references; spark_sb.source.config_options builds them)")
+                          "secrets are ${ENV_VAR} references; spark_sb.options.config_options builds them)")
     return config
 
 

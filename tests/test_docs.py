@@ -198,4 +198,36 @@ def test_the_pages_import_config_options_from_its_public_module() -> None:
     imports = [(block.where, match.group(1)) for block in all_blocks()
                for match in re.finditer(r"^from (spark_sb[\w.]*) import [^\n]*\bconfig_options\b", block.body, re.M)]
     assert imports and {module for _, module in imports} == {"spark_sb.options"}, imports
+    # in prose too (the syphon page named spark_sb.source.config_options), and in the error that points at it
+    named = [str(page.relative_to(ROOT)) for page in PAGES if "spark_sb.source.config_options" in page.read_text()]
+    assert not named, named
+    assert "spark_sb.source.config_options" not in (ROOT / "spark_sb" / "options.py").read_text()
     assert "::: spark_sb.options.config_options" in (ROOT / "docs" / "reference" / "configuration.md").read_text()
+
+
+#: a file named in backticks, as a page points at one: `conf/local.yaml`, `tests/spark/test_readme.py`
+NAMED_FILE = re.compile(r"`([\w./-]+\.(?:md|py|yaml|yml|toml|json|java|js|ini|cfg))`")
+#: what pages name that is not in the repository, on purpose: the SDK's own module, files a tool writes
+OUTSIDE = ("_pyamqp/", ".databricks/", "data/", "/")
+
+
+def named_files(page: Path) -> list[tuple[str, str]]:
+    """The files ``page`` names in backticks that the repository does not have (a bare test module's name is
+    looked for under tests/)."""
+    missing = []
+    for match in NAMED_FILE.finditer(page.read_text()):
+        name = match.group(1)
+        if name.startswith(OUTSIDE) or ("/" not in name and not name.startswith("test_")):
+            continue
+        found = (ROOT / name).exists() or (page.parent / name).exists() or (
+            "/" not in name and any((ROOT / "tests").rglob(name)))
+        if not found:
+            missing.append((str(page.relative_to(ROOT)), name))
+    return missing
+
+
+def test_every_file_a_page_names_exists() -> None:
+    """The paired sender's page called `shared/design/behaviour.md` its contract: no such file ships (issue 46's
+    walk)."""
+    found = [missing for page in PAGES for missing in named_files(page)]
+    assert not found, found

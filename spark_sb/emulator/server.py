@@ -282,6 +282,11 @@ class NamespaceInfo:
                 "connection_verify": self.ca_file}
 
 
+class StoreInUseError(OSError):
+    """Another emulator (another process, or another :class:`Emulator` here) runs a namespace on the same store:
+    ``spark-sb emulator start`` exits 2 naming the directory and the process."""
+
+
 class Emulator:
     """Runs namespaces in this process. ``data_dir=None`` keeps messages in memory only.
 
@@ -356,6 +361,8 @@ class Emulator:
         self.authority: _aad.Authority | None = _aad.Authority(aad, clock) if entra_id else None
         self._servers: dict[str, NamespaceServer] = {}
         self._admins: dict[str, Any] = {}
+        #: the open lock file of each namespace's store while it runs (:meth:`_lock_stores`)
+        self._store_locks: list[Any] = []
         self.info: dict[str, NamespaceInfo] = {}
         self.tls = tls
         self.certificates: _tls.Certificates | None = None
@@ -410,9 +417,47 @@ class Emulator:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         return store.SqliteStore(self.data_dir / f"{name}.db")
 
+    def _lock_stores(self) -> None:
+        """Hold ``<data_dir>/<namespace>.db.lock`` for each namespace while this emulator runs. Two emulators on
+        one store would each serve the same messages, with locks neither sees: the getting-started page's other
+        ports, started beside the default pair on the default ``--data-dir``, showed the other pair's 42,850
+        messages. The operating system releases the lock when the process ends, however it ends."""
+        if self.data_dir is None:
+            return
+        try:
+            import fcntl
+        except ImportError:  # not a POSIX system: no lock
+            return
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        for opt in self.options:
+            path = self.data_dir / f"{opt.name}.db.lock"
+            handle = open(path, "a+")  # noqa: SIM115 - held until stop()
+            try:
+                fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.seek(0)
+                holder = handle.read().strip()
+                handle.close()
+                self._unlock_stores()
+                raise StoreInUseError(
+                    f"the store of namespace {opt.name!r} in {self.data_dir} is in use by another emulator"
+                    f"{f' (process {holder})' if holder else ''}: stop it, or give this one another --data-dir "
+                    "(or --in-memory)") from None
+            handle.seek(0)
+            handle.truncate()
+            handle.write(str(os.getpid()))
+            handle.flush()
+            self._store_locks.append(handle)
+
+    def _unlock_stores(self) -> None:
+        for handle in self._store_locks:
+            handle.close()  # closing the file releases its lock
+        self._store_locks.clear()
+
     def start(self) -> Emulator:
         from .admin_http import AdminServer
 
+        self._lock_stores()
         try:
             for opt in self.options:
                 def factory(on_available: Callable[[str], None], opt: NamespaceOptions = opt) -> Broker:
@@ -569,6 +614,7 @@ class Emulator:
             server.stop()
         self._admins.clear()
         self._servers.clear()
+        self._unlock_stores()
         if self._tls_tmp is not None:
             shutil.rmtree(self._tls_tmp, ignore_errors=True)
             self._tls_tmp = None

@@ -353,3 +353,27 @@ def test_base_port_also_places_the_tls_ports(tmp_path) -> None:
         proc.terminate()
         proc.wait(10)
     assert lines[2:] == [f"AMQPS primary localhost:{base + 4}", f"AMQPS secondary localhost:{base + 5}"], lines
+
+
+def test_a_second_emulator_on_a_store_in_use_is_refused_naming_it(tmp_path) -> None:
+    """Issue 46's walk: getting started's other ports, started beside the default pair on the default --data-dir,
+    served the same store (the other pair's messages, with locks neither saw). The second start exits 2 in one
+    line naming the directory and the process; once the first stops, the store opens again."""
+    from spark_sb.emulator import Emulator
+
+    data = tmp_path / "data"
+    with Emulator([NamespaceOptions("primary"), NamespaceOptions("secondary")], data_dir=data):
+        done = _cli("emulator", "start", "--data-dir", str(data), "--namespace", "primary=0:0",
+                    "--namespace", "secondary=0:0")
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert done.stderr.strip() == (f"spark-sb emulator: the store of namespace 'primary' in {data} is in use by "
+                                       f"another emulator (process {os.getpid()}): stop it, or give this one another "
+                                       "--data-dir (or --in-memory)"), done.stderr
+        assert not done.stdout  # no connection string: nothing served
+        with pytest.raises(OSError, match="is in use by another emulator"):
+            Emulator([NamespaceOptions("secondary")], data_dir=data).start()
+        # another namespace's store in the same directory is its own
+        with Emulator([NamespaceOptions("third")], data_dir=data) as third:
+            assert third["third"].amqp_port
+    with Emulator([NamespaceOptions("primary")], data_dir=data) as again:  # the first stopped: free again
+        assert again["primary"].amqp_port

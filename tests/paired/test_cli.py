@@ -277,11 +277,24 @@ def test_status_with_an_admin_endpoint_that_never_answers_is_bounded_by_admin_ti
 
 
 def test_status_and_provision_document_their_exit_statuses() -> None:
-    for command in ("status", "provision"):
-        done = spark_sb(command, "--help")
-        text = " ".join(done.stdout.split())
-        assert "exit status: 0 both namespaces answered" in text and "1 a namespace could not be reached" in text
-        assert "2 a configuration problem" in text
+    done = spark_sb("status", "--help")
+    text = " ".join(done.stdout.split())
+    assert "exit status: 0 both namespaces answered" in text and "1 a namespace could not be reached" in text
+    assert "2 a configuration problem" in text
+
+
+def test_provision_help_gives_its_own_exit_statuses_the_secondary_only(make_config, primary, tmp_path) -> None:
+    """provision asks the secondary alone (a wrong primary key passes it): its --help said status's statuses,
+    "0 both namespaces answered ... an entity ... that the primary does not have" (the walk of issue 46)."""
+    text = " ".join(spark_sb("provision", "--help").stdout.split())
+    assert "exit status: 0 the secondary answered" in text and "1 the secondary could not be reached" in text
+    assert "2 a configuration problem: the configuration file, or a credential the secondary refused" in text
+    assert "both namespaces" not in text and "the primary does not have" not in text
+    # as it says: a primary that refuses the credential does not fail provision
+    conf = _write(tmp_path, _primary(make_config(), connection_string=primary.connection_string.replace(
+        "SharedAccessKey=", "SharedAccessKey=wrong")))
+    done = spark_sb("provision", "--conf", conf)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 # --- the emulator's faults ---------------------------------------------------------------------------------
@@ -332,6 +345,22 @@ def test_every_emulator_fault_kind_is_accepted_from_the_command_line(emulator, m
         assert cli.main(["emulator", "fault", "--admin", admin, "busy", "--entity", f"{queue}/$DeadLetterQueue"]) == 0
     finally:
         assert cli.main(["emulator", "heal", "--admin", admin]) == 0
+
+
+def test_every_fault_kind_is_explained_in_its_help_and_in_the_emulator_page() -> None:
+    """``spark-sb emulator fault --help`` listed the kinds with no word on what each does, and the emulator page's
+    table left out ``ack-lost`` (issue 46's walk)."""
+    from spark_sb.emulator import FAULT_KINDS
+
+    shown = spark_sb("emulator", "fault", "--help")
+    text = " ".join(shown.stdout.split())
+    table = [line for line in (ROOT / "docs" / "emulator.md").read_text().splitlines()
+             if line.strip().startswith("| `")]
+    for kind in FAULT_KINDS:
+        assert re.search(rf"(^|; | ){re.escape(kind)}: \w", text[text.index("positional arguments"):]), (kind, text)
+        assert any(line.strip().startswith(f"| `{kind}` |") for line in table), f"docs/emulator.md: no row for {kind}"
+    heal = " ".join(spark_sb("emulator", "heal", "--help").stdout.split())
+    assert "--admin URL the namespace's admin URL" in heal
 
 
 # --- help --------------------------------------------------------------------------------------------------

@@ -74,7 +74,10 @@ def _refused(exc: BaseException, side: str, info: Any) -> CredentialRejectedErro
 
 @pytest.mark.timeout(240)
 def test_the_syphon_job_fails_at_once_naming_the_secondary_that_refused_its_credential(
-        spark: Any, setup: dict, secondary: Any, tmp_path: Path, capsys: Any) -> None:
+        spark: Any, setup: dict, secondary: Any, tmp_path: Path, capsys: Any, monkeypatch: Any) -> None:
+    # the job's check before Spark starts refuses this at once with exit 2 (tests/test_jobs.py); left out here, the
+    # query's own source meets the refusal, as it does when the credential is revoked after the job started
+    monkeypatch.setattr(jobs, "check_credentials", lambda config: None)
     conf = tmp_path / "syphon.json"
     conf.write_text(json.dumps({**setup["config"], "secondary": _wrong_key(setup["config"]["secondary"])}))
     interval = spark.conf.get("spark.sql.streaming.noDataProgressEventInterval")

@@ -1,0 +1,79 @@
+"""The jobs (``spark-sb-writer``, ``spark-sb-syphon``, :mod:`spark_sb.jobs`) check their credentials before Spark
+starts (issue 46's walk): with a wrong key for the secondary the writer sent every batch to a healthy primary and
+exited 0, so the mistake would have shown at the first failover, in an outage; with a wrong key for the primary
+and an empty backlog the syphon said "the backlog is empty" and exited 0. The console scripts as a user runs them,
+against the emulator pair; no Spark starts in these tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pairing import pair_config
+
+from spark_sb import CredentialRejectedError
+from spark_sb.config import load_config
+from spark_sb.jobs import check_credentials
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = {job: Path(sys.executable).parent / job for job in ("spark-sb-writer", "spark-sb-syphon")}
+WRONG = "SharedAccessKey=not-the-key"
+
+
+def _config(primary: Any, secondary: Any, queue: str, tmp_path: Path, wrong: str | None = None) -> dict:
+    config = pair_config(primary, secondary, "jw", backlog_queue_count=2, primary_try_timeout="3s")
+    if wrong:
+        section = config[wrong]
+        section["connection_string"] = section["connection_string"].replace("SharedAccessKey=SAS_KEY_VALUE", WRONG)
+        assert WRONG in section["connection_string"]
+    config["sink"] = {"entity": queue, "source": {"format": "rate", "rows_per_second": 1},
+                      "checkpoint_location": str(tmp_path / "checkpoint")}
+    config["syphon"] = {"checkpoint_location": str(tmp_path / "syphon-checkpoint"), "ledger": str(tmp_path / "ledger")}
+    return config
+
+
+def _job(job: str, config: dict, tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], float]:
+    path = tmp_path / "spark-sb.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p),
+           "SPARK_SB_JVM_LOG": str(tmp_path / "jvm.log")}
+    started = time.monotonic()
+    args = ["--max-batches", "1"] if job == "spark-sb-writer" else ["--until-empty", "--timeout", "60"]
+    done = subprocess.run([str(SCRIPTS[job]), "--conf", str(path), *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.parametrize("job", ["spark-sb-writer", "spark-sb-syphon"])
+@pytest.mark.parametrize("wrong", ["secondary", "primary"])
+def test_the_jobs_refuse_a_wrong_key_before_spark_starts(primary, secondary, make_queue, tmp_path, wrong,
+                                                        job) -> None:
+    queue = make_queue()  # the syphon's backlog is empty: it never met the primary
+    done, took = _job(job, _config(primary, secondary, queue, tmp_path, wrong), tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr  # no "starting Spark": nothing started
+    entity = queue if wrong == "primary" else "jw"
+    assert lines[0].startswith(f"{job}: CredentialRejectedError: the {wrong} namespace (localhost:"), lines
+    assert f"refused the credential for '{entity}" in lines[0] and "401" in lines[0], lines
+    assert "not-the-key" not in done.stderr + done.stdout
+    assert took < 60, f"{took:.0f} s"
+
+
+def test_the_credential_check_leaves_an_outage_to_the_sink(emulator, primary, secondary, make_queue,
+                                                            tmp_path) -> None:
+    """The writer must start while the primary is down (that is what it is for): no answer is not a refusal."""
+    config = load_config(_config(primary, secondary, make_queue(), tmp_path))
+    emulator.fault("primary", "down")
+    started = time.monotonic()
+    check_credentials(config)  # returns: the sink fails over
+    assert time.monotonic() - started < 30
+    emulator.heal("primary")
+    with pytest.raises(CredentialRejectedError, match=r"^the secondary namespace \(localhost:\d+\) refused"):
+        check_credentials(load_config(_config(primary, secondary, make_queue(), tmp_path, "secondary")))
