@@ -10,7 +10,7 @@ message ids, chunks, sends in flight and checks. What differs is who drives it: 
 
 Options (case-insensitive), as the ``servicebus`` source takes them: the configuration by reference (``conf``: a
 YAML path; ``config``: JSON whose secrets are ``${ENV_VAR}`` references; or flat options holding no literal
-secret, see :func:`spark_sb.source.config_options`); ``entity`` (the default entity, over ``sink.entity``; a
+secret, see :func:`spark_sb.options.config_options`); ``entity`` (the default entity, over ``sink.entity``; a
 row's ``entity`` column still wins) and ``keyColumn`` (over ``sink.key_column``). Any other option is refused
 naming it (:func:`spark_sb.options.check_known`), and so is a flat configuration option next to ``conf`` or
 ``config``. Checked before anything is sent: the options, the columns (names and types, as the sink checks them),
