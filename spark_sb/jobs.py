@@ -230,14 +230,17 @@ class BatchGate:
                 raise StoppedBetweenBatches(f"batch {batch_id} not run: the query is stopping (the next run on "
                                             "this checkpoint replays it)")
             self._running += 1
+        ok = False
         try:
             result = self._fn(df, batch_id)
+            ok = True
         finally:
-            with self._cond:
+            with self._cond:  # counted before the next batch can look (it checks ``ran`` under the lock)
+                if ok:
+                    self.last = batch_id
+                    self.ran += 1
                 self._running -= 1
                 self._cond.notify_all()
-        self.last = batch_id
-        self.ran += 1
         return result
 
     def close(self, settle: float) -> bool:
@@ -328,7 +331,12 @@ def await_batches(query: Any, max_batches: int | None, poll: float = 0.2, settle
         return int(progress["batchId"]) - first + 1 >= max_batches
 
     while query.isActive and not done():
-        query.awaitTermination(poll)
+        try:
+            query.awaitTermination(poll)
+        except Exception:
+            if not done():  # the query failed by itself
+                raise
+            break  # the batch after the last was refused and ended the query before this loop saw it: not a failure
     if done():
         stop_between_batches(query, settle)  # a batch the gate refused ended the query: not a failure
         return

@@ -77,3 +77,59 @@ def test_the_credential_check_leaves_an_outage_to_the_sink(emulator, primary, se
     emulator.heal("primary")
     with pytest.raises(CredentialRejectedError, match=r"^the secondary namespace \(localhost:\d+\) refused"):
         check_credentials(load_config(_config(primary, secondary, make_queue(), tmp_path, "secondary")))
+
+
+class _Query:
+    """A streaming query as ``await_batches`` sees it, whose batches run in a thread of their own (as Spark's
+    stream thread runs them) through the job's gate: the batch after the last is refused and, as in Spark, ends
+    the query with that error, which ``awaitTermination`` raises."""
+
+    def __init__(self, gate: Any, batch_seconds: float) -> None:
+        import threading
+
+        self.id = "query-under-test"
+        self.isActive = True
+        self.lastProgress: dict[str, int] | None = None
+        self.status = {"isTriggerActive": True}
+        self._error: BaseException | None = None
+        self._ended = threading.Event()
+        self._gate = gate
+        self._seconds = batch_seconds
+        threading.Thread(target=self._run, daemon=True).start()
+
+    def _run(self) -> None:
+        batch = 0
+        try:
+            while self.isActive:
+                self._gate(None, batch)
+                self.lastProgress = {"batchId": batch}
+                batch += 1
+        except Exception as exc:  # noqa: BLE001 - the query's error, raised by awaitTermination
+            self._error = exc
+        self.isActive = False
+        self._ended.set()
+
+    def awaitTermination(self, timeout: float | None = None) -> bool:  # noqa: N802 - Spark's name
+        ended = self._ended.wait(timeout)
+        if ended and self._error is not None:
+            raise RuntimeError(f"FOREACH_BATCH_USER_FUNCTION_ERROR: {self._error}")
+        return ended
+
+    def stop(self) -> None:
+        self.isActive = False
+
+
+@pytest.mark.parametrize("poll", [0.2, 5.0])
+def test_max_batches_ends_quietly_when_the_refused_batch_ends_the_query_first(poll: float) -> None:
+    """``--max-batches 3`` on batches that take no time: the fourth is refused and ends the query while the loop
+    still waits in ``awaitTermination`` (a poll of 5 s makes that certain); the run ends as asked, not as failed
+    (Spark raised the refusal as FOREACH_BATCH_USER_FUNCTION_ERROR: tests/spark/test_job_console.py failed 1 run of
+    7)."""
+    from spark_sb import jobs
+
+    gate = jobs.BatchGate(lambda df, batch_id: None)
+    gate.limit = 3  # as await_batches sets it, before the batches here (they take no time)
+    query = _Query(gate, 0.0)
+    jobs._GATES[query.id] = gate
+    jobs.await_batches(query, 3, poll=poll, settle=5)
+    assert gate.ran == 3 and gate.refused == [3]
