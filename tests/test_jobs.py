@@ -84,7 +84,7 @@ class _Query:
     stream thread runs them) through the job's gate: the batch after the last is refused and, as in Spark, ends
     the query with that error, which ``awaitTermination`` raises."""
 
-    def __init__(self, gate: Any, batch_seconds: float) -> None:
+    def __init__(self, gate: Any) -> None:
         import threading
 
         self.id = "query-under-test"
@@ -94,7 +94,6 @@ class _Query:
         self._error: BaseException | None = None
         self._ended = threading.Event()
         self._gate = gate
-        self._seconds = batch_seconds
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -121,15 +120,15 @@ class _Query:
 
 @pytest.mark.parametrize("poll", [0.2, 5.0])
 def test_max_batches_ends_quietly_when_the_refused_batch_ends_the_query_first(poll: float) -> None:
-    """``--max-batches 3`` on batches that take no time: the fourth is refused and ends the query while the loop
+    """``--max-batches 3`` on batches of 50 ms: the fourth is refused and ends the query while the loop
     still waits in ``awaitTermination`` (a poll of 5 s makes that certain); the run ends as asked, not as failed
     (Spark raised the refusal as FOREACH_BATCH_USER_FUNCTION_ERROR: tests/spark/test_job_console.py failed 1 run of
     7)."""
     from spark_sb import jobs
 
-    gate = jobs.BatchGate(lambda df, batch_id: None)
-    gate.limit = 3  # as await_batches sets it, before the batches here (they take no time)
-    query = _Query(gate, 0.0)
+    gate = jobs.BatchGate(lambda df, batch_id: time.sleep(0.05))
+    gate.limit = 3  # as await_batches sets it
+    query = _Query(gate)
     jobs._GATES[query.id] = gate
     jobs.await_batches(query, 3, poll=poll, settle=5)
     assert gate.ran == 3 and gate.refused == [3]
