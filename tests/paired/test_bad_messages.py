@@ -68,3 +68,28 @@ def test_a_bad_message_while_failed_over_cools_no_backlog_queue(
     total = sum(secondary_admin.get_queue_runtime_properties(name).active_message_count
                 for name in sender.backlog_queues)
     assert total == 3  # nothing of the bad call reached the backlog
+
+
+def test_a_refused_chunk_among_sends_in_flight_fails_alone_and_fails_nothing_over(
+    make_sender, make_queue, primary, secondary_admin, drain
+) -> None:
+    """Issue 47: eight sends in flight share the entity's one link; one chunk the service refuses (no session id for
+    a queue that requires sessions) closed that link under the others, which failed as connection errors: an
+    outage, counted towards failover. Now it fails alone as a bad message; the entity stays healthy, nothing is
+    parked, every other message is in the primary once."""
+    q = make_queue(requires_session=True)
+    sender = make_sender(failover_interval="0s")
+    rounds, bad = 4, (5, 2)
+    futures = {}
+    for r in range(rounds):
+        for lane in range(8):
+            messages_ = [ServiceBusMessage(f"{lane}-{r}-{j}", message_id=f"{lane}-{r}-{j}",
+                                           session_id=None if (lane, r) == bad else f"s{lane}") for j in range(25)]
+            futures[(lane, r)] = sender.submit(q, messages_)
+    failed = {key: f.exception(timeout=120) for key, f in futures.items() if f.exception(timeout=120) is not None}
+    assert list(failed) == [bad], failed
+    assert isinstance(failed[bad], BadMessageError), repr(failed[bad])
+    assert sender.state(q) == "healthy"
+    assert sum(f.result().primary for key, f in futures.items() if key != bad) == (rounds * 8 - 1) * 25
+    assert sum(secondary_admin.get_queue_runtime_properties(b).active_message_count
+               for b in sender.backlog_queues) == 0
