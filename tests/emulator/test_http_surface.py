@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from spark_sb import cli
-from spark_sb.emulator import Emulator, NamespaceOptions, sas
+from spark_sb.emulator import Emulator, NamespaceOptions, admin_http, sas
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.emulator.server import DEFAULT_KEY, DEFAULT_KEY_NAME, WEBSOCKET_PATH, send_control
 
@@ -273,3 +273,63 @@ def test_the_allowed_origins_are_an_emulator_option() -> None:
         started = time.monotonic()
         assert _request(port, head)[0] == 403
         assert time.monotonic() - started < 5
+
+
+# --------------------------------------------------------------------------- kept-alive connections
+
+
+class _CountingSocket:
+    """The server's side of a connection, counting the writes the server makes on it."""
+
+    def __init__(self, sock: socket.socket, writes: list[int]) -> None:
+        self._sock = sock
+        self._writes = writes
+
+    def sendall(self, data: bytes, *args: object) -> None:
+        self._writes.append(len(data))
+        self._sock.sendall(data, *args)
+
+    def send(self, data: bytes, *args: object) -> int:
+        self._writes.append(len(data))
+        return self._sock.send(data, *args)
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+
+def test_an_answer_leaves_in_one_write_so_a_kept_alive_request_waits_on_no_delayed_ack(
+        emu: Emulator, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The head and the body went out in two writes: on a kept-alive connection the body then waited for the
+    client's delayed ACK (Nagle), about 45 ms on every request of the SDK's admin client, which reuses its
+    connection. Each answer is one write now, whatever its status."""
+    writes: list[int] = []
+    setup = admin_http._Handler.setup
+
+    def counting_setup(handler: admin_http._Handler) -> None:
+        handler.request = _CountingSocket(handler.request, writes)
+        setup(handler)
+
+    monkeypatch.setattr(admin_http._Handler, "setup", counting_setup)
+    server = emu.server("surface")
+    if "kept-alive" not in send_control(emu["surface"].admin_url, "entities")["entities"]:
+        server.call(lambda: server.broker.create_entity(QueueSpec(name="kept-alive")))
+    port = emu["surface"].admin_port
+    auth = f"Authorization: {_token(emu)}"
+    requests = [
+        _head("GET", "/kept-alive?api-version=2021-05", port, auth),  # 200, an entry
+        _head("GET", "/absent?api-version=2021-05", port, auth),  # 404, an error body
+        _head("GET", "/$emulator/stats", port, "X-Spark-SB-Emulator: 1"),  # 200, JSON
+        _head("GET", "/kept-alive?api-version=2021-05", port),  # 401
+    ]
+    with _connect(port) as sock:
+        for head in requests:
+            del writes[:]
+            sock.sendall(head.encode("latin-1") + b"\r\n")
+            answer = b""
+            while b"\r\n\r\n" not in answer or len(answer) < _length(answer):
+                data = sock.recv(65536)
+                assert data, f"the connection closed after {answer!r}"
+                answer += data
+            assert answer.startswith(b"HTTP/1.1 "), answer
+            assert b"connection: close" not in answer.lower()  # kept alive
+            assert writes == [len(answer)], f"{head.splitlines()[0]}: {len(writes)} writes {writes}"
