@@ -83,6 +83,9 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     start.add_argument("--handshake-timeout", metavar="DURATION", type=_timeout_seconds, default=60.0,
                        help="close a connection that has not sent its AMQP open this long after connecting "
                             "(default: 60s; 0: never)")
+    start.add_argument("--auth-timeout", metavar="DURATION", type=_timeout_seconds, default=10.0,
+                       help="close a connection that has put no accepted token on $cbs this long after its AMQP "
+                            "open, with amqp:unauthorized-access (default: 10s; 0: never)")
     start.add_argument("--idle-timeout", metavar="DURATION", type=_timeout_seconds, default=0.0,
                        help="close a connection that sends nothing (not even an empty frame) this long; the AMQP "
                             "open advertises half of it as its idle-time-out, which clients heartbeat by "
@@ -294,7 +297,7 @@ def _emulator(args: argparse.Namespace) -> int:
                                          signing_key=os.environ.get("SPARK_SB_EMULATOR_ENTRA_ID_KEY") or None,
                                          identity_header=os.environ.get("SPARK_SB_EMULATOR_IDENTITY_HEADER") or None,
                                          handshake_timeout=args.handshake_timeout, idle_timeout=args.idle_timeout,
-                                         allowed_origins=args.allow_origin)
+                                         auth_timeout=args.auth_timeout, allowed_origins=args.allow_origin)
         except (ValueError, EntityConfigError, BrokerError, OSError) as err:  # BrokerError: a rule it refuses
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2

@@ -71,12 +71,19 @@ _BATCH_ENVELOPE_SLACK = 1024
 MGMT_SUFFIX = "/$management"
 #: seconds a client has from its TCP connect to its AMQP ``open`` before the namespace closes the socket
 DEFAULT_HANDSHAKE_TIMEOUT = 60.0
+#: seconds a connection has from its AMQP ``open`` to its first accepted put-token before the namespace closes it
+#: with ``amqp:unauthorized-access`` (the condition the service gives any access without a valid token). The SDKs
+#: put their token within milliseconds of the open; a connection that puts none only holds a slot of the
+#: namespace's ``max_connections`` (issue 49: a flood of such connections kept every client out)
+DEFAULT_AUTH_TIMEOUT = 10.0
 #: seconds a connection may send nothing (an empty frame is enough) before the namespace closes it
 #: (``amqp:resource-limit-exceeded``, "local-idle-timeout expired"), as Service Bus closes idle connections; its
 #: ``open`` advertises half of it as its idle-time-out (Proton's rule: a peer that heartbeats at the advertised
 #: interval is heard twice per window). Off (0, nothing advertised) by default: azure-servicebus 7.x's receiver
 #: does not recover from that close (its next receive fails with "Timed out waiting for the AMQP link to open").
 DEFAULT_IDLE_TIMEOUT = 0.0
+#: seconds the namespace waits for the answer to a close it sent before it drops the socket
+_CLOSE_GRACE = 2.0
 #: a ``last-updated-time`` at or after 9999-01-01 means "every session" (the SDK's DateTime.MaxValue marker)
 _ALL_SESSIONS_MS = 253370764800000
 
@@ -151,11 +158,14 @@ class NamespaceServer(Handler):
     """Serves one namespace on ``host:port`` with a broker. Start with ``start()``; stop with ``stop()``.
 
     ``handshake_timeout``: a connection that has not sent its AMQP ``open`` this many seconds after its TCP connect
-    is closed; ``idle_timeout``: a connection silent this long is closed (its ``open`` advertises half of it); 0
+    is closed; ``auth_timeout``: a connection that has put no accepted token this many seconds after its ``open`` is
+    closed with ``amqp:unauthorized-access``; ``idle_timeout``: a connection silent this long is closed (its ``open`` advertises half of it); 0
     turns either off. If the reactor fails, the namespace closes its port and every connection, logs the error
     (CRITICAL), keeps it in :attr:`failure` and calls ``on_failure(server, error)``.
 
-    Service Bus's limits (:mod:`spark_sb.emulator.limits`): ``max_connections`` concurrent connections,
+    Service Bus's limits (:mod:`spark_sb.emulator.limits`): ``max_connections`` concurrent connections (at the
+    limit, a new connection takes the slot of the oldest one that has no accepted token yet, closed with
+    ``amqp:unauthorized-access``; only when every connection held has one is the new one refused),
     ``max_receivers`` receiver links per queue or subscription, ``ops_per_second`` (None: no throttling)."""
 
     def __init__(
@@ -174,6 +184,7 @@ class NamespaceServer(Handler):
         detach_every: float = 0.0,
         handshake_timeout: float = DEFAULT_HANDSHAKE_TIMEOUT,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
         on_failure: Callable[[NamespaceServer, BaseException], None] | None = None,
         max_connections: int = limits.DEFAULT_MAX_CONNECTIONS,
         max_receivers: int = limits.DEFAULT_MAX_RECEIVERS,
@@ -198,6 +209,16 @@ class NamespaceServer(Handler):
         self._handshakes: collections.deque[tuple[float, Any]] = collections.deque()
         #: connections closed for not sending their AMQP open within ``handshake_timeout``
         self.handshakes_timed_out = 0
+        self.auth_timeout = auth_timeout
+        #: the connections held that have no accepted token yet, oldest first (a dict: ordered, and a connection
+        #: leaves it in O(1) when it puts one or closes)
+        self._unauthenticated: dict[Any, None] = {}
+        #: connections that opened, waiting for their first token: (monotonic deadline, connection)
+        self._auth_deadlines: collections.deque[tuple[float, Any]] = collections.deque()
+        #: connections closed without an accepted token: at ``auth_timeout``, or to give their slot to a new one
+        self.unauthenticated_closed = 0
+        #: connections sent their close, dropped at the deadline if the client has not answered it: (deadline, conn)
+        self._closing: collections.deque[tuple[float, Any]] = collections.deque()
         #: the error that stopped the reactor after it started (None while it runs or after a clean stop)
         self.failure: BaseException | None = None
         self.on_failure = on_failure
@@ -398,6 +419,7 @@ class NamespaceServer(Handler):
             if f.until is not None and f.until <= now:
                 self._heal(key)
         self._expire_handshakes()
+        self._expire_unauthenticated()
         self._habits(now)
         try:
             assert self.broker is not None
@@ -426,6 +448,36 @@ class NamespaceServer(Handler):
                 _LOGGER.info("namespace %s: closed a connection that sent no AMQP open within %g s", self.name,
                              self.handshake_timeout)
                 self._drop(conn)
+
+    def _expire_unauthenticated(self) -> None:
+        """Close the connections that put no accepted token within ``auth_timeout`` of their ``open``."""
+        now = time.monotonic()
+        pending = self._auth_deadlines
+        while self._closing and self._closing[0][0] <= now:
+            _, conn = self._closing.popleft()
+            t = conn.transport
+            if t is not None and not t.closed:
+                self._drop(conn)
+        while pending and pending[0][0] <= now:
+            _, conn = pending.popleft()
+            if conn in self._unauthenticated:
+                self._close_unauthenticated(conn, f"The connection was closed: no token was put on $cbs within "
+                                                  f"{self.auth_timeout:g} s of its open (auth-timeout).")
+
+    def _close_unauthenticated(self, conn: Any, description: str) -> None:
+        """Close ``conn``, which has no accepted token, with ``amqp:unauthorized-access``; its slot is free at once.
+        One that has not opened yet is dropped (there is no open to answer)."""
+        self.unauthenticated_closed += 1
+        _LOGGER.info("namespace %s: %s", self.name, description)
+        self._forget_connection(conn)
+        t = conn.transport
+        if not conn.state & conn.REMOTE_ACTIVE or t is None:
+            self._drop(conn)
+            return
+        conn.condition = _condition(Cond.UNAUTHORIZED, description)
+        conn.close()
+        # the close frame goes out now; the socket is closed when the client answers, or at the grace's end
+        self._closing.append((time.monotonic() + _CLOSE_GRACE, conn))
 
     def _habits(self, now: float) -> None:
         """Service Bus's habits: entity links idle longer than ``idle_detach`` are detached, and every entity link
@@ -486,7 +538,9 @@ class NamespaceServer(Handler):
           delivered to receivers, ``$management`` requests;
         - ``throttled``: sends and management requests refused with ``com.microsoft:server-busy`` by the throttle;
         - ``limits``: the limits in force: ``max_connections``, ``max_receivers``, ``ops_per_second`` (null: off);
-        - ``tokens_accepted``, ``tokens_renewed``: put-tokens accepted, and those that renewed one of the connection.
+        - ``tokens_accepted``, ``tokens_renewed``: put-tokens accepted, and those that renewed one of the connection;
+        - ``unauthenticated``: connections held now that have no accepted token yet; ``unauthenticated_closed``:
+          connections closed without one (at ``auth_timeout``, or to give their slot to a new connection).
         """
         links = sum(len(v) for v in self._links_by_path.values())
         return {"namespace": self.name, "connections": len(self._connections), "entity_links": links,
@@ -494,7 +548,8 @@ class NamespaceServer(Handler):
                 "receivers_refused": self.receivers_refused, "ops": self.ops, "throttled": self.throttled,
                 "limits": {"max_connections": self.max_connections, "max_receivers": self.max_receivers,
                            "ops_per_second": self.ops_per_second},
-                "tokens_accepted": self.tokens_accepted, "tokens_renewed": self.tokens_renewed}
+                "tokens_accepted": self.tokens_accepted, "tokens_renewed": self.tokens_renewed,
+                "unauthenticated": len(self._unauthenticated), "unauthenticated_closed": self.unauthenticated_closed}
 
     # ------------------------------------------------------------------ faults
     def fault(self, kind: str, entity: str | None = None, duration: float | None = None) -> None:
@@ -577,12 +632,19 @@ class NamespaceServer(Handler):
             transport.close_head()
             return
         self.connections_opened += 1
+        if len(self._connections) >= self.max_connections and self._unauthenticated:
+            # a connection without a token gives its slot up: a flood of them cannot keep a client with a key out
+            oldest = next(iter(self._unauthenticated))
+            self._close_unauthenticated(oldest, f"The connection was closed: it had put no token on $cbs and the "
+                                                f"namespace '{self.name}' needed its slot for a new connection "
+                                                f"({self.max_connections} connections, max-connections).")
         if len(self._connections) >= self.max_connections:
             # over the quota: not held, refused when it opens (its handshake timeout still applies)
             conn.refused = True
             self.connections_refused += 1
             return
         self._connections.add(conn)
+        self._unauthenticated[conn] = None
 
     @_guard
     def on_connection_remote_open(self, event: Any) -> None:
@@ -592,6 +654,8 @@ class NamespaceServer(Handler):
             return
         conn.container = f"spark-sb-emulator-{self.name}"
         conn.open()
+        if self.auth_timeout > 0 and conn in self._unauthenticated:
+            self._auth_deadlines.append((time.monotonic() + self.auth_timeout, conn))
         if _refused(conn):  # as the service refuses it: its open answered, then closed with the error
             _LOGGER.info("namespace %s: refused a connection: %d connections held, the maximum", self.name,
                          self.max_connections)
@@ -618,6 +682,7 @@ class NamespaceServer(Handler):
     def _forget_connection(self, conn: Any) -> None:
         if conn in self._connections:
             self._connections.discard(conn)
+        self._unauthenticated.pop(conn, None)
         link = conn.link_head(0)
         while link is not None:
             self._forget_link(link)
@@ -1109,6 +1174,7 @@ class NamespaceServer(Handler):
         else:
             self.tokens_accepted += 1
             self.tokens_renewed += renewing
+            self._unauthenticated.pop(link.connection, None)  # it may stay
         reply = Message(
             correlation_id=msg.id,
             # an AMQP int, as the service sends: the Java SDK casts it to int (a long fails every operation)

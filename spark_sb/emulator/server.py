@@ -39,7 +39,14 @@ from . import aad as _aad
 from . import limits as _limits
 from . import model
 from . import relay as _relay
-from .amqp import DEFAULT_HANDSHAKE_TIMEOUT, DEFAULT_IDLE_TIMEOUT, FAULT_KINDS, NamespaceDown, NamespaceServer
+from .amqp import (
+    DEFAULT_AUTH_TIMEOUT,
+    DEFAULT_HANDSHAKE_TIMEOUT,
+    DEFAULT_IDLE_TIMEOUT,
+    FAULT_KINDS,
+    NamespaceDown,
+    NamespaceServer,
+)
 from .broker import Broker, BrokerError, Cond
 
 if TYPE_CHECKING:
@@ -316,7 +323,9 @@ class Emulator:
 
     ``handshake_timeout``: seconds a client has from its TCP connect to its AMQP ``open`` before the namespace
     closes the socket; ``idle_timeout``: seconds a connection may send nothing before the namespace closes it (its
-    AMQP ``open`` advertises half as its idle-time-out); 0: off, for either. A namespace whose AMQP server fails
+    AMQP ``open`` advertises half as its idle-time-out); ``auth_timeout``: seconds a connection has from its AMQP
+    ``open`` to its first accepted put-token before the namespace closes it with ``amqp:unauthorized-access``
+    (default 10 s; the SDKs put their token at once); 0: off, for each. A namespace whose AMQP server fails
     closes its port and shows in :attr:`failures`.
     """
 
@@ -335,16 +344,19 @@ class Emulator:
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         allowed_origins: Sequence[str] = (),
         entra_id: bool = False,
+        auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
     ) -> None:
         names = [n.name for n in namespaces]
         if not entra_id:  # Entra ID is asked for, never implied: its development secrets are public
             for option, given in (("aad", aad), ("authority_port", authority_port)):
                 if given is not None:
                     raise ValueError(f"{option}={given!r}: Microsoft Entra ID is off; pass entra_id=True to use it")
-        for what, value in (("handshake_timeout", handshake_timeout), ("idle_timeout", idle_timeout)):
+        for what, value in (("handshake_timeout", handshake_timeout), ("idle_timeout", idle_timeout),
+                            ("auth_timeout", auth_timeout)):
             if value < 0:
                 raise ValueError(f"{what} must not be negative, got {value:g} s")
         self.handshake_timeout = handshake_timeout
+        self.auth_timeout = auth_timeout
         self.idle_timeout = idle_timeout
         if len(set(names)) != len(names):
             raise ValueError(f"namespace names must be distinct, got {names}")
@@ -473,6 +485,7 @@ class Emulator:
                     keys={opt.key_name: opt.key}, clock=self.clock, max_message_size=opt.max_message_size,
                     authority=self.authority, idle_detach=opt.idle_detach, detach_every=opt.detach_every,
                     handshake_timeout=self.handshake_timeout, idle_timeout=self.idle_timeout,
+                    auth_timeout=self.auth_timeout,
                     max_connections=opt.max_connections, max_receivers=opt.max_receivers,
                     ops_per_second=opt.ops_per_second,
                 )
@@ -813,9 +826,10 @@ class EmulatorProcess:
         handshake_timeout: float | None = None,
         idle_timeout: float | None = None,
         entra_id: bool = False,
+        auth_timeout: float | None = None,
     ) -> EmulatorProcess:
         """``data_dir=None`` keeps messages in memory only; ``tls``, ``websockets``, ``entra_id`` (``--entra-id``),
-        ``handshake_timeout`` and ``idle_timeout`` as for :class:`Emulator` (None: its default); ``token_lifetime``:
+        ``handshake_timeout``, ``idle_timeout`` and ``auth_timeout`` as for :class:`Emulator` (None: its default); ``token_lifetime``:
         seconds the Entra ID tokens it issues live (``--token-lifetime``, with ``entra_id`` only)."""
         if not entra_id:
             for what, value in (("authority_port", authority_port), ("token_lifetime", token_lifetime)):
@@ -838,6 +852,8 @@ class EmulatorProcess:
             args += ["--handshake-timeout", f"{handshake_timeout:g}s"]
         if idle_timeout is not None:
             args += ["--idle-timeout", f"{idle_timeout:g}s"]
+        if auth_timeout is not None:
+            args += ["--auth-timeout", f"{auth_timeout:g}s"]
         for n in namespaces:
             args += ["--namespace", n.spec()]
         if entities is not None:
@@ -928,6 +944,7 @@ def run_foreground(
     entra_id: bool = False,
     signing_key: str | None = None,
     identity_header: str | None = None,
+    auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
 ) -> int:
     """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
     then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace, with WebSockets ``WS NAME <url>`` and
@@ -944,7 +961,7 @@ def run_foreground(
                               identity_header=identity_header or defaults.identity_header)
     emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets, entra_id=entra_id,
                    authority_port=authority_port, aad=aad, handshake_timeout=handshake_timeout,
-                   idle_timeout=idle_timeout, allowed_origins=allowed_origins)
+                   idle_timeout=idle_timeout, allowed_origins=allowed_origins, auth_timeout=auth_timeout)
     emu.start()
     stop = threading.Event()
 

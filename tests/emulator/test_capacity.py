@@ -7,6 +7,7 @@ silent, and a namespace that fails closes its port and says so (the process exit
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -27,8 +28,11 @@ import pytest
 import test_frames as wire
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
 from proton import Data
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
 
 from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceOptions, admin_http
+from spark_sb.emulator.server import WEBSOCKET_PATH, send_control
 
 ENTITIES = {"queues": [{"name": "orders"}]}
 IDLE_CONNECTIONS = 2000
@@ -172,6 +176,101 @@ def _read_frames(sock: socket.socket, want: int, timeout: float = 5) -> list[tup
                 described = d.get_object()
                 frames.append((int(described.descriptor), list(described.value)))
     return frames
+
+
+UNAUTHORIZED = b"amqp:unauthorized-access"
+#: SASL ANONYMOUS and an AMQP open, pipelined, as the flood of issue 49 sent them (and then nothing)
+OPEN_WITHOUT_TOKEN = (b"AMQP\x03\x01\x00\x00" + wire.performative(0x41, 1, ("symbol", "ANONYMOUS"), ("binary", b""))
+                      + b"AMQP\x00\x01\x00\x00" + wire.performative(0x10, 0, ("string", "no-token")))
+
+
+def _open_without_token(port: int) -> socket.socket:
+    """A connection that has had its AMQP open answered and never puts a token."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    sock.sendall(OPEN_WITHOUT_TOKEN)
+    assert [code for code, _ in _read_frames(sock, 3)] == [0x40, 0x44, 0x10]  # mechanisms, outcome, open
+    return sock
+
+
+def _rest(sock: socket.socket, timeout: float) -> bytes:
+    """What the server sends until it closes the socket (AssertionError: still open after ``timeout``)."""
+    sock.settimeout(timeout)
+    rest = b""
+    try:
+        while chunk := sock.recv(65536):
+            rest += chunk
+    except TimeoutError as err:
+        raise AssertionError(f"still open after {timeout} s, having sent {rest!r}") from err
+    except ConnectionResetError:
+        pass
+    return rest
+
+
+@pytest.mark.timeout(120)
+def test_an_unauthenticated_flood_at_the_quota_does_not_keep_the_key_out() -> None:
+    """Issue 49: sockets that send SASL ANONYMOUS and an open, then nothing, held every connection of the namespace
+    for ever, and the SDK with the key was refused amqp:resource-limit-exceeded. Now a connection without an
+    accepted token gives its slot up to a new one (the oldest first), closed with amqp:unauthorized-access."""
+    with Emulator([NamespaceOptions("cap", max_connections=50)], entities=ENTITIES) as emu:
+        info = emu["cap"]
+        flood = [_open_without_token(info.amqp_port) for _ in range(50)]
+        try:
+            assert emu.server("cap").call(lambda: len(emu.server("cap")._connections)) == 50
+            # retry_total=0 inside: refused once is refused
+            with ServiceBusClient.from_connection_string(info.connection_string, retry_total=0) as client:
+                with client.get_queue_sender("orders") as sender, \
+                        client.get_queue_receiver("orders", max_wait_time=5) as receiver:
+                    sender.send_messages(ServiceBusMessage("through the flood"), timeout=10)
+                    got = receiver.receive_messages(max_message_count=1, max_wait_time=5)
+                    assert [str(m) for m in got] == ["through the flood"]
+                    receiver.complete_message(got[0])
+            # the two oldest floods gave up their slots to the sender's and the receiver's connections
+            for sock in flood[:2]:
+                assert UNAUTHORIZED in _rest(sock, 10)
+            stats = send_control(info.admin_url, "stats")
+            assert stats["connections_refused"] == 0
+            assert stats["unauthenticated_closed"] == 2
+        finally:
+            for sock in flood:
+                sock.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_without_a_token_is_closed_at_the_auth_timeout_over_every_transport() -> None:
+    with Emulator([NamespaceOptions("cap")], entities=ENTITIES, auth_timeout=1, websockets=True) as emu:
+        info = emu["cap"]
+        with ServiceBusClient.from_connection_string(info.connection_string, retry_total=0) as client:
+            with client.get_queue_sender("orders", keep_alive=0) as sender:
+                sender.send_messages(ServiceBusMessage("before"), timeout=10)  # a token: the connection stays
+                sock = _open_without_token(info.amqp_port)
+                try:
+                    rest = _rest(sock, 10)
+                finally:
+                    sock.close()
+                assert UNAUTHORIZED in rest and b"no token" in rest  # the close frame says why
+                with connect(f"ws://127.0.0.1:{info.ws_port}{WEBSOCKET_PATH}", subprotocols=["AMQPWSB10"],
+                             open_timeout=10) as ws:
+                    ws.send(OPEN_WITHOUT_TOKEN)
+                    rest = b""
+                    with contextlib.suppress(ConnectionClosed):
+                        while True:
+                            rest += ws.recv(timeout=10)
+                assert UNAUTHORIZED in rest
+                sender.send_messages(ServiceBusMessage("after"), timeout=10)  # same connection, past the timeout
+        assert emu.server("cap").connections_opened == 3
+        assert emu.server("cap").stats()["unauthenticated_closed"] == 2
+
+
+def test_the_command_line_sets_the_auth_timeout() -> None:
+    proc = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("cli")], auth_timeout=1.0)
+    try:
+        sock = _open_without_token(proc["cli"].amqp_port)
+        try:
+            assert UNAUTHORIZED in _rest(sock, 20)
+        finally:
+            sock.close()
+    finally:
+        proc.stop()
 
 
 @pytest.mark.timeout(60)
