@@ -21,10 +21,11 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import sections, sql
+from . import limits, sections, sql
 from .model import (
     DISABLED,
     QUEUE,
@@ -332,6 +333,13 @@ def _compile_filter(label: str, rule: RuleSpec) -> _Rule:
     def sql_match(m: Incoming) -> bool:
         try:
             return predicate(_context(m))
+        except sql.BudgetExceeded as err:  # this rule and every one after it on this message: said once
+            budget = sql.current_budget()
+            if budget is not None and not budget.reported:
+                budget.reported = True
+                _LOGGER.warning("%s rule %r: %s on message %s; this rule and the rules after it do not match it",
+                                label, rule.name, err, m.message_id)
+            return False
         except Exception as err:  # noqa: BLE001 - as on the service: a filter that fails does not match
             _LOGGER.warning("%s rule %r: the SQL filter failed on message %s (%s: %s); the rule does not "
                             "match it", label, rule.name, m.message_id, type(err).__name__, err)
@@ -342,6 +350,11 @@ def _compile_filter(label: str, rule: RuleSpec) -> _Rule:
 
 
 _TAKE_ALL: list[list[sql.Change]] = []
+
+
+def _sql_filters(rules: Iterable[RuleSpec]) -> int:
+    """The SQL filters among ``rules``, as the service counts them: true and false filters are SQL (1=1, 1=0)."""
+    return sum(1 for rule in rules if rule.filter.get("type") != "correlation")
 
 
 def _compile_rules(label: str, rules: list[RuleSpec]) -> Router:
@@ -380,8 +393,10 @@ def _apply_actions(m: Incoming, actions: list[list[sql.Change]]) -> bytes:
     for changes in actions:
         try:
             props, changed = sql.apply_action(changes, sql.Context({**ctx.fields, **fields}, props, {}))
-        except Exception:  # noqa: BLE001 - an action that fails leaves the message as it was
-            _LOGGER.debug("a rule action failed on message %s", m.message_id, exc_info=True)
+        except Exception as err:  # noqa: BLE001 - an action that fails leaves the message as it was
+            _LOGGER.warning("a rule action failed on message %s (%s: %s); the subscription's copy keeps the "
+                            "properties it had before that action", m.message_id, type(err).__name__, err)
+            _LOGGER.debug("the action's failure", exc_info=True)
             continue
         fields.update(changed)
     return sections.rewrite(m.raw, props, fields)
@@ -398,6 +413,11 @@ class Broker:
     store: a ``store.Store`` (durable SQLite or in-memory).
     clock: returns epoch seconds; defaults to ``time.time``.
     max_message_size: bytes; the default is 256 KiB.
+    max_entities, max_subscriptions, max_sql_filters: the service's quotas (:mod:`spark_sb.emulator.limits`):
+        queues and topics in the namespace, subscriptions per topic, SQL filters per topic.
+    evaluation_budget: the units one message sent to a topic may cost across the filters and actions of all its
+        rules (:func:`spark_sb.emulator.sql.evaluation_budget`).
+    name: the namespace's name, for the refusals' words.
     on_available: called with an entity path (queue path or subscription path) whenever messages may
         have become receivable there (send, abandon, lock expiry, scheduled activation, session unlock).
         The AMQP layer uses it to serve receivers that are waiting with credit.
@@ -410,7 +430,17 @@ class Broker:
         clock: Callable[[], float] = time.time,
         max_message_size: int = 256 * 1024,
         on_available: Callable[[str], None] | None = None,
+        max_entities: int = limits.DEFAULT_MAX_ENTITIES,
+        max_subscriptions: int = limits.DEFAULT_MAX_SUBSCRIPTIONS,
+        max_sql_filters: int = limits.DEFAULT_MAX_SQL_FILTERS,
+        evaluation_budget: int = sql.DEFAULT_EVALUATION_BUDGET,
+        name: str = "",
     ) -> None:
+        self.max_entities = max_entities
+        self.max_subscriptions = max_subscriptions
+        self.max_sql_filters = max_sql_filters
+        self.evaluation_budget = evaluation_budget
+        self.name = name
         self._store = store
         self._clock = clock
         self._max_message_size = max_message_size
@@ -751,6 +781,12 @@ class Broker:
         path = _path_of(spec)
         if self._canon(path) is not None:
             raise BrokerError(Cond.ALREADY_EXISTS, f"The messaging entity '{path}' already exists.")
+        if isinstance(spec, SubscriptionSpec):
+            if len(self._subscriptions.get(spec.topic, {})) >= self.max_subscriptions:
+                raise BrokerError(Cond.QUOTA, limits.subscriptions_text(path, spec.topic, self.max_subscriptions))
+            self._check_sql_filters(spec.topic, _sql_filters(spec.rules), f"the subscription '{path}'")
+        elif sum(1 for s in self._specs.values() if s.kind != SUBSCRIPTION) >= self.max_entities:
+            raise BrokerError(Cond.QUOTA, limits.entities_text(path, self.name, self.max_entities))
         created = self._clock()
         self._store.put_entity(spec, created)
         self._install(spec, created)
@@ -813,6 +849,16 @@ class Broker:
         spec: SubscriptionSpec = self._spec_of(SUBSCRIPTION, subscription_path(topic, subscription))
         return spec
 
+    def _check_sql_filters(self, topic: str, adding: int, what: str) -> None:
+        """Refuse (QUOTA) what would take the SQL filters of ``topic`` past ``max_sql_filters``."""
+        if adding <= 0:
+            return
+        canon = self._canon(topic) or topic
+        subs = self._subscriptions.get(canon, {}).values()
+        held = sum(_sql_filters(self._specs[path].rules) for path in subs)
+        if held + adding > self.max_sql_filters:
+            raise BrokerError(Cond.QUOTA, limits.sql_filters_text(what, canon, self.max_sql_filters))
+
     def _save_rules(self, sub: SubscriptionSpec, rules: list[RuleSpec]) -> None:
         predicate = _compile_rules(sub.path, rules)
         new = dataclasses.replace(sub, rules=rules)
@@ -832,6 +878,7 @@ class Broker:
         _compile_filter(sub.path, rule)
         if self._rule_index(sub, rule.name) is not None:
             raise BrokerError(Cond.ALREADY_EXISTS, f"The messaging entity '{sub.path}/rules/{rule.name}' already exists.")
+        self._check_sql_filters(sub.topic, _sql_filters([rule]), f"the rule '{sub.path}/rules/{rule.name}'")
         self._save_rules(sub, [*sub.rules, copy.deepcopy(rule)])
 
     def update_rule(self, topic: str, subscription: str, rule: RuleSpec) -> None:
@@ -841,6 +888,8 @@ class Broker:
         if i is None:
             raise self._not_found(f"{sub.path}/rules/{rule.name}")
         rules = list(sub.rules)
+        self._check_sql_filters(sub.topic, _sql_filters([rule]) - _sql_filters([rules[i]]),
+                                f"the rule '{sub.path}/rules/{rule.name}'")
         rules[i] = copy.deepcopy(rule)
         self._save_rules(sub, rules)
 
@@ -977,14 +1026,20 @@ class Broker:
             else:
                 state, enqueued = STATE_ACTIVE, now
             ttl = m.ttl if m.ttl is not None and m.ttl > 0 else None
-            for box, entity_ttl, route, needs_session in targets:
-                copy_raw = raw
-                if route is not None:
-                    actions = route(m)
-                    if actions is None:
-                        continue
-                    if actions:
-                        copy_raw = _apply_actions(m, actions)
+            budget: AbstractContextManager[Any] = (
+                sql.evaluation_budget(self.evaluation_budget) if spec.kind == TOPIC else nullcontext())
+            with budget:  # one budget for the message across every rule of the topic: a bounded time per message
+                copies = []
+                for box, entity_ttl, route, needs_session in targets:
+                    copy_raw = raw
+                    if route is not None:
+                        actions = route(m)
+                        if actions is None:
+                            continue
+                        if actions:
+                            copy_raw = _apply_actions(m, actions)
+                    copies.append((box, entity_ttl, needs_session, copy_raw))
+            for box, entity_ttl, needs_session, copy_raw in copies:
                 if needs_session and m.session_id is None:
                     raise BrokerError(
                         Cond.INVALID,

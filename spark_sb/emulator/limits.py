@@ -12,6 +12,11 @@
   empty (at or below zero) is refused with ``com.microsoft:server-busy`` (:func:`busy_text`); one that finds it
   positive is admitted whatever it costs (the bucket goes below zero, so the long-run rate is exactly the rate).
   Deliveries are never refused: they wait until the bucket is positive again.
+- **Entities and rules** (the service's Standard and Premium quotas): at most ``max_entities`` queues and topics
+  in a namespace (10,000), ``max_subscriptions`` subscriptions on a topic (2,000) and ``max_sql_filters`` SQL
+  filters on a topic (2,000: a SQL, true or false filter, ``$Default`` included, across all its subscriptions;
+  correlation filters are not counted). The next create is refused with ``amqp:resource-limit-exceeded`` (the
+  admin API: 403) naming the limit (:func:`entities_text`, :func:`subscriptions_text`, :func:`sql_filters_text`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,10 @@ from collections.abc import Callable
 #: the service's limits: concurrent connections per namespace, concurrent receivers per queue or subscription
 DEFAULT_MAX_CONNECTIONS = 5000
 DEFAULT_MAX_RECEIVERS = 5000
+#: the service's limits: queues and topics per namespace, subscriptions per topic, SQL filters per topic
+DEFAULT_MAX_ENTITIES = 10000
+DEFAULT_MAX_SUBSCRIPTIONS = 2000
+DEFAULT_MAX_SQL_FILTERS = 2000
 
 
 class TokenBucket:
@@ -70,6 +79,21 @@ def busy_text(namespace: str, wait: float) -> str:
 def connections_text(namespace: str, limit: int) -> str:
     return (f"Cannot open a new connection: the namespace '{namespace}' already has {limit} concurrent connections, "
             f"its maximum (max-connections). Close connections or lower the number of clients.")
+
+
+def entities_text(path: str, namespace: str, limit: int) -> str:
+    return (f"Cannot create '{path}': the namespace '{namespace}' already has {limit} queues and topics, its maximum "
+            f"(max-entities; Service Bus allows 10,000 per namespace).")
+
+
+def subscriptions_text(path: str, topic: str, limit: int) -> str:
+    return (f"Cannot create the subscription '{path}': the topic '{topic}' already has {limit} subscriptions, its "
+            f"maximum (max-subscriptions; Service Bus allows 2,000 per topic).")
+
+
+def sql_filters_text(what: str, topic: str, limit: int) -> str:
+    return (f"Cannot create {what}: the topic '{topic}' would have more than {limit} SQL filters, its maximum "
+            f"(max-sql-filters; Service Bus allows 2,000 SQL filters per topic).")
 
 
 def receivers_text(entity: str, limit: int) -> str:

@@ -62,14 +62,17 @@ WEBSOCKET_PATH = "/$servicebus/websocket"
 #: the form of ``--namespace`` (:meth:`NamespaceOptions.parse`)
 NAMESPACE_FORM = ("NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION]"
                   "[,idle-detach=DURATION][,detach-every=DURATION][,max-connections=N][,max-receivers=N]"
-                  "[,ops-per-second=RATE]")
+                  "[,ops-per-second=RATE][,max-entities=N][,max-subscriptions=N][,max-sql-filters=N]")
 #: the ``--namespace`` extras that take a duration, and the option each sets
 _DURATIONS = {"latency": "latency", "idle-detach": "idle_detach", "detach-every": "detach_every"}
 #: the ``--namespace`` extras that set one of Service Bus's limits (:mod:`spark_sb.emulator.limits`), the option
 #: each sets and the kind of number it takes
 _LIMITS: dict[str, tuple[str, type]] = {"max-connections": ("max_connections", int),
                                         "max-receivers": ("max_receivers", int),
-                                        "ops-per-second": ("ops_per_second", float)}
+                                        "ops-per-second": ("ops_per_second", float),
+                                        "max-entities": ("max_entities", int),
+                                        "max-subscriptions": ("max_subscriptions", int),
+                                        "max-sql-filters": ("max_sql_filters", int)}
 _LIMIT_VALUES = {int: "N", float: "RATE"}
 
 
@@ -107,9 +110,15 @@ class NamespaceOptions:
     #: token bucket holding one second's worth; over it sends and management requests get
     #: ``com.microsoft:server-busy``, deliveries wait. None: off (the service's rate depends on its tier)
     ops_per_second: float | None = None
+    #: queues and topics in the namespace, subscriptions on one topic, SQL filters (true and false ones and
+    #: ``$Default`` included) across one topic's subscriptions: the service's quotas; the next create is refused
+    #: with ``amqp:resource-limit-exceeded`` (the admin API: 403) naming the limit
+    max_entities: int = _limits.DEFAULT_MAX_ENTITIES
+    max_subscriptions: int = _limits.DEFAULT_MAX_SUBSCRIPTIONS
+    max_sql_filters: int = _limits.DEFAULT_MAX_SQL_FILTERS
 
     def __post_init__(self) -> None:
-        for name in ("max_connections", "max_receivers"):
+        for name in ("max_connections", "max_receivers", "max_entities", "max_subscriptions", "max_sql_filters"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -122,7 +131,8 @@ class NamespaceOptions:
     @classmethod
     def parse(cls, text: str) -> NamespaceOptions:
         """``NAME=AMQP_PORT:ADMIN_PORT[:TLS_PORT][,ws=PORT][,wss=PORT][,latency=DURATION][,idle-detach=DURATION]
-        [,detach-every=DURATION][,max-connections=N][,max-receivers=N][,ops-per-second=RATE]`` (ports may be 0 for
+        [,detach-every=DURATION][,max-connections=N][,max-receivers=N][,ops-per-second=RATE][,max-entities=N]
+        [,max-subscriptions=N][,max-sql-filters=N]`` (ports may be 0 for
         a free port; the latency is one way, e.g. ``20ms``; the limits as :class:`NamespaceOptions` describes them)."""
         form = NAMESPACE_FORM
         name, sep, rest = text.partition("=")
@@ -474,7 +484,9 @@ class Emulator:
             for opt in self.options:
                 def factory(on_available: Callable[[str], None], opt: NamespaceOptions = opt) -> Broker:
                     broker = Broker(self._store(opt.name), clock=self.clock,
-                                    max_message_size=opt.max_message_size, on_available=on_available)
+                                    max_message_size=opt.max_message_size, on_available=on_available,
+                                    max_entities=opt.max_entities, max_subscriptions=opt.max_subscriptions,
+                                    max_sql_filters=opt.max_sql_filters, name=opt.name)
                     _apply_entities(broker, self.entities)
                     return broker
 

@@ -23,13 +23,23 @@ action of more than ``MAX_ACTION_STATEMENTS`` statements (the service's 32 expre
 ``MAX_NUMBER_LENGTH`` characters. Chains of AND, OR and of arithmetic are evaluated in a loop, not by
 recursion, and LIKE is matched without backtracking (a regular expression with ``.*`` for ``%`` took
 exponential time on a crafted pattern, holding the GIL, and froze every namespace of the process).
+
+Evaluation is bounded in cost, not only in text (issue 49): a string result longer than ``MAX_STRING_LENGTH``
+(the service's 32 KiB cap on a property) fails the expression, an integer result outside 64 bits (the service's
+long) fails it with OverflowError, both checked before the result is built, and so statement by statement in an
+action (``SET p = p+p`` written 32 times would have made a property 2^32 times longer). Under
+:func:`evaluation_budget` (the broker opens one per message sent to a topic, for every rule of the topic) each
+operation costs units (one, plus one per 64 characters it copies or scans); once the budget is spent the
+expression being evaluated raises :class:`BudgetExceeded`, and so does every one after it.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +66,14 @@ MAX_ACTION_STATEMENTS = 32
 MAX_NESTING = 32
 #: characters of a number literal (the longest double has 309 digits; Python's int() refuses over 4,300)
 MAX_NUMBER_LENGTH = 309
+#: characters of a string result (a ``+`` of strings): Service Bus's "maximum size of a message property: 32 KB"
+MAX_STRING_LENGTH = 32 * 1024
+#: an integer result must lie within 64 bits (the service's long; unsigned, so that a ulong property passes)
+_INT_BOUND = 2 ** 64
+#: units one message may cost across every rule of its topic (filters and actions): a filter of a few operations
+#: costs a few units, so 2,000 such rules (the service's limit of SQL filters per topic) take 10-20,000; the whole
+#: budget is a fraction of a second of the reactor's time
+DEFAULT_EVALUATION_BUDGET = 200_000
 
 _KEYWORDS = {"AND", "OR", "NOT", "IN", "LIKE", "ESCAPE", "IS", "NULL", "TRUE", "FALSE", "SET", "REMOVE"}
 _NAME = r"(?:\[[^\]]+\]|[A-Za-z_][A-Za-z0-9_$]*)"
@@ -72,6 +90,46 @@ _TOKEN = re.compile(
 
 class SqlError(ValueError):
     """An expression the emulator cannot parse or evaluate; the message names the text."""
+
+
+class BudgetExceeded(SqlError):
+    """The evaluation budget of the message is spent (:func:`evaluation_budget`)."""
+
+
+class Budget:
+    """What one message may still cost: ``left`` units of ``units``; ``reported``: the broker said it was spent."""
+
+    def __init__(self, units: int) -> None:
+        self.units = units
+        self.left = units
+        self.reported = False
+
+
+_BUDGET: ContextVar[Budget | None] = ContextVar("spark_sb_emulator_sql_budget", default=None)
+
+
+@contextmanager
+def evaluation_budget(units: int = DEFAULT_EVALUATION_BUDGET) -> Iterator[Budget]:
+    """Every expression evaluated inside (on this thread) shares ``units``; past them, :class:`BudgetExceeded`."""
+    budget = Budget(units)
+    token = _BUDGET.set(budget)
+    try:
+        yield budget
+    finally:
+        _BUDGET.reset(token)
+
+
+def current_budget() -> Budget | None:
+    return _BUDGET.get()
+
+
+def _charge(units: int) -> None:
+    budget = _BUDGET.get()
+    if budget is not None:
+        budget.left -= units
+        if budget.left < 0:
+            raise BudgetExceeded(f"the message's evaluation budget of {budget.units} units, shared by every rule "
+                                 f"of its topic, is spent")
 
 
 @dataclass(frozen=True)
@@ -148,6 +206,7 @@ def _text(v: Any) -> Any:
 
 
 def _compare(op: str, a: Any, b: Any) -> bool | None:
+    _charge(1)
     a, b = _text(a), _text(b)
     if a is None or b is None:
         return None
@@ -222,6 +281,7 @@ class _Like:
 
     def __call__(self, text: str) -> bool:
         segs = self.segments
+        _charge(1 + len(text) * len(segs) // 64)
         first, last = segs[0], segs[-1]
         if len(segs) == 1:  # no %: the text is exactly as long as the pattern
             return len(text) == len(first) and self._at(first, text, 0)
@@ -243,20 +303,35 @@ def _arith(op: str, a: Any, b: Any) -> Any:
     if a is None or b is None:
         return None
     if op == "+" and isinstance(a, str) and isinstance(b, str):
+        n = len(a) + len(b)
+        if n > MAX_STRING_LENGTH:  # refused before it is built
+            raise SqlError(f"a string result of {n} characters; Service Bus caps a property at "
+                           f"{MAX_STRING_LENGTH} (32 KiB)")
+        _charge(1 + n // 64)
         return a + b
     if not (_is_num(a) and _is_num(b)):
         return None
+    _charge(1)
     if op == "+":
-        return a + b
+        return _long(a + b)
     if op == "-":
-        return a - b
+        return _long(a - b)
     if op == "*":
-        return a * b
+        if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > 130:
+            return _long(_INT_BOUND)  # refused before it is built
+        return _long(a * b)
     if b == 0:
         return None
     if op == "/":
         return a // b if isinstance(a, int) and isinstance(b, int) else a / b
     return a % b
+
+
+def _long(v: Any) -> Any:
+    """``v``, when it is not an integer outside 64 bits."""
+    if isinstance(v, int) and not -_INT_BOUND < v < _INT_BOUND:
+        raise OverflowError("an integer result outside the 64-bit range of Service Bus's numbers (long)")
+    return v
 
 
 class _Parser:
@@ -479,6 +554,7 @@ def _truth(v: Any) -> bool:
 
 
 def _and(a: Any, b: Any) -> Any:
+    _charge(1)
     if a is False or b is False:
         return False
     if a is None or b is None:
@@ -487,6 +563,7 @@ def _and(a: Any, b: Any) -> Any:
 
 
 def _or(a: Any, b: Any) -> Any:
+    _charge(1)
     if a is True or b is True:
         return True
     if a is None or b is None:
@@ -600,6 +677,6 @@ def apply_action(changes: list[Change], context: Context) -> tuple[dict[str, Any
     return props, fields
 
 
-__all__ = ["SqlError", "Context", "Change", "compile_filter", "compile_action", "apply_action",
+__all__ = ["SqlError", "BudgetExceeded", "Budget", "evaluation_budget", "current_budget", "Context", "Change", "compile_filter", "compile_action", "apply_action",
            "SYS_PROPERTIES", "MAX_EXPRESSION_LENGTH", "MAX_ACTION_STATEMENTS", "MAX_NESTING",
-           "MAX_NUMBER_LENGTH"]
+           "MAX_NUMBER_LENGTH", "MAX_STRING_LENGTH", "DEFAULT_EVALUATION_BUDGET"]

@@ -19,15 +19,29 @@ import pytest
 import test_rules as rules
 from azure.core.exceptions import HttpResponseError
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
-from azure.servicebus.management import ServiceBusAdministrationClient, SqlRuleAction, SqlRuleFilter
+from azure.servicebus.management import (
+    CorrelationRuleFilter,
+    ServiceBusAdministrationClient,
+    SqlRuleAction,
+    SqlRuleFilter,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from proton import Message
 from proton.utils import BlockingConnection
 
 from spark_sb.admin import admin_client
-from spark_sb.emulator import EmulatorProcess, NamespaceInfo, NamespaceOptions, sas
-from spark_sb.emulator.sql import Context, SqlError, compile_filter
+from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceInfo, NamespaceOptions, sas
+from spark_sb.emulator.model import RuleSpec
+from spark_sb.emulator.sql import (
+    BudgetExceeded,
+    Context,
+    SqlError,
+    apply_action,
+    compile_action,
+    compile_filter,
+    evaluation_budget,
+)
 
 #: the pattern of the report: 11 '%' before a 'b' the text does not have
 BACKTRACKING_LIKE = "p LIKE '%a%a%a%a%a%a%a%a%a%a%b'"
@@ -296,3 +310,137 @@ def test_a_stored_rule_past_the_limits_does_not_stop_the_emulator_from_starting(
                 assert _received(client, "t", "long") == []
     errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
     assert any("t/subscriptions/long" in e.lower() and "deleted and created again" in e for e in errors), errors
+
+
+# --------------------------------------------------------------------------- issue 49: the cost of an evaluation
+
+#: ``p+p+...+p = 'x'``, 1,021 characters: within every parser limit; each ``+`` copied the accumulated string, so a
+#: 200 kB property made one evaluation build ~100 MB and take 21 s, per message
+COSTLY_FILTER = "p" + "+p" * 507 + " = 'x'"
+
+
+def _doubling(statements: int) -> str:
+    return "; ".join(["SET p = p+p"] * statements)
+
+
+def test_a_doubling_action_is_capped_statement_by_statement(
+    client: ServiceBusClient, admin: ServiceBusAdministrationClient, make_topic: Callable[..., str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``SET p = p+p`` repeated doubles the property per statement: 22 statements made a 42 MB property of a
+    10-character one (32, within the 32-statement limit, would make it 43 GB). A string result past the service's
+    32 KiB property cap now fails the action on that message (logged); the copy keeps its properties as sent."""
+    topic = make_topic({"doubling": {}, "all": {}})
+    admin.delete_rule(topic, "doubling", "$Default")
+    admin.create_rule(topic, "doubling", "double", filter=SqlRuleFilter("1=1"), action=SqlRuleAction(_doubling(22)))
+    with caplog.at_level(logging.WARNING, logger="spark_sb.emulator.broker"):
+        with client.get_topic_sender(topic) as s:
+            s.send_messages(ServiceBusMessage("doubled", application_properties={"p": "0123456789"},
+                                              message_id="m-double"), timeout=10)
+        [copy] = rules.received(client, topic, "doubling")
+    assert rules._props(copy)["p"] == "0123456789"  # the failed action changed nothing
+    assert _received(client, topic, "all") == ["doubled"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("m-double" in w and "32768" in w for w in warnings), warnings
+
+
+def test_the_parser_caps_every_string_result_and_integer_product() -> None:
+    ctx = Context({}, {"p": "0123456789"}, {})
+    with pytest.raises(SqlError, match="32768"):
+        apply_action(compile_action(_doubling(32)), ctx)  # 43 GB before: at once now, on the 12th statement
+    props, _ = apply_action(compile_action(_doubling(11)), ctx)  # 20,480 characters: within the cap
+    assert len(props["p"]) == 10 * 2 ** 11
+    with pytest.raises(OverflowError, match="64-bit"):
+        apply_action(compile_action("; ".join(["SET p = p*p"] * 32)), Context({}, {"p": 10}, {}))
+    with pytest.raises(SqlError, match="32768"):
+        compile_filter(COSTLY_FILTER)(Context({}, {"p": "x" * 200_000}, {}))
+
+
+def test_a_message_through_a_costly_filter_is_accepted_while_others_flow(
+    client: ServiceBusClient, admin: ServiceBusAdministrationClient, make_topic: Callable[..., str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    topic = make_topic({"costly": {}, "all": {}})
+    admin.delete_rule(topic, "costly", "$Default")
+    admin.create_rule(topic, "costly", "costly", filter=SqlRuleFilter(COSTLY_FILTER))
+    with caplog.at_level(logging.WARNING, logger="spark_sb.emulator.broker"):
+        with client.get_topic_sender(topic) as s:
+            # accepted within the send's own timeout (21 s of evaluation before), then the next one
+            s.send_messages(ServiceBusMessage("big", application_properties={"p": "x" * 200_000},
+                                              message_id="m-big"), timeout=10)
+            s.send_messages(ServiceBusMessage("small", application_properties={"p": "x"}), timeout=10)
+        assert sorted(_received(client, topic, "all")) == ["big", "small"]
+        assert _received(client, topic, "costly") == []
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("'costly'" in w and "m-big" in w for w in warnings), warnings
+
+
+def test_a_messages_evaluation_budget_is_shared_by_every_rule_of_its_topic() -> None:
+    """Each filter within the caps, together past the per-message budget: the rules evaluated once it is spent
+    fail on that message (and do not match); the next message has a budget of its own."""
+    costly = compile_filter("p" + "+p" * 400 + " = 'x'")  # ~12 kB of copies each with a 30-character p
+    ctx = Context({}, {"p": "y" * 30}, {})
+    with evaluation_budget(100_000) as budget:
+        outcomes = []
+        for _ in range(20):
+            try:
+                outcomes.append(costly(ctx))
+            except BudgetExceeded:
+                outcomes.append("over")
+    assert outcomes[0] is False and outcomes[-1] == "over"
+    assert budget.left < 0
+    with evaluation_budget(100_000):
+        assert costly(ctx) is False
+
+
+@pytest.mark.timeout(120)
+def test_the_2001st_sql_filter_of_a_topic_is_refused_naming_the_limit(
+    emulator: Emulator, primary: NamespaceInfo, admin: ServiceBusAdministrationClient,
+    make_topic: Callable[..., str],
+) -> None:
+    """Service Bus allows 2,000 SQL filters per topic (true and false filters count, ``$Default`` among them);
+    2,010 were accepted before, each one evaluated on every message."""
+    subs = ["a", "b", *(f"s{k}" for k in range(38))]
+    topic = make_topic({sub: {} for sub in subs})  # 40 $Default rules: 40 SQL filters
+    server = emulator.server("primary")
+
+    def fill(b: Any) -> None:  # 1,960 more, spread (a subscription's rules are compiled again on each change)
+        for i in range(1960):
+            b.create_rule(topic, subs[i % 40], RuleSpec(f"r{i}", {"type": "sql", "expression": f"n = {i}"}))
+
+    server.call(lambda: fill(server.broker))
+    with pytest.raises(HttpResponseError) as caught:  # the 2,001st, through the admin API
+        admin.create_rule(topic, "a", "one-too-many", filter=SqlRuleFilter("n = -1"))
+    assert caught.value.status_code == 403
+    assert "2000 SQL filters" in str(caught.value) and "max-sql-filters" in str(caught.value)
+    with pytest.raises(HttpResponseError, match="max-sql-filters"):  # a subscription brings its $Default
+        admin.create_subscription(topic, "c")
+    node = f"{topic}/Subscriptions/b"  # and through $management add-rule
+    rule = {"sql-filter": {"expression": "n = -2"}, "sql-rule-action": None, "rule-name": "over"}
+    reply = _management(primary, node, "add-rule", {"rule-name": "over", "rule-description": rule})
+    assert reply.properties.get("statusCode") == 403 and "max-sql-filters" in reply.properties["statusDescription"]
+    admin.create_rule(topic, "a", "correlated", filter=CorrelationRuleFilter(label="ok"))  # not a SQL filter
+    admin.delete_rule(topic, "b", "r1")
+    admin.create_rule(topic, "a", "in-its-place", filter=SqlRuleFilter("n = -3"))
+
+
+def test_the_entity_limits_are_options_of_the_namespace() -> None:
+    options = NamespaceOptions("small", max_entities=2, max_subscriptions=1, max_sql_filters=2)
+    with Emulator([options]) as emu, admin_client(emu["small"].connection_string, admin_endpoint=emu["small"].admin_url,
+                                                  retry_total=0) as small:
+        small.create_topic("t")
+        small.create_subscription("t", "s")
+        with pytest.raises(HttpResponseError, match="max-subscriptions") as caught:
+            small.create_subscription("t", "s2")
+        assert caught.value.status_code == 403
+        small.create_rule("t", "s", "second", filter=SqlRuleFilter("1=1"))
+        with pytest.raises(HttpResponseError, match="max-sql-filters"):
+            small.create_rule("t", "s", "third", filter=SqlRuleFilter("1=1"))
+        small.create_queue("q")
+        with pytest.raises(HttpResponseError, match="2 queues and topics.*max-entities"):
+            small.create_queue("q2")
+        small.delete_queue("q")
+        small.create_queue("q2")
+    assert NamespaceOptions.parse("n=0:0,max-entities=3,max-subscriptions=4,max-sql-filters=5") == NamespaceOptions(
+        "n", max_entities=3, max_subscriptions=4, max_sql_filters=5)
+    assert options.spec().endswith(",max-entities=2,max-subscriptions=1,max-sql-filters=2")
