@@ -10,7 +10,6 @@ What the SDK expects on the wire is described in ``shared/design/emulator.md``: 
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -82,6 +81,19 @@ DEFAULT_AUTH_TIMEOUT = 10.0
 #: interval is heard twice per window). Off (0, nothing advertised) by default: azure-servicebus 7.x's receiver
 #: does not recover from that close (its next receive fails with "Timed out waiting for the AMQP link to open").
 DEFAULT_IDLE_TIMEOUT = 0.0
+#: sessions (the channel-max its open advertises) and links a connection may hold at once: the service's (its open
+#: says channel-max 4999; past 4,999 links it refuses an attach with "Cannot allocate more handles. The maximum
+#: number of handles is 4999."). Proton's binding cannot set the handle-max a begin advertises, so the links are
+#: counted per connection (what the service's words count), whatever their session
+CHANNEL_MAX = 4999
+MAX_LINKS_PER_CONNECTION = 4999
+#: links a connection may hold before it has put an accepted token: the SDKs attach the two ``$cbs`` links, put the
+#: token, and only then their entity and ``$management`` links (each link costs the emulator ~5 KiB: 4,999 links
+#: of a connection without a token were 25 MiB a connection)
+MAX_LINKS_BEFORE_TOKEN = 16
+#: refused attaches a connection may leave undetached before it is closed: each holds memory until the client
+#: detaches it, and a client that attaches on past the limit is not going to
+_MAX_REFUSED_LINKS = 100
 #: seconds the namespace waits for the answer to a close it sent before it drops the socket
 _CLOSE_GRACE = 2.0
 #: a ``last-updated-time`` at or after 9999-01-01 means "every session" (the SDK's DateTime.MaxValue marker)
@@ -205,20 +217,22 @@ class NamespaceServer(Handler):
         self._starved: list[Any] = []
         self.handshake_timeout = handshake_timeout
         self.idle_timeout = idle_timeout
-        #: connections waiting for their AMQP open, oldest first: (monotonic deadline, connection)
-        self._handshakes: collections.deque[tuple[float, Any]] = collections.deque()
+        #: connections waiting for their AMQP open, oldest first: connection -> monotonic deadline. Dicts, not
+        #: queues, here and below: a closed connection leaves them at once (a queue held every connection, and
+        #: its links, until its deadline: 60 s of a flood's memory)
+        self._handshakes: dict[Any, float] = {}
         #: connections closed for not sending their AMQP open within ``handshake_timeout``
         self.handshakes_timed_out = 0
         self.auth_timeout = auth_timeout
         #: the connections held that have no accepted token yet, oldest first (a dict: ordered, and a connection
         #: leaves it in O(1) when it puts one or closes)
         self._unauthenticated: dict[Any, None] = {}
-        #: connections that opened, waiting for their first token: (monotonic deadline, connection)
-        self._auth_deadlines: collections.deque[tuple[float, Any]] = collections.deque()
+        #: connections that opened, waiting for their first token: connection -> monotonic deadline
+        self._auth_deadlines: dict[Any, float] = {}
         #: connections closed without an accepted token: at ``auth_timeout``, or to give their slot to a new one
         self.unauthenticated_closed = 0
-        #: connections sent their close, dropped at the deadline if the client has not answered it: (deadline, conn)
-        self._closing: collections.deque[tuple[float, Any]] = collections.deque()
+        #: connections sent their close, dropped at the deadline if the client has not answered it
+        self._closing: dict[Any, float] = {}
         #: the error that stopped the reactor after it started (None while it runs or after a clean stop)
         self.failure: BaseException | None = None
         self.on_failure = on_failure
@@ -438,10 +452,7 @@ class NamespaceServer(Handler):
     def _expire_handshakes(self) -> None:
         """Close the connections that did not send their AMQP ``open`` within ``handshake_timeout`` (a port scan,
         a client that died mid-connect, a bare TCP connection): each holds a socket, and sockets are finite."""
-        now = time.monotonic()
-        pending = self._handshakes
-        while pending and pending[0][0] <= now:
-            _, conn = pending.popleft()
+        for conn in _due(self._handshakes):
             t = conn.transport
             if conn.state & conn.REMOTE_UNINIT and t is not None and not t.closed:
                 self.handshakes_timed_out += 1
@@ -451,15 +462,11 @@ class NamespaceServer(Handler):
 
     def _expire_unauthenticated(self) -> None:
         """Close the connections that put no accepted token within ``auth_timeout`` of their ``open``."""
-        now = time.monotonic()
-        pending = self._auth_deadlines
-        while self._closing and self._closing[0][0] <= now:
-            _, conn = self._closing.popleft()
+        for conn in _due(self._closing):
             t = conn.transport
             if t is not None and not t.closed:
                 self._drop(conn)
-        while pending and pending[0][0] <= now:
-            _, conn = pending.popleft()
+        for conn in _due(self._auth_deadlines):
             if conn in self._unauthenticated:
                 self._close_unauthenticated(conn, f"The connection was closed: no token was put on $cbs within "
                                                   f"{self.auth_timeout:g} s of its open (auth-timeout).")
@@ -477,7 +484,7 @@ class NamespaceServer(Handler):
         conn.condition = _condition(Cond.UNAUTHORIZED, description)
         conn.close()
         # the close frame goes out now; the socket is closed when the client answers, or at the grace's end
-        self._closing.append((time.monotonic() + _CLOSE_GRACE, conn))
+        self._closing[conn] = time.monotonic() + _CLOSE_GRACE
 
     def _habits(self, now: float) -> None:
         """Service Bus's habits: entity links idle longer than ``idle_detach`` are detached, and every entity link
@@ -618,15 +625,18 @@ class NamespaceServer(Handler):
         sasl = transport.sasl()
         sasl.allowed_mechs("ANONYMOUS PLAIN EXTERNAL")
         sasl.allow_insecure_mechs = True
+        transport.channel_max = CHANNEL_MAX
         if self.idle_timeout > 0:
             transport.idle_timeout = self.idle_timeout
         conn = event.connection
         if self.handshake_timeout > 0:
-            self._handshakes.append((time.monotonic() + self.handshake_timeout, conn))
+            self._handshakes[conn] = time.monotonic() + self.handshake_timeout
         conn.authorized = {}  # entity path (audience) -> the aad.Grant its last accepted put-token gave
         conn.cbs_sender = None
         conn.mgmt_senders = {}
         conn.refused = False
+        conn.links_held = 0  # links attached and counted against MAX_LINKS_PER_CONNECTION
+        conn.links_refused = 0  # attaches refused past it that the client has not detached
         if self.fault_for(None) == "down" or self._stopping:
             transport.close_tail()
             transport.close_head()
@@ -652,10 +662,11 @@ class NamespaceServer(Handler):
         if self.fault_for(None) == "down":
             self._drop(conn)
             return
+        self._handshakes.pop(conn, None)
         conn.container = f"spark-sb-emulator-{self.name}"
         conn.open()
         if self.auth_timeout > 0 and conn in self._unauthenticated:
-            self._auth_deadlines.append((time.monotonic() + self.auth_timeout, conn))
+            self._auth_deadlines[conn] = time.monotonic() + self.auth_timeout
         if _refused(conn):  # as the service refuses it: its open answered, then closed with the error
             _LOGGER.info("namespace %s: refused a connection: %d connections held, the maximum", self.name,
                          self.max_connections)
@@ -683,6 +694,14 @@ class NamespaceServer(Handler):
         if conn in self._connections:
             self._connections.discard(conn)
         self._unauthenticated.pop(conn, None)
+        self._handshakes.pop(conn, None)
+        self._auth_deadlines.pop(conn, None)
+        self._closing.pop(conn, None)
+        if _has_attr(conn, "mgmt_senders"):
+            # the connection's record holds these link wrappers, and each link holds its connection: a cycle
+            # through Proton's reference counts that Python's collector cannot see, kept after the close
+            conn.mgmt_senders = {}
+            conn.cbs_sender = None
         link = conn.link_head(0)
         while link is not None:
             self._forget_link(link)
@@ -711,6 +730,8 @@ class NamespaceServer(Handler):
         link = event.link
         conn = link.connection
         if _refused(conn):  # pipelined after its open: the connection is closing
+            return
+        if not self._count_link(conn, link):
             return
         link.source.copy(link.remote_source)
         link.target.copy(link.remote_target)
@@ -802,6 +823,41 @@ class NamespaceServer(Handler):
             return
         self._register(link)
         link.open()
+
+    def _count_link(self, conn: Any, link: Any) -> bool:
+        """Count ``link`` against the connection's MAX_LINKS_PER_CONNECTION; False: refused (the service's words,
+        ``amqp:resource-limit-exceeded``), or the connection closed for attaching on past the limit."""
+        if not _has_attr(conn, "links_held"):
+            return True
+        without_token = conn in self._unauthenticated
+        limit = MAX_LINKS_BEFORE_TOKEN if without_token else MAX_LINKS_PER_CONNECTION
+        if conn.links_held < limit:
+            conn.links_held += 1
+            link.counted = True
+            return True
+        if conn.links_refused >= _MAX_REFUSED_LINKS:
+            if conn.state & conn.LOCAL_ACTIVE:
+                _LOGGER.info("namespace %s: closed a connection that kept attaching links past %d",
+                             self.name, limit)
+                self._forget_connection(conn)
+                conn.condition = _condition(Cond.QUOTA, f"The connection was closed: it kept attaching links past "
+                                            f"its maximum of {limit}, refused.")
+                conn.close()
+                self._closing[conn] = time.monotonic() + _CLOSE_GRACE
+            return False
+        conn.links_refused += 1
+        link.refused_over = True
+        if link.is_receiver:
+            link.target.type = Terminus.UNSPECIFIED
+        else:
+            link.source.type = Terminus.UNSPECIFIED
+        link.open()
+        text = f"Cannot allocate more handles. The maximum number of handles is {limit}."
+        if without_token:
+            text += " (emulator: a connection without a token on $cbs holds at most this many links; put one first)"
+        link.condition = _condition(Cond.QUOTA, text)
+        link.close()
+        return False
 
     def _try_session_attach(self, link: Any) -> None:
         state: LinkState = link.sb
@@ -901,6 +957,13 @@ class NamespaceServer(Handler):
     def on_link_remote_close(self, event: Any) -> None:
         link = event.link
         self._forget_link(link)
+        conn = link.connection
+        if _has_attr(link, "counted") and link.counted:
+            link.counted = False
+            conn.links_held -= 1
+        elif _has_attr(link, "refused_over") and link.refused_over:
+            link.refused_over = False
+            conn.links_refused -= 1
         link.close()
 
     @_guard
@@ -1175,6 +1238,7 @@ class NamespaceServer(Handler):
             self.tokens_accepted += 1
             self.tokens_renewed += renewing
             self._unauthenticated.pop(link.connection, None)  # it may stay
+            self._auth_deadlines.pop(link.connection, None)
         reply = Message(
             correlation_id=msg.id,
             # an AMQP int, as the service sends: the Java SDK casts it to int (a long fails every operation)
@@ -1461,6 +1525,20 @@ def _reply_link(conn: Any, reply_to: str | None, kind: str = "mgmt") -> Any:
             return link
         link = link.next(0)
     return None
+
+
+def _due(pending: dict[Any, float]) -> list[Any]:
+    """Take from ``pending`` (insertion order is deadline order: one timeout for all) the keys whose deadline has
+    passed."""
+    now = time.monotonic()
+    due = []
+    for key, deadline in pending.items():
+        if deadline > now:
+            break
+        due.append(key)
+    for key in due:
+        del pending[key]
+    return due
 
 
 def _refused(conn: Any) -> bool:

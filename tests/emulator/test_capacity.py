@@ -27,11 +27,12 @@ from typing import Any
 import pytest
 import test_frames as wire
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
-from proton import Data
+from proton import Data, Message
+from proton.utils import BlockingConnection, LinkDetached
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceOptions, admin_http
+from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceOptions, admin_http, amqp, sas
 from spark_sb.emulator.server import WEBSOCKET_PATH, send_control
 
 ENTITIES = {"queues": [{"name": "orders"}]}
@@ -410,3 +411,101 @@ def test_the_emulator_process_exits_non_zero_when_a_reactor_fails(tmp_path: Path
         assert _refused(port)
     finally:
         proc.stop()
+
+
+def _attach(handle: int, address: str) -> bytes:
+    """An attach of a client's sender link (role false) to ``address`` on channel 0."""
+    d = Data()
+    d.put_described()
+    d.enter()
+    d.put_ulong(0x12)
+    d.put_list()
+    d.enter()
+    d.put_string(f"link-{handle}")
+    d.put_uint(handle)
+    d.put_bool(False)
+    d.put_null()
+    d.put_null()
+    for code in (0x28, 0x29):  # source, target
+        d.put_described()
+        d.enter()
+        d.put_ulong(code)
+        d.put_list()
+        d.enter()
+        d.put_string(address)
+        d.exit()
+        d.exit()
+    d.exit()
+    d.exit()
+    body = d.encode()
+    return struct.pack(">IBBH", len(body) + 8, 2, 0, 0) + body
+
+
+def _rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.timeout(120)
+def test_links_of_a_connection_without_a_token_are_refused_past_16_and_their_memory_is_returned() -> None:
+    """Issue 49: one connection without a token attached 100,000 $management links (~60 MiB, kept after it
+    closed). Before its token a connection holds at most 16 links (the SDKs need two, on $cbs); past them each
+    attach is refused with amqp:resource-limit-exceeded in the service's words, and a client that keeps attaching
+    is closed. A closed connection's memory comes back at once (queues of deadlines held it for 60 s)."""
+    proc = EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("links")])
+    try:
+        port = proc["links"].amqp_port
+        before = _rss_kib(proc.proc.pid)
+        for _ in range(3):
+            sock = _open_without_token(port)
+            try:
+                sock.sendall(wire._begin(0))
+                sock.sendall(b"".join(_attach(h, "orders/$management") for h in range(20_000)))
+                rest = _rest(sock, 60)
+            finally:
+                sock.close()
+            assert rest.count(b"Cannot allocate more handles. The maximum number of handles is 16.") == 100
+            assert b"without a token" in rest
+            assert b"kept attaching" in rest  # the connection's close: not 19,984 refusals
+        grown = (_rss_kib(proc.proc.pid) - before) / 1024
+        assert grown < 20, f"the emulator grew by {grown:.1f} MiB"
+        _until_zero = time.monotonic() + 10
+        while send_control(proc["links"].admin_url, "stats")["connections"]:
+            assert time.monotonic() < _until_zero, "the closed connections are still held"
+            time.sleep(0.1)
+    finally:
+        proc.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_connection_holds_at_most_the_services_4999_links(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(amqp, "MAX_LINKS_PER_CONNECTION", 20)  # 4,999 by default: the same code, sooner
+    with Emulator([NamespaceOptions("cap")], entities=ENTITIES) as emu:
+        info = emu["cap"]
+        conn = BlockingConnection(f"amqp://localhost:{info.amqp_port}", allowed_mechs="ANONYMOUS", timeout=10)
+        try:
+            audience = f"sb://localhost:{info.amqp_port}"
+            cbs = (conn.create_sender("$cbs"), conn.create_receiver("$cbs", credit=1))
+            cbs[0].send(Message(reply_to="$cbs-client", body=sas.make_token(audience, info.key_name, info.key),
+                                properties={"operation": "put-token", "type": "servicebus.windows.net:sastoken",
+                                            "name": audience}))
+            cbs[1].receive(timeout=10)
+            cbs[1].accept()
+            held = [conn.create_sender("orders", name=f"s{i}") for i in range(18)]  # 20 with the $cbs links
+            with pytest.raises(LinkDetached, match="The maximum number of handles is 20"):
+                conn.create_sender("orders", name="one-too-many")
+            held.pop().close()  # a detached link frees its handle
+            conn.create_sender("orders", name="in-its-place").send(Message(body="in its place"), timeout=10)
+        finally:
+            conn.close()
+
+
+def test_the_open_advertises_the_services_channel_max() -> None:
+    with Emulator([NamespaceOptions("cap")], entities=ENTITIES) as emu:
+        sock = socket.create_connection(("127.0.0.1", emu["cap"].amqp_port), timeout=10)
+        try:
+            sock.sendall(OPEN_WITHOUT_TOKEN)
+            *_, (code, fields) = _read_frames(sock, 3)
+            assert code == 0x10 and fields[3] == 4999  # channel-max
+        finally:
+            sock.close()
