@@ -86,7 +86,7 @@ from ..errors import (
     unreachable_reason,
 )
 from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, Sleep
-from .sessions import ParkedSessions, session_queue, sessions_of
+from .sessions import ParkedSessions, session_id_problem, session_queue, sessions_of
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -148,6 +148,20 @@ def _explained(bad: BadMessageError, items: Sequence[ServiceBusMessage], entity:
         except BadMessageError as precise:
             return precise
     return bad
+
+
+def _check_session_ids(entity: str, batch: Sequence[ServiceBusMessage]) -> None:
+    """Raise :class:`~spark_sb.errors.BadMessageError` naming the first message of ``batch`` whose session id the
+    SDK cannot encode (a lone surrogate), its field and value, before anything of the call is sent."""
+    seen: set[str] = set()
+    for message in batch:
+        session_id = message.session_id
+        if not session_id or session_id in seen:
+            continue
+        seen.add(session_id)
+        problem = session_id_problem(session_id)
+        if problem is not None:
+            raise BadMessageError(message.message_id, entity, problem)
 
 
 def _token_refused(exc: BaseException) -> bool:
@@ -550,6 +564,8 @@ class PairedSender:
         # what this send may spend pairing, over the last wait before a failover and the failover itself
         pairing_time = _PairingTime(self._sa.pairing_timeout.total_seconds())
         asked = not sessions_of(pending)  # whether the backlog was asked about the sessions' parked messages
+        if not asked:
+            _check_session_ids(entity, pending)
         while pending:
             self.ping_if_due(entity)
             refused = self.board.refused(entity)

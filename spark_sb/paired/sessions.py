@@ -51,9 +51,19 @@ Receiver = Callable[[str], AbstractContextManager[Any]]
 
 def session_queue(entity: str, session_id: str, queues: Sequence[str]) -> str:
     """The backlog queue of ``session_id`` of ``entity``: the same in every process (a stable hash, not
-    Python's), among ``queues`` in their configured order."""
+    Python's), among ``queues`` in their configured order. ``session_id`` must be encodable
+    (:func:`session_id_problem`)."""
     digest = hashlib.blake2b(f"{entity}\n{session_id}".encode(), digest_size=8).digest()
     return queues[int.from_bytes(digest, "big") % len(queues)]
+
+
+def session_id_problem(session_id: str) -> str | None:
+    """Why the SDK cannot send ``session_id`` (a lone surrogate is not UTF-8 text), or ``None``."""
+    try:
+        session_id.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return f"session_id: {session_id!r} is not UTF-8 text ({exc.reason} at index {exc.start})"
+    return None
 
 
 @dataclass
