@@ -39,6 +39,7 @@ from typing import Any
 from azure.servicebus import ServiceBusMessage
 
 from .. import messages as msgs
+from ..bus import entity_key
 from ..bus.deferred import peek_pages
 from ..errors import ErrorClass, classify
 
@@ -51,9 +52,9 @@ Receiver = Callable[[str], AbstractContextManager[Any]]
 
 def session_queue(entity: str, session_id: str, queues: Sequence[str]) -> str:
     """The backlog queue of ``session_id`` of ``entity``: the same in every process (a stable hash, not
-    Python's), among ``queues`` in their configured order. ``session_id`` must be encodable
-    (:func:`session_id_problem`)."""
-    digest = hashlib.blake2b(f"{entity}\n{session_id}".encode(), digest_size=8).digest()
+    Python's) and for every spelling of the entity's name (Service Bus compares them case-insensitively), among
+    ``queues`` in their configured order. ``session_id`` must be encodable (:func:`session_id_problem`)."""
+    digest = hashlib.blake2b(f"{entity_key(entity)}\n{session_id}".encode(), digest_size=8).digest()
     return queues[int.from_bytes(digest, "big") % len(queues)]
 
 
@@ -121,7 +122,7 @@ class ParkedSessions:
             if seen is None:
                 # not peeked yet: what else the queue holds is unknown, so it is peeked at the next question
                 seen = self._seen[queue] = _Seen(generation=-1, at=float("-inf"))
-            seen.sessions.add((entity, session_id))
+            seen.sessions.add((entity_key(entity), session_id))
 
     def parked(self, queue: str, entity: str, session_id: str) -> bool | None:
         """Whether ``session_id`` of ``entity`` has messages in ``queue``, peeking it when what is known is
@@ -129,7 +130,7 @@ class ParkedSessions:
         link) and this process parked nothing of the session (counted in ``session_peek_failures``; the queue is
         not asked again for ``max_age``). The caller then sends behind whatever may be parked
         (:meth:`PairedSender._send`)."""
-        key = (entity, session_id)
+        key = (entity_key(entity), session_id)
         with self._lock:
             seen = self._seen.get(queue)
             if seen is not None and self._fresh(seen):
@@ -196,7 +197,7 @@ class ParkedSessions:
                     for message in page:
                         entity, session_id = msgs.parked_session(message)
                         if entity is not None and session_id is not None:
-                            found.add((entity, session_id))
+                            found.add((entity_key(entity), session_id))
         except Exception as exc:
             if found or classify(exc) is not ErrorClass.CONFIGURATION_NOT_FOUND:
                 raise
