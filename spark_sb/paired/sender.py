@@ -746,14 +746,17 @@ class PairedSender:
         self.sessions.count("session_follows", len(unsure))
         return []
 
-    def _backlog_queue_exists(self, queue: str) -> bool:
+    def _backlog_queue_exists(self, queue: str, timeout: float | None = None) -> bool:
         """Whether backlog queue ``queue`` exists on the secondary: paired here, or the administration API says
-        so (one request; its errors are the caller's)."""
+        so (one request, within ``timeout`` seconds when given, at most the secondary's ``admin_timeout``; its
+        errors are the caller's)."""
         if queue in (self._usable or ()):
             return True
+        limit = self.config.secondary.admin_timeout_seconds
+        limit = limit if timeout is None else min(limit, timeout)
         with self.admin_client() as admin:
             try:
-                admin.get_queue(queue)
+                admin.get_queue(queue, connection_timeout=limit, read_timeout=limit)
             except Exception as exc:
                 if classify(exc) is ErrorClass.CONFIGURATION_NOT_FOUND:
                     return False

@@ -142,12 +142,12 @@ class ParkedSessions:
     queues this process knows once for every sender (what was found absent, read and parked)."""
 
     def __init__(self, receiver: Receiver, max_age: float, clock: Callable[[], float],
-                 exists: Callable[[str], bool] | None = None, timeout: float | None = None,
+                 exists: Callable[[str, float | None], bool] | None = None, timeout: float | None = None,
                  namespace: str = "") -> None:
         self._receiver = receiver
         self._timeout = timeout
-        #: whether a backlog queue exists (the administration API: a peek of a missing queue costs the SDK a
-        #: second); one that exists is not asked again
+        #: whether a backlog queue exists, asked within the seconds given (the administration API: a peek of a
+        #: missing queue costs the SDK a second); one that exists is not asked again
         self._exists = exists
         self._namespace = namespace
         self._max_age = max_age
@@ -311,7 +311,7 @@ class ParkedSessions:
         by then is kept: the next question goes on from there)."""
         requests = 0
         if shared.exists is not True and self._exists is not None:
-            if not self._exists(queue):
+            if not self._exists(queue, self._bound(deadline).get("timeout")):
                 with _SHARED_LOCK:  # not provisioned (nothing ever failed over), or deleted: nothing is parked
                     shared.exists, shared.position, shared.parked = False, 1, {}
                 return 0

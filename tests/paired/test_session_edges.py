@@ -290,3 +290,39 @@ def test_a_sink_partition_sends_a_session_in_order_whatever_the_spellings_of_its
     finally:
         sink_module.close_senders()
     assert session_bodies(primary.connection_string, q, "S", 6) == [f"S/{n}" for n in range(6)]
+
+
+def test_a_session_handed_to_another_sender_of_the_process_follows_what_the_first_parked(
+        emulator, make_queue, make_sender, make_config, fake_time, primary, monkeypatch) -> None:
+    """Two senders of one process (a sink's sender replaced, a script's two): the second asked the backlog while
+    the first one's backlog send of session S was on its way, then takes S over without ``new_batch()``. What the
+    process parks is known to all its senders: S's next message follows the parked one."""
+    q = make_queue(requires_session=True)
+    config = make_config(failover_interval="0s", backlog_queue_count=1)
+    first, second = make_sender(config=config), make_sender(config=config)
+    in_flight, asked = threading.Event(), threading.Event()
+    real_send_batches = sender_module.send_batches
+
+    def send_batches(namespace: Any, queue: str, batch: Any, entity: str) -> Any:
+        if namespace is first._secondary and not asked.is_set():
+            in_flight.set()  # the first sender's backlog send has begun; it goes on once the second has asked
+            assert asked.wait(30)
+        return real_send_batches(namespace, queue, batch, entity)
+
+    monkeypatch.setattr(sender_module, "send_batches", send_batches)
+    emulator.fault("primary", "quota", entity=q)
+    parking = threading.Thread(target=lambda: first.send(q, ServiceBusMessage("S/0", message_id="S/0",
+                                                                              session_id="S")))
+    parking.start()
+    try:
+        assert in_flight.wait(30)
+        emulator.heal("primary", entity=q)
+        fake_time.advance(5)
+        second.run_pings_once()  # failed back while the first sender's message is on its way
+        assert _send(second, q, "X", 0) == {PRIMARY: 1}  # the second sender asks the backlog meanwhile
+    finally:
+        asked.set()
+        parking.join(30)
+    assert PRIMARY not in _send(second, q, "S", 1)  # handed over: behind the parked one
+    _drain_backlog(config, 2)
+    assert session_bodies(primary.connection_string, q, "S", 2) == ["S/0", "S/1"]
