@@ -33,6 +33,10 @@ session's messages after every chunk in flight (one at a time), so these rows sh
 * **sink healthy with sessions, nothing parked, primary 5 ms away**: each partition peeks every backlog queue
   once (the clock starts after the run's ``new_batch``), then sends to the primary; over the raw SDK's sequential
   send of the same session messages to the primary;
+* **sink healthy with sessions, other messages parked** (``--others-parked N``, issue 48: 5,000): as the row
+  above, with ``N`` messages of another entity parked in each backlog queue; its goal column also gives what a
+  partition's first session send costs more than without them (goal: under 0.2 s), after the process's first
+  question (a new worker reads the backlog queues once);
 * **sink failed over with sessions**: each session's messages go to the backlog queue its id hashes to; over the
   raw SDK's sequential send to a backlog queue;
 * **sink following with sessions**: the primary healthy, but every session has one message parked (by the same
@@ -43,7 +47,7 @@ session's messages after every chunk in flight (one at a time), so these rows sh
 Rounds alternate which side goes first; each rate is the median of the rounds. Prints a Markdown table.
 
     .venv/bin/python bench/latency.py [--messages 12000] [--rounds 3] [--in-flight 8] [--syphon-messages 1200]
-                                      [--no-spark] [--sessions 12]
+                                      [--no-spark] [--sessions 12] [--others-parked 5000]
     .venv/bin/python bench/latency.py --quick    # make bench-quick: the rows a send-path change reports
 """
 
@@ -246,6 +250,63 @@ def failed_over_sessions_row(emu: EmulatorProcess, args: argparse.Namespace, pre
         sink_module.close_senders()
 
 
+def park_others(conn_str: str, queues: list[str], n: int) -> None:
+    """``n`` messages of another entity, without sessions, parked in each of ``queues`` as its failover would."""
+    from spark_sb import messages as msgs
+
+    with ServiceBusClient.from_connection_string(conn_str) as client:
+        for queue in queues:
+            with client.get_queue_sender(queue) as sender:
+                for start in range(0, n, 200):  # 200 x 1 KiB fit a batch of 256 KB
+                    batch = sender.create_message_batch()
+                    for i in range(start, min(n, start + 200)):
+                        batch.add_message(msgs.to_backlog(ServiceBusMessage(BODY, message_id=f"other-{i}"),
+                                                          "other-entity"))
+                    sender.send_messages(batch)
+
+
+def first_session_send(config: Any, sessions: int, rounds: int) -> float:
+    """Seconds a partition's first send takes, one message of each of ``sessions`` sessions, the backlog asked
+    again (``new_batch``) as a partition does; median of ``rounds``, after the process's first question."""
+    sender = sink_module.sender_for(config)
+    entity = config.sink.entity
+
+    def one() -> list[ServiceBusMessage]:
+        return [ServiceBusMessage(b"first", session_id=_session(i, sessions)) for i in range(sessions)]
+
+    sender.send(entity, one())  # the process's first question: a new worker reads the backlog queues once
+    times = []
+    for _ in range(rounds):
+        sender.new_batch()
+        started = time.perf_counter()
+        sender.send(entity, one())
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def others_parked_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[tuple[float, float], float, float]:
+    """The healthy sink with sessions, nothing of them parked but ``--others-parked`` messages of another entity
+    in each backlog queue; and a partition's first session send with and without them (seconds)."""
+    clean = config_for(emu, args.in_flight, prefix="latency-clean")
+    others = config_for(emu, args.in_flight, prefix="latency-others")
+    try:
+        sink_module.sender_for(clean).pair()
+        sender = sink_module.sender_for(others)
+        sender.pair()
+        park_others(emu["secondary"].connection_string, list(sender.backlog_queues), args.others_parked)
+        without = first_session_send(clean, args.sessions, max(5, args.rounds))
+        with_others = first_session_send(others, args.sessions, max(5, args.rounds))
+        rates = rounds(args.rounds,
+                       lambda: raw_sequential(emu["primary"].connection_string, SESSION_QUEUE, args.messages,
+                                              args.sessions),
+                       lambda: partition_run(others, args.messages, sessions=args.sessions))
+        print(f"  (healthy with sessions, {args.others_parked} others parked per queue: {_session_counters(sender)};"
+              f" a partition's first session send {with_others:.3f} s, {without:.3f} s without them)", flush=True)
+        return rates, with_others, without
+    finally:
+        sink_module.close_senders()
+
+
 def _purge(conn_str: str, queues: list[str]) -> None:
     from azure.servicebus import ServiceBusReceiveMode
 
@@ -420,6 +481,10 @@ def main() -> int:
     parser.add_argument("--no-spark", action="store_true", help="skip the syphon job row (the only one on Spark)")
     parser.add_argument("--sessions", type=int, default=12,
                         help="sessions in the sessions rows (default: %(default)s; 0: no sessions rows)")
+    parser.add_argument("--others-parked", type=int, default=0,
+                        help="with sessions: also the healthy sessions row with this many messages of another entity "
+                             "parked in each backlog queue (issue 48: 5000), and a partition's first session send "
+                             "with and without them")
     parser.add_argument("--quick", action="store_true",
                         help="the far-namespace and loopback rows only, in under two minutes (4000 messages, "
                              "3 rounds, no Spark, no sessions rows): what a change to the send path reports")
@@ -477,6 +542,12 @@ def main() -> int:
         if args.sessions:
             beside(f"sink healthy with {args.sessions} sessions, nothing parked (4 backlog queues peeked), primary "
                    "5 ms away", healthy_sessions_row(emu, args), plain, "the row without sessions")
+        if args.sessions and args.others_parked:
+            rates, with_others, without = others_parked_row(emu, args)
+            beside(f"sink healthy with {args.sessions} sessions, {args.others_parked:,} messages of another entity "
+                   "parked in each backlog queue, primary 5 ms away", rates, plain,
+                   f"the row without sessions; a partition's first session send +{with_others - without:.3f} s "
+                   "(goal < 0.2 s)")
     finally:
         emu.stop()
 

@@ -1045,9 +1045,12 @@ class SendAvailabilityConfig(_Frozen):
     has messages parked (the peek failed) nor take the message (the secondary down or not answering) while the
     primary is healthy. ``strict``: the send fails with :class:`~spark_sb.errors.BacklogUnavailableError`
     (nothing acknowledged; in Spark the batch fails and is replayed), so a session never overtakes its parked
-    messages, at the cost of the session's sends while the secondary cannot be asked. ``available``: the message
-    goes to the primary, logged and counted in ``session_unordered`` (its order is not guaranteed). Messages
-    without a session id never wait for the backlog."""
+    messages, at the cost of the session's sends while the secondary cannot be asked: those of sessions whose
+    backlog queue exists or that the process has not reached the secondary to ask about since it started. A
+    session whose backlog queue the process found absent is never held (nothing can be parked there; the
+    process makes the queue before it parks). ``available``: the message goes to the primary, logged and
+    counted in ``session_unordered`` (its order is not guaranteed). Messages without a session id never wait for
+    the backlog."""
     pairing_timeout: Duration = Field(default=30 * SECOND, ge=SECOND, le=10 * MINUTE)
     """The deadline of pairing (listing and creating the backlog queues on the secondary): one attempt, and
     all the attempts one send makes together (the last wait before a failover, then the failover itself), stop

@@ -576,6 +576,8 @@ class PartitionRun:
         self.backlog: dict[str, int] = {}
         self.entities: set[str] = set()
         self.pending: dict[str, list[tuple[ServiceBusMessage, Any]]] = {}
+        #: entity_key -> the entity as first spelled in the partition (its chunks, counts and summary use it)
+        self.spelled: dict[str, str] = {}
         #: chunks submitted and not yet accounted for, oldest first: (entity, items, future)
         self.in_flight: collections.deque[tuple[str, list[tuple[ServiceBusMessage, Any]], Future[Any]]] = \
             collections.deque()
@@ -654,6 +656,9 @@ class PartitionRun:
         except ENCODING_ERRORS as err:
             self._reject(message_id, entity, f"cannot build the message: {err}", body)
             return
+        # one chunk per entity whatever the spellings (Service Bus entity names are case-insensitive): a session's
+        # rows under two spellings stay in one chunk, in order
+        entity = self.spelled.setdefault(bus.entity_key(entity), entity)
         pending = self.pending.setdefault(entity, [])
         pending.append((message, body))
         if len(pending) >= self.sink.chunk_size:

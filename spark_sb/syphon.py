@@ -74,7 +74,7 @@ from typing import Any
 from azure.servicebus import ServiceBusMessage
 
 from . import messages as msgs
-from .bus import Namespace, shared, shared_namespace
+from .bus import Namespace, entity_key, shared, shared_namespace
 from .bus.deferred import complete_deferred, deferred_numbers, peek_deferred, peek_pages, receive_deferred
 from .config import SparkSbConfig, load_config
 from .errors import (
@@ -452,6 +452,7 @@ class Syphon:
         say); the session's messages above it are left (outcome ``left``), so that they never overtake it."""
         now = datetime.datetime.fromtimestamp(self._clock(), datetime.UTC)
         groups: dict[str, list[tuple[Any, ServiceBusMessage]]] = {}
+        spelled: dict[str, str] = {}  # entity_key -> the first spelling of the call (entity names are case-insensitive)
         for message in received:
             if msgs.is_ping(message):
                 _settle(receiver, "complete_message", message)
@@ -473,7 +474,9 @@ class Syphon:
                 _LOGGER.info("backlog message %s was re-parked by an earlier attempt: not sent again",
                              getattr(message, "message_id", None))
                 continue
-            groups.setdefault(restored.entity, []).append((message, restored.message))
+            # one group per entity, whatever the spellings it was parked under: a session keeps its order
+            entity = spelled.setdefault(entity_key(restored.entity), restored.entity)
+            groups.setdefault(entity, []).append((message, restored.message))
         for items in groups.values():  # a session reaches its destination in the order it was parked
             items.sort(key=lambda item: int(getattr(item[0], "sequence_number", None) or 0))
         self._left_sessions = set()  # (entity, session id) of this call's messages left: their later ones stay too
@@ -776,15 +779,16 @@ def session_gaps(receiver: Any, found: Sequence[Any]) -> dict[tuple[str, str], i
 
 
 def _parked(message: Any) -> tuple[str, str] | None:
+    """``(entity_key(entity), session id)`` of a backlog message, None when it has no session."""
     entity, session_id = msgs.parked_session(message)
-    return None if entity is None or session_id is None else (entity, session_id)
+    return None if entity is None or session_id is None else (entity_key(entity), session_id)
 
 
 def _session(entity: str, item: tuple[Any, Any]) -> tuple[str, str] | None:
     """``(entity, session id)`` of a restored backlog message (a ``(backlog message, restored copy)`` pair), None
     when it has no session."""
     session_id = msgs.text(getattr(item[1], "session_id", None))
-    return None if session_id is None else (entity, session_id)
+    return None if session_id is None else (entity_key(entity), session_id)
 
 
 def _marker(queue: str, message: Any) -> str:

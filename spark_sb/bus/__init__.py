@@ -26,7 +26,7 @@ from ._namespace import (
     shared_namespace,
 )
 from ._registry import close_all, close_quietly, entries, shared
-from .health import EntityState, HealthBoard, all_boards, join_board, shared_board
+from .health import EntityState, HealthBoard, all_boards, entity_key, join_board, shared_board
 from .pings import PingTask
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "close_all",
     "close_quietly",
     "current_lane",
+    "entity_key",
     "entries",
     "join_board",
     "send_lane",

@@ -50,10 +50,16 @@ from .pings import Clock, PingTask, Wait
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["EntityState", "HealthBoard", "all_boards", "join_board", "shared_board"]
+__all__ = ["EntityState", "HealthBoard", "all_boards", "entity_key", "join_board", "shared_board"]
 
 #: the board's settings, as named in the configuration (``send_availability.<name>``)
 SETTINGS = ("failover_interval", "ping_primary_interval", "backlog_cooldown")
+
+
+def entity_key(entity: str) -> str:
+    """What identifies an entity of a namespace: its name as Service Bus compares names, case-insensitively
+    (``Orders`` and ``orders`` are one queue, so one health, one backlog rotation and one session)."""
+    return entity.lower()
 
 
 class EntityState(enum.Enum):
@@ -64,6 +70,7 @@ class EntityState(enum.Enum):
 
 @dataclass
 class _Entity:
+    name: str  # as first spelled in this process (the board keys it by entity_key)
     state: EntityState = EntityState.HEALTHY
     failing_since: float | None = None
     next_ping: float | None = None
@@ -137,9 +144,9 @@ class HealthBoard:
             self._open = max(0, self._open - 1)
 
     def _entity(self, entity: str) -> _Entity:
-        found = self._entities.get(entity)
+        found = self._entities.get(entity_key(entity))
         if found is None:
-            found = self._entities[entity] = _Entity()
+            found = self._entities[entity_key(entity)] = _Entity(entity)
         return found
 
     def _fail_over(self, entity: str, record: _Entity, now: float) -> None:
@@ -229,7 +236,7 @@ class HealthBoard:
         """True for exactly one caller when ``entity`` is failed over and its ping is due; that caller must
         report with :meth:`ping_result`."""
         with self._lock:
-            record = self._entities.get(entity)
+            record = self._entities.get(entity_key(entity))
             if record is None or record.state is not EntityState.FAILED_OVER or record.pinging:
                 return False
             if record.next_ping is not None and self.clock() < record.next_ping:
@@ -262,14 +269,14 @@ class HealthBoard:
         credential, an unknown entity): every send raises it as a configuration error until a later ping
         answers otherwise."""
         with self._lock:
-            record = self._entities.get(entity)
+            record = self._entities.get(entity_key(entity))
             return record.refused if record is not None else None
 
     def due_pings(self) -> list[str]:
         """The failed-over entities whose ping is due and not running (the ping task's round)."""
         with self._lock:
             now = self.clock()
-            return sorted(name for name, record in self._entities.items()
+            return sorted(record.name for record in self._entities.values()
                           if record.state is EntityState.FAILED_OVER and not record.pinging
                           and (record.next_ping is None or record.next_ping <= now))
 
@@ -331,7 +338,7 @@ class HealthBoard:
         back on the first send. Returns False (and changes nothing) when this board already knows the entity
         as failed over, or knows it healthy from a primary send, a ping or a failback."""
         with self._lock:
-            record = self._entities.get(entity)
+            record = self._entities.get(entity_key(entity))
             if record is not None and (record.state is EntityState.FAILED_OVER or record.probation
                                        or record.state is EntityState.HEALTHY):
                 return False
@@ -351,9 +358,9 @@ class HealthBoard:
             return dict(self._counters)
 
     def snapshot(self) -> dict[str, str]:
-        """``{entity: state}`` for every entity seen by this board."""
+        """``{entity: state}`` for every entity seen by this board, each named as first spelled here."""
         with self._lock:
-            return {name: record.state.value for name, record in sorted(self._entities.items())}
+            return {record.name: record.state.value for _, record in sorted(self._entities.items())}
 
 
 #: the kind of the boards in the process registry (:func:`spark_sb.bus.shared`)

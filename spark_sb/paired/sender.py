@@ -86,7 +86,7 @@ from ..errors import (
     unreachable_reason,
 )
 from .retry import Backoff, Clock, ConstantBackoff, ExponentialBackoff, Retry, Sleep
-from .sessions import ParkedSessions, session_queue, sessions_of
+from .sessions import ParkedSessions, session_id_problem, session_queue, sessions_of
 
 _LOGGER = logging.getLogger(__name__)
 
@@ -148,6 +148,20 @@ def _explained(bad: BadMessageError, items: Sequence[ServiceBusMessage], entity:
         except BadMessageError as precise:
             return precise
     return bad
+
+
+def _check_session_ids(entity: str, batch: Sequence[ServiceBusMessage]) -> None:
+    """Raise :class:`~spark_sb.errors.BadMessageError` naming the first message of ``batch`` whose session id the
+    SDK cannot encode (a lone surrogate), its field and value, before anything of the call is sent."""
+    seen: set[str] = set()
+    for message in batch:
+        session_id = message.session_id
+        if not session_id or session_id in seen:
+            continue
+        seen.add(session_id)
+        problem = session_id_problem(session_id)
+        if problem is not None:
+            raise BadMessageError(message.message_id, entity, problem)
 
 
 def _token_refused(exc: BaseException) -> bool:
@@ -250,9 +264,10 @@ class PairedSender:
                                           "connection_refusals": 0}
         self._pool = SendPool(config.sink.sends_in_flight)
         #: which sessions have messages in the backlog (spark_sb.paired.sessions: sessions keep their order)
-        # a peek is part of a send: its two tries (the second on a new link) fit in the pairing timeout
+        # a question is part of a send: it fits in the pairing timeout, its second try (on a new link) included
         self.sessions = ParkedSessions(self._peek_receiver, sa.ping_primary_interval.total_seconds(), clock,
-                                       self._backlog_queue_exists, timeout=sa.pairing_timeout.total_seconds() / 2)
+                                       self._backlog_queue_exists, timeout=sa.pairing_timeout.total_seconds(),
+                                       namespace=config.secondary.fully_qualified_namespace)
         # joined last (nothing after it can fail); close() leaves it
         self._attached = False  # to the board's ping task
         self.board: HealthBoard = join_board(key, settings, clock, pairing, ping_wait)
@@ -326,6 +341,7 @@ class PairedSender:
             self._pair_attempts += 1  # counted when it ends: a call that read the count before waits for it
         self._pair_error = None
         self._usable = tuple(usable)
+        self.sessions.made(usable)
         return len(usable)
 
     def _provision(self, deadline: float) -> list[str]:
@@ -510,9 +526,15 @@ class PairedSender:
     def send(self, entity: str, message: ServiceBusMessage | Sequence[ServiceBusMessage]) -> SendResult:
         """Send one message or a list to ``entity`` (primary, or a backlog queue when failed over).
 
+        Messages with a session id keep their session's order through outages (:mod:`spark_sb.paired.sessions`)
+        when one thread sends the session, one call after the other, and a session handed over from a sender of
+        another process is preceded by :meth:`new_batch`. ``entity`` is compared case-insensitively, as Service
+        Bus compares entity names.
+
         Returns where they went. Raises :class:`~spark_sb.errors.EntityNotFoundError` /
         :class:`~spark_sb.errors.CredentialRejectedError` at once (nothing goes to the backlog),
-        :class:`~spark_sb.errors.BadMessageError` for a message too large (nothing of the call is sent), and
+        :class:`~spark_sb.errors.BadMessageError` for a message too large or one the SDK cannot encode, its
+        session id included (nothing of the call is sent), and
         :class:`BacklogUnavailableError` when failed over and no backlog queue accepts.
         """
         self._attach_pings()
@@ -538,7 +560,12 @@ class PairedSender:
     def new_batch(self) -> None:
         """Forget what the backlog was seen to hold for sessions: the next session message asks it again
         (:mod:`spark_sb.paired.sessions`). The sink and the writer call it for every partition: another executor
-        may have parked a session's messages in an earlier batch."""
+        may have parked a session's messages in an earlier batch.
+
+        **Call it before sending a session that a sender of another process sent before** (a session handed
+        over): what this sender found in the backlog stands for ``ping_primary_interval`` otherwise, and a message
+        the other process parked meanwhile would be overtaken on the primary. Threads and senders of one process
+        need not: what the process parks is known to all of them at once."""
         self.sessions.new_batch()
 
     def _send(self, entity: str, batch: list[ServiceBusMessage]) -> dict[str, int]:
@@ -550,6 +577,8 @@ class PairedSender:
         # what this send may spend pairing, over the last wait before a failover and the failover itself
         pairing_time = _PairingTime(self._sa.pairing_timeout.total_seconds())
         asked = not sessions_of(pending)  # whether the backlog was asked about the sessions' parked messages
+        if not asked:
+            _check_session_ids(entity, pending)
         while pending:
             self.ping_if_due(entity)
             refused = self.board.refused(entity)
@@ -647,8 +676,9 @@ class PairedSender:
         """Counters for monitoring: ``sent_primary``, ``sent_backlog``, ``busy_waits`` (server-busy waits) and
         ``connection_refusals`` (waits after a connection refused at the namespace's quota) of this sender, its
         sessions' ``session_follows`` (messages sent behind their session's parked ones, or behind what may be
-        parked when the backlog could not be peeked), ``session_peeks``, ``session_peek_failures`` and
-        ``session_unordered`` (:mod:`spark_sb.paired.sessions`), plus the ``failovers``, ``failbacks`` and
+        parked when the backlog could not be peeked), ``session_peeks`` (requests), ``session_peeks_unfinished``
+        (questions their time bound ended), ``session_peek_failures``, ``session_held`` and ``session_unordered``
+        (:mod:`spark_sb.paired.sessions`), plus the ``failovers``, ``failbacks`` and
         ``assumed_failovers`` of its shared
         :class:`~spark_sb.bus.health.HealthBoard` (every sender of the pairing in this process)."""
         with self._state_lock:
@@ -716,14 +746,17 @@ class PairedSender:
         self.sessions.count("session_follows", len(unsure))
         return []
 
-    def _backlog_queue_exists(self, queue: str) -> bool:
+    def _backlog_queue_exists(self, queue: str, timeout: float | None = None) -> bool:
         """Whether backlog queue ``queue`` exists on the secondary: paired here, or the administration API says
-        so (one request; its errors are the caller's)."""
+        so (one request, within ``timeout`` seconds when given, at most the secondary's ``admin_timeout``; its
+        errors are the caller's)."""
         if queue in (self._usable or ()):
             return True
+        limit = self.config.secondary.admin_timeout_seconds
+        limit = limit if timeout is None else min(limit, timeout)
         with self.admin_client() as admin:
             try:
-                admin.get_queue(queue)
+                admin.get_queue(queue, connection_timeout=limit, read_timeout=limit)
             except Exception as exc:
                 if classify(exc) is ErrorClass.CONFIGURATION_NOT_FOUND:
                     return False
@@ -754,12 +787,13 @@ class PairedSender:
             for item, backlog_message in zip(items, rewritten, strict=True):
                 if item.session_id:
                     queue = session_queue(entity, item.session_id, names)
-                    self.sessions.park(queue, entity, item.session_id)
                     groups.setdefault(queue, []).append((item, backlog_message))
                 else:
                     rest.append(backlog_message)
             for queue, group in groups.items():
-                counts[queue] = counts.get(queue, 0) + self._send_session_queue(entity, queue, group, usable)
+                # known parked by every thread and sender of the process from now on, whatever peeks run meanwhile
+                with self.sessions.parking(queue, entity, {str(item.session_id) for item, _ in group}):
+                    counts[queue] = counts.get(queue, 0) + self._send_session_queue(entity, queue, group, usable)
             rewritten = rest
         tried: list[str] = []
         last_error: BaseException | None = None

@@ -113,13 +113,14 @@ def test_a_backlog_that_cannot_be_asked_holds_a_session_by_default_and_nothing_o
     parked ones. Once the secondary is back they follow the parked ones, and the session arrives in order."""
     q = make_queue(requires_session=True)
     config = make_config(backlog_queue_count=1, pairing_timeout="2s", failover_interval="0s")
-    sender = make_sender(config=config)
-    emulator.fault("primary", "quota", entity=q)
-    assert PRIMARY not in _round(sender, q, 0, ["a"])  # parked
-    emulator.heal("primary", entity=q)
-    fake_time.advance(5)
-    sender.run_pings_once()
-    other = make_sender(config=config)  # another executor: knows nothing of what the first parked
+    other = make_sender(config=config)
+    other.pair()
+    [name] = other.backlog_queues
+    # parked by another executor (another process): this one knows nothing of it
+    with ServiceBusClient.from_connection_string(secondary.connection_string, retry_total=0) as client:
+        with client.get_queue_sender(name) as backlog:
+            backlog.send_messages(messages.to_backlog(
+                ServiceBusMessage("a/0", message_id="a/0", session_id="a"), q))
     emulator.fault("secondary", "down")
     try:
         with pytest.raises(BacklogUnavailableError, match="session.*'a'.*session_order: strict"):
