@@ -29,10 +29,11 @@ import test_frames as wire
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
 from proton import Data, Message
 from proton.utils import BlockingConnection, LinkDetached
+from proton_cbs import put_sas_token
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceOptions, admin_http, amqp, sas
+from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceOptions, admin_http, amqp
 from spark_sb.emulator.server import WEBSOCKET_PATH, send_control
 
 ENTITIES = {"queues": [{"name": "orders"}]}
@@ -484,13 +485,7 @@ def test_a_connection_holds_at_most_the_services_4999_links(monkeypatch: pytest.
         info = emu["cap"]
         conn = BlockingConnection(f"amqp://localhost:{info.amqp_port}", allowed_mechs="ANONYMOUS", timeout=10)
         try:
-            audience = f"sb://localhost:{info.amqp_port}"
-            cbs = (conn.create_sender("$cbs"), conn.create_receiver("$cbs", credit=1))
-            cbs[0].send(Message(reply_to="$cbs-client", body=sas.make_token(audience, info.key_name, info.key),
-                                properties={"operation": "put-token", "type": "servicebus.windows.net:sastoken",
-                                            "name": audience}))
-            cbs[1].receive(timeout=10)
-            cbs[1].accept()
+            put_sas_token(conn, info)
             held = [conn.create_sender("orders", name=f"s{i}") for i in range(18)]  # 20 with the $cbs links
             with pytest.raises(LinkDetached, match="The maximum number of handles is 20"):
                 conn.create_sender("orders", name="one-too-many")

@@ -29,9 +29,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from proton import Message
 from proton.utils import BlockingConnection
+from proton_cbs import put_sas_token
 
 from spark_sb.admin import admin_client
-from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceInfo, NamespaceOptions, sas
+from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceInfo, NamespaceOptions
 from spark_sb.emulator.model import RuleSpec
 from spark_sb.emulator.sql import (
     BudgetExceeded,
@@ -206,13 +207,7 @@ def _management(ns: NamespaceInfo, node: str, operation: str, body: dict[str, An
     JavaScript ones send add-rule)."""
     conn = BlockingConnection(f"amqp://localhost:{ns.amqp_port}", allowed_mechs="ANONYMOUS", timeout=10)
     try:
-        audience = f"sb://localhost:{ns.amqp_port}"
-        cbs = (conn.create_sender("$cbs"), conn.create_receiver("$cbs", credit=1))
-        cbs[0].send(Message(reply_to="$cbs-client", body=sas.make_token(audience, ns.key_name, ns.key),
-                            properties={"operation": "put-token", "type": "servicebus.windows.net:sastoken",
-                                        "name": audience}))
-        cbs[1].receive(timeout=10)
-        cbs[1].accept()
+        put_sas_token(conn, ns)
         sender = conn.create_sender(f"{node}/$management")
         receiver = conn.create_receiver(f"{node}/$management", credit=1)
         request_id = uuid.uuid4()
