@@ -37,6 +37,9 @@ INTERNAL = {
     "spark_sb.durations.DurationError",
     # the emulator's SAS token check: answered to the client as the service answers (401), never raised out of it
     "spark_sb.emulator.sas.SasError",
+    # a message's filter and action budget spent in the emulator: that rule does not match that message (a WARNING
+    # in the emulator's log), never raised out of it
+    "spark_sb.emulator.sql.BudgetExceeded",
     # an AMQP message the emulator cannot decode: answered amqp:decode-error (or a BrokerError), never raised out
     "spark_sb.emulator.sections.MalformedMessage",
 }

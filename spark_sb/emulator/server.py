@@ -963,7 +963,6 @@ def run_foreground(
     ``WSS NAME <url>`` lines, ``CA <file>`` when there is TLS, and ``AUTHORITY <url>`` for the Entra ID authority
     (https); wait for a signal. A namespace whose AMQP server fails stops the emulator: the error goes to stderr
     and the exit code is 1."""
-    import threading
 
     aad = None
     if entra_id:  # Entra ID with the user's signing key and identity header, when given (else the well-known ones)
@@ -975,10 +974,12 @@ def run_foreground(
                    authority_port=authority_port, aad=aad, handshake_timeout=handshake_timeout,
                    idle_timeout=idle_timeout, allowed_origins=allowed_origins, auth_timeout=auth_timeout)
     emu.start()
-    stop = threading.Event()
+    # a flag, not a threading.Event: the handler runs in the main thread between two bytecodes, and Event.set takes
+    # the lock that the main thread's Event.wait holds (a SIGTERM there deadlocked the emulator for good)
+    stop: list[int] = []
 
     def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
+        stop.append(signum)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -1003,7 +1004,8 @@ def run_foreground(
             tmp = Path(str(status_file) + ".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "namespaces": [asdict(i) for i in emu.info.values()]}))
             tmp.replace(status_file)
-        while not stop.wait(0.2):
+        while not stop:
+            time.sleep(0.2)
             if emu.failures:
                 for name, err in emu.failures.items():
                     print(f"spark-sb emulator: namespace {name}: the AMQP server failed: {type(err).__name__}: "

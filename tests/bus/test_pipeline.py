@@ -284,21 +284,35 @@ def _opened_sender(namespace: bus.Namespace, queue: str) -> Any:
 def test_closing_the_namespace_lets_the_sends_in_flight_end(emulator: Emulator, make_queue: Callable[..., str]
                                                             ) -> None:
     """A namespace closed while sends are in flight (a worker shutting down) closes its connection once they are
-    answered: none fails, every message is stored once; a send after the close is refused, saying so."""
+    answered: none fails, every message is stored (ack-lost holds the answers until the close has begun, so each
+    is sent again: stored at least once); a send after the close is refused, saying so."""
     queue = make_queue("far")
     config = load_config(pair_config(emulator["far"], emulator["secondary"], "pipe"))
     namespace = bus.Namespace("primary", config.primary)
     namespace.send(queue, _batch(namespace, queue, ["warm"], None))
     batches = [_batch(namespace, queue, [f"z{i}-{j}" for j in range(100)], None) for i in range(IN_FLIGHT)]
-    closer = threading.Timer(0.03, namespace.close)  # while the transfers are on their way (40 ms)
-    closer.start()
-    results = _all_at_once([lambda b=b: namespace.send(queue, b) for b in batches])
-    closer.join()
+    emulator.fault("far", "ack-lost", queue)  # the answers held: every send is in flight when the close comes
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        futures = [pool.submit(namespace.send, queue, b) for b in batches]
+        deadline = time.monotonic() + 30
+        while _waiting(namespace) < IN_FLIGHT and time.monotonic() < deadline:
+            time.sleep(0.01)
+        closer = threading.Thread(target=namespace.close, kwargs={"timeout": 30})
+        closer.start()
+        time.sleep(0.2)
+        emulator.heal("far", queue)  # held answers are settled with a timeout error: each send goes again
+        results = [f.exception(timeout=60) for f in futures]
+        closer.join(60)
     assert results == [None] * IN_FLIGHT
     with pytest.raises(RuntimeError, match="closed"):
         namespace.send(queue, batches[0])
     ids = received_ids(emulator["far"].connection_string, queue)
-    assert sorted(ids) == sorted(["warm"] + [f"z{i}-{j}" for i in range(IN_FLIGHT) for j in range(100)])
+    assert set(ids) == {"warm"} | {f"z{i}-{j}" for i in range(IN_FLIGHT) for j in range(100)}
+
+
+def _waiting(namespace: bus.Namespace) -> int:
+    """The sends of ``namespace`` waiting for their answers (on the wire)."""
+    return sum(len(io._outstanding) for io in list(namespace._sender_ios.values()))
 
 
 def test_a_connection_whose_sends_wait_long_is_kept_alive(tmp_path: Any) -> None:

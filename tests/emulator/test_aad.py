@@ -260,9 +260,10 @@ def test_a_data_receiver_receives_settles_and_renews_but_cannot_send(emu, queue)
 
 
 def test_a_token_that_expires_and_is_not_renewed_stops_working(emu, queue) -> None:
-    """The client believes its token lives an hour; it lives 2 s. After that the namespace refuses the links it
-    authorized (a transfer, a receive) until a fresh token is put."""
-    token, expires = emu.token(lifetime=2)
+    """The client believes its token lives an hour; it lives 8 s (2 s were too few for the first send, receive and
+    complete on a loaded machine). After that the namespace refuses the links it authorized (a transfer, a receive)
+    until a fresh token is put."""
+    token, expires = emu.token(lifetime=8)
     credential = StaticCredential(token)
     with _client(emu, credential) as client:
         with client.get_queue_sender(queue) as sender, client.get_queue_receiver(queue, max_wait_time=1) as receiver:
