@@ -1260,6 +1260,10 @@ class SinkConfig(_Frozen):
     """The sending connections a worker (a Python process) opens per entity and namespace: the sends in flight
     share them, several batches in flight on each link (:mod:`spark_sb.bus.pipeline`). A namespace takes at
     most 5,000 connections: docs/sizing.md, "Sizing a job"."""
+    encoder: Literal["fast", "sdk"] = "fast"
+    """How a row becomes its message's bytes: ``fast`` builds them at once from the row's values, the bytes the
+    SDK's encoder writes (:mod:`spark_sb.wire`; a row it does not cover, e.g. one with a TTL, goes through the SDK);
+    ``sdk`` builds every message with the SDK (``ServiceBusMessage``, ``add_message``), for a difference met."""
     reject_table: Text | None = None
     """A Delta path or table name: rows that can never be sent go there with their reason, instead of failing
     the batch (the ``servicebus`` writer takes a local path only)."""

@@ -74,6 +74,7 @@ from azure.servicebus.amqp import (
     AmqpMessageProperties,
 )
 
+from . import wire
 from .errors import BadMessageError
 
 _LOGGER = logging.getLogger(__name__)
@@ -519,6 +520,10 @@ def to_backlog(message: ServiceBusMessage, entity: str, *, check: bool = True) -
     cannot make (it carries the TTL in a property, where any value encodes)."""
     if not isinstance(entity, str) or not entity:
         raise ValueError(f"entity must be a non-empty string, got {entity!r}")
+    if wire.is_encoded(message):
+        fast = _encoded_to_backlog(message, entity)  # type: ignore[arg-type]
+        if fast is not None:
+            return fast
     raw = _raw(message)
 
     properties: dict[Any, Any] = {
@@ -584,6 +589,26 @@ def to_backlog(message: ServiceBusMessage, entity: str, *, check: bool = True) -
     if check:
         _check_encodable(raw, entity, annotated)
     return _wrap(annotated)
+
+
+def _encoded_to_backlog(message: wire.EncodedMessage, entity: str) -> ServiceBusMessage | None:
+    """:func:`to_backlog` of a message that carries its bytes (no TTL, no schedule, a data body: what
+    :func:`spark_sb.wire.encoded_message` covers), as one too, with the same bytes; ``None`` when the copy is not
+    covered."""
+    fields = message.fields
+    properties = {key: value for key, value in (fields.application_properties or {}).items()
+                  if key not in _REWRITE_PROPERTIES}
+    property_types = _property_types(properties)
+    properties[X_MS_PATH] = entity
+    if property_types is not None:
+        properties[X_MS_PROPERTY_TYPES] = property_types
+    if fields.session_id is not None:
+        properties[X_MS_SESSION_ID] = fields.session_id
+    if fields.partition_key is not None:
+        properties[X_MS_PARTITION_KEY] = fields.partition_key
+    return wire.encoded_message(fields.body, fields.message_id, subject=fields.subject,
+                                content_type=fields.content_type, correlation_id=fields.correlation_id,
+                                to=fields.to, reply_to=fields.reply_to, application_properties=properties)
 
 
 # --- from the backlog ------------------------------------------------------------------------------------
@@ -1433,6 +1458,8 @@ def check_encodable(message: ServiceBusMessage, entity: str) -> None:
 def check_time_to_live(message: ServiceBusMessage, entity: str) -> None:
     """Raise :class:`~spark_sb.errors.BadMessageError` when ``message``'s TTL is one the SDK cannot send
     (negative, or beyond the AMQP header's range): the part of :func:`check_encodable` that needs no encode."""
+    if wire.is_encoded(message):
+        return  # built without a TTL
     raw = _raw(message)
     problem = _ttl_problem(raw)
     if problem:

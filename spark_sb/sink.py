@@ -98,7 +98,7 @@ from pyspark.errors import PySparkNotImplementedError
 from pyspark.sql import functions as F
 from pyspark.sql import types as T
 
-from . import bus, tables
+from . import bus, tables, wire
 from . import messages as msgs
 from .config import SinkConfig, SparkSbConfig, load_config, unsendable
 from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
@@ -559,6 +559,7 @@ class PartitionRun:
         self.id_prefix = id_prefix
         self.partition = partition
         self.reject = reject
+        self.fast = self.sink.encoder == "fast"
         self.sender = sender_for(config, fingerprint)
         # counted from this worker's last summary, so that what happened between two tasks (a failback by the
         # background ping task) is reported by the next one
@@ -652,7 +653,7 @@ class PartitionRun:
             self._reject(message_id, entity, "body is null", body)
             return
         try:
-            message = _to_message(row, message_id)
+            message = _to_message(row, message_id, fast=self.fast)
         except ENCODING_ERRORS as err:
             self._reject(message_id, entity, f"cannot build the message: {err}", body)
             return
@@ -797,10 +798,15 @@ def _property_value(value: Any) -> Any:
     return value
 
 
-def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
-    """The message for one row (values as pyarrow hands them over)."""
+_FIELDS = ("session_id", "partition_key", "subject", "content_type", "correlation_id", "to", "reply_to")
+
+
+def _to_message(row: Mapping[str, Any], message_id: str, *, fast: bool = False) -> ServiceBusMessage:
+    """The message for one row (values as pyarrow hands them over). ``fast``: its bytes built at once
+    (:func:`spark_sb.wire.encoded_message`) when the row has no TTL nor schedule and the module covers its values,
+    else the SDK's message."""
     kwargs: dict[str, Any] = {"message_id": message_id}
-    for name in ("session_id", "partition_key", "subject", "content_type", "correlation_id", "to", "reply_to"):
+    for name in _FIELDS:
         value = row.get(name)
         if value is not None:
             kwargs[name] = value
@@ -808,6 +814,22 @@ def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
     scheduled = row.get("scheduled_enqueue_time")
     if scheduled is not None:
         kwargs["scheduled_enqueue_time_utc"] = _utc(scheduled)
+    _properties(row, kwargs)
+    if fast:
+        if ttl is None and scheduled is None:
+            encoded = wire.encoded_message(row["body"], **kwargs, lazy=True)
+            if encoded is not None:
+                return encoded
+        else:
+            wire.not_covered("a time to live or a scheduled enqueue time")
+    message = ServiceBusMessage(row["body"], **kwargs)
+    if ttl is not None:  # in milliseconds: the SDK's own setter keeps whole seconds only
+        msgs.set_time_to_live(message, ttl)
+    return message
+
+
+def _properties(row: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
+    """The row's application properties, as ``kwargs["application_properties"]``."""
     properties = row.get("application_properties")
     if properties is not None:
         types = row.get("application_property_types")
@@ -817,10 +839,6 @@ def _to_message(row: Mapping[str, Any], message_id: str) -> ServiceBusMessage:
             kinds = {str(k): v for k, v in _items(types) if v is not None}
             kwargs["application_properties"] = {
                 str(k): msgs.property_value(str(k), v, kinds.get(str(k), "string")) for k, v in _items(properties)}
-    message = ServiceBusMessage(row["body"], **kwargs)
-    if ttl is not None:  # in milliseconds: the SDK's own setter keeps whole seconds only
-        msgs.set_time_to_live(message, ttl)
-    return message
 
 
 def _items(value: Any) -> Iterable[tuple[Any, Any]]:

@@ -20,6 +20,7 @@ from typing import Any
 from azure.servicebus import ServiceBusMessage
 
 from .. import messages as msgs
+from .. import wire
 from ..config import unsendable
 from ..errors import (
     ENCODING_ERRORS,
@@ -83,9 +84,11 @@ def _unencodable(item: ServiceBusMessage, entity: str, exc: BaseException) -> Ba
 
 
 def _add(batch: Any, item: ServiceBusMessage, entity: str) -> None:
-    """``batch.add_message(item)``; an encoding error there is a bad message (behaviour.md, "Error classes")."""
+    """``batch.add_message(item)`` (its bytes as they are when it carries them: :func:`spark_sb.wire.append`); an
+    encoding error there is a bad message (behaviour.md, "Error classes")."""
     try:
-        batch.add_message(item)
+        if not wire.append(batch, item):
+            batch.add_message(item)
     except ENCODING_ERRORS as exc:
         if is_too_large(exc):  # the SDK's size error is a ValueError too: the caller decides (a new batch)
             raise
