@@ -202,8 +202,8 @@ def encoded_message(body: bytes | str, message_id: str, *, session_id: str | Non
             return None
     if type(body) is not bytes or not (_short_id(message_id) and _short_id(session_id) and _short_id(partition_key)):
         return None
-    if message_id is None or (partition_key is not None and session_id is not None and partition_key != session_id):
-        return None
+    if not message_id or (partition_key is not None and session_id is not None and partition_key != session_id):
+        return None  # an empty id is the SDK's to make up (a UUID); two keys that differ, its to refuse
     for text in (subject, content_type, correlation_id, to, reply_to):
         if text is not None and type(text) is not str:
             return None
