@@ -15,7 +15,12 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusMessageBatch, ServiceBusReceiveMode
+from azure.servicebus import (
+    ServiceBusClient,
+    ServiceBusMessage,
+    ServiceBusMessageBatch,
+    ServiceBusReceiveMode,
+)
 from azure.servicebus._pyamqp._encode import encode_payload
 from azure.servicebus._pyamqp.message import BatchMessage
 from azure.servicebus._pyamqp.types import TYPE, VALUE, AMQPTypes
