@@ -1110,6 +1110,10 @@ class SyphonConfig(_Frozen):
     receives_in_flight: Count = Field(default=8, ge=1, le=32)
     """Backlog queues received from at once (the source's ``receivesInFlight``), each in a thread with its own
     connection: against a secondary in another region each deferred message costs a round trip."""
+    encoder: Literal["fast", "sdk"] = "fast"
+    """How a restored message becomes its bytes: ``fast`` builds them at once, the bytes the SDK's encoder writes
+    (:mod:`spark_sb.wire`; a message it does not cover, e.g. one with a TTL, goes through the SDK); ``sdk``
+    builds every restored message with the SDK, for a difference met."""
     checkpoint_location: Text | None = None
     """The syphon job's Spark checkpoint (required by jobs/syphon.py)."""
     ledger: Text | None = Field(

@@ -761,6 +761,8 @@ def from_backlog(
     received: ServiceBusMessage | AmqpAnnotatedMessage,
     now: datetime.datetime,
     backlog_enqueued_time: datetime.datetime | None = None,
+    *,
+    fast: bool = True,
 ) -> Restored:
     """Restore a backlog message for its destination, or say why it must be dead-lettered.
 
@@ -774,6 +776,9 @@ def from_backlog(
     and every broker annotation (``x-opt-*``) are removed; a user's other ``x-ms-*`` properties are kept.
     Application properties and value or sequence bodies get back the AMQP types ``x-ms-propertytypes`` and
     ``x-ms-bodytypes`` record (see "the AMQP types the SDK's decoder loses").
+
+    ``fast``: the restored message carries its bytes (:mod:`spark_sb.wire`) when that module covers it (a data
+    body, no TTL nor schedule, no header, annotation or property it does not write); else it is the SDK's.
     """
     raw = _raw(received)
     entries = {_key(key): value for key, value in (raw.application_properties or {}).items()}
@@ -829,6 +834,10 @@ def from_backlog(
         for key, value in (raw.annotations or {}).items()
         if not _key(key).startswith(_BROKER_ANNOTATION_PREFIX)
     }
+    if fast and remaining_ms is None and scheduled is None and not annotations and body_types is None:
+        encoded = _encoded_restore(raw, session_id, partition_key, user_properties)
+        if encoded is not None:
+            return Restored(RestoreStatus.RESTORED, entity, encoded)
     if partition_key is not None:
         annotations[_X_OPT_PARTITION_KEY.encode()] = partition_key
     if scheduled is not None:
@@ -862,6 +871,34 @@ def from_backlog(
         **_restored_body(raw, body_types),
     )
     return Restored(RestoreStatus.RESTORED, entity, _wrap(annotated))
+
+
+def _encoded_restore(raw: AmqpAnnotatedMessage, session_id: str | None, partition_key: str | None,
+                     user_properties: Mapping[str, Any]) -> ServiceBusMessage | None:
+    """:func:`from_backlog`'s message as one that carries its bytes, when :mod:`spark_sb.wire` writes every part
+    of it: one data section, no footer, the properties it covers as text; else ``None``."""
+    header, source = raw.header, raw.properties
+    if raw.body_type != AmqpMessageBodyType.DATA or raw.footer or source is None:
+        return None
+    sections = list(raw.body)
+    if len(sections) != 1 or any(value is not None for value in (
+            source.user_id, source.content_encoding, source.group_sequence, source.reply_to_group_id)):
+        return None
+    texts = {name: getattr(source, name) for name in (
+        "message_id", "to", "subject", "reply_to", "correlation_id", "content_type")}
+    for name, value in texts.items():
+        if value is not None:
+            text = _as_str(value)
+            if text is None:  # not UTF-8 text, or of another type (a UUID or ulong id): the SDK's
+                return None
+            texts[name] = text
+    message_id = texts.pop("message_id")
+    if message_id is None:
+        return None
+    return wire.encoded_message(bytes(sections[0]), message_id, session_id=session_id,
+                                partition_key=partition_key, application_properties=user_properties,
+                                durable=None if header is None else header.durable,
+                                priority=None if header is None else header.priority, **texts)
 
 
 # --- application properties in rows: their text and their AMQP types -----------------------------------

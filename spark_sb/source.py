@@ -504,7 +504,7 @@ def backlog_row(received: Any, queue: str, now: datetime.datetime) -> tuple[Any,
     text = msgs.text
     enqueued = _utc(received.enqueued_time_utc)
     try:
-        restored = msgs.from_backlog(received, now)
+        restored = msgs.from_backlog(received, now, fast=False)  # a row reads every field: the SDK's message
     except Exception as exc:  # a shape from_backlog did not foresee: an invalid row, never a crash
         restored = msgs.Restored(msgs.RestoreStatus.INVALID, reason="unreadable message",
                                  description=f"{type(exc).__name__}: {exc}")

@@ -459,7 +459,7 @@ class Syphon:
                 summary.pings += 1
                 continue
             try:
-                restored = msgs.from_backlog(message, now)
+                restored = msgs.from_backlog(message, now, fast=self.config.syphon.encoder == "fast")
             except Exception as exc:  # a shape from_backlog did not foresee: dead-letter, never crash
                 restored = msgs.Restored(msgs.RestoreStatus.INVALID, reason="unreadable message",
                                          description=f"{type(exc).__name__}: {exc}")
@@ -518,8 +518,8 @@ class Syphon:
                 self._primary.ping(entity)
                 self._healthy_at[entity] = self._clock()
             with self._primary.sender(entity) as sdk_sender:
-                for batch in _batches(sdk_sender, items, entity, one_by_one):
-                    sdk_sender.send_messages([restored for _, restored in batch])
+                for batch, built in _batches(sdk_sender, items, entity, one_by_one):
+                    sdk_sender.send_messages(built)
                     for message, _ in batch:
                         _settle(receiver, "complete_message", message)
                         summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "delivered"))
@@ -652,8 +652,8 @@ class Syphon:
                 sent = 0
                 try:
                     with self._secondary.sender(queue) as sdk_sender:
-                        for batch in _batches(sdk_sender, copies, queue, False):
-                            sdk_sender.send_messages([copy for _, copy in batch])
+                        for batch, built in _batches(sdk_sender, copies, queue, False):
+                            sdk_sender.send_messages(built)
                             for message, _ in batch:
                                 _settle(receiver, "complete_message", message)
                                 summary.outcomes.append(_outcome(queue, message, entity, "reparked"))
@@ -698,21 +698,22 @@ class _BadMessage(SparkSbError):
 
 
 def _batches(sdk_sender: Any, items: list[tuple[Any, ServiceBusMessage]], entity: str, one_by_one: bool
-             ) -> Iterator[list[tuple[Any, ServiceBusMessage]]]:
-    """Groups of ``items`` that fit one of ``sdk_sender``'s ``ServiceBusMessageBatch`` (or single messages);
-    a message that fits no batch or cannot be encoded is raised as :class:`_BadMessage`."""
+             ) -> Iterator[tuple[list[tuple[Any, ServiceBusMessage]], Any]]:
+    """Groups of ``items`` that fit one of ``sdk_sender``'s ``ServiceBusMessageBatch`` (or single messages), each
+    with the batch that holds it (sent as it is: its messages are encoded once); a message that fits no batch or
+    cannot be encoded is raised as :class:`_BadMessage`."""
     batch: list[tuple[Any, ServiceBusMessage]] = []
     current = sdk_sender.create_message_batch()
     for item in items:
         if batch and (one_by_one or not _fits(current, item, entity)):
-            yield batch
+            yield batch, current
             batch, current = [], sdk_sender.create_message_batch()
         if not batch and not _fits(current, item, entity):
             raise _BadMessage(item[0], f"too large for {entity!r} ({msgs.message_size(item[1])} bytes, the "
                                        f"limit is {current.max_size_in_bytes})")
         batch.append(item)
     if batch:
-        yield batch
+        yield batch, current
 
 
 def _cannot_encode(bad: BadMessageError) -> str:

@@ -25,6 +25,7 @@ from azure.servicebus import ServiceBusMessage, ServiceBusMessageBatch
 from azure.servicebus._pyamqp._encode import encode_value
 from azure.servicebus._pyamqp.types import TYPE, VALUE
 from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
+from azure.servicebus.amqp import AmqpMessageHeader
 from azure.servicebus.exceptions import MessageSizeExceededError
 
 _LOGGER = logging.getLogger(__name__)
@@ -37,6 +38,7 @@ _PACK_D = struct.Struct(">d").pack
 _PACK_I = struct.Struct(">i").pack
 _PACK_L = struct.Struct(">L").pack
 
+_HEADER = b"\x00\x53\x70"
 _ANNOTATIONS = b"\x00\x53\x72"
 _PROPERTIES = b"\x00\x53\x73"
 _APPLICATION_PROPERTIES = b"\x00\x53\x74"
@@ -58,12 +60,20 @@ class Fields(NamedTuple):
     to: str | None = None
     reply_to: str | None = None
     application_properties: Mapping[str, Any] | None = None
+    #: the header's (a received message's, restored by the syphon)
+    durable: bool | None = None
+    priority: int | None = None
 
-    def sdk_kwargs(self) -> dict[str, Any]:
-        kwargs = {name: value for name, value in self._asdict().items() if value is not None and name != "body"}
+    def sdk_message(self) -> ServiceBusMessage:
+        """The SDK's message of these fields."""
+        kwargs = {name: value for name, value in self._asdict().items()
+                  if value is not None and name not in ("body", "durable", "priority")}
         if self.application_properties is not None:
             kwargs["application_properties"] = dict(self.application_properties)
-        return kwargs
+        message = ServiceBusMessage(self.body, **kwargs)
+        if self.durable is not None or self.priority is not None:
+            message.raw_amqp_message.header = AmqpMessageHeader(durable=self.durable, priority=self.priority)
+        return message
 
 
 class _Unsupported(Exception):
@@ -169,6 +179,10 @@ def _application_properties(properties: Mapping[str, Any]) -> bytes:
 def encode(fields: Fields) -> bytes:
     """The AMQP bytes of the message of ``fields`` (``encode_payload``'s); raises ``_Unsupported``."""
     out = []
+    if fields.durable is not None or fields.priority is not None:
+        out.append(_HEADER + _compound(0xC0, 0xD0, 5, b"".join((
+            _NULL if fields.durable is None else b"\x56\x01" if fields.durable else b"\x56\x00",
+            _NULL if fields.priority is None else bytes((0x50, fields.priority)), _NULL * 3))))
     if fields.partition_key is not None:
         out.append(_ANNOTATIONS + _compound(0xC1, 0xD1, 2, _PARTITION_KEY + _string(fields.partition_key)))
     properties = b"".join((
@@ -189,8 +203,8 @@ def _short_id(value: Any) -> bool:
 def encoded_message(body: bytes | str, message_id: str, *, session_id: str | None = None,
                     partition_key: str | None = None, subject: str | None = None, content_type: str | None = None,
                     correlation_id: str | None = None, to: str | None = None, reply_to: str | None = None,
-                    application_properties: Mapping[str, Any] | None = None, lazy: bool = False
-                    ) -> EncodedMessage | None:
+                    application_properties: Mapping[str, Any] | None = None, durable: bool | None = None,
+                    priority: int | None = None, lazy: bool = False) -> EncodedMessage | None:
     """The message ``ServiceBusMessage(body, message_id=..., ...)`` builds, with its bytes built at once; ``None``
     when this module does not cover it (build it with the SDK: its checks and errors are then the SDK's).
     ``lazy``: its bytes are built when first asked for (a message rewritten for the backlog never needs its own);
@@ -207,8 +221,11 @@ def encoded_message(body: bytes | str, message_id: str, *, session_id: str | Non
     for text in (subject, content_type, correlation_id, to, reply_to):
         if text is not None and type(text) is not str:
             return None
+    if (durable is not None and type(durable) is not bool) or (priority is not None and (
+            type(priority) is not int or not 0 <= priority <= 255)):
+        return None
     fields = Fields(body, message_id, session_id, partition_key, subject, content_type, correlation_id, to,
-                    reply_to, application_properties or None)
+                    reply_to, application_properties or None, durable, priority)
     if lazy:
         return EncodedMessage(fields, _LATER)
     try:
@@ -252,7 +269,7 @@ class EncodedMessage(ServiceBusMessage):
     def _materialize(self) -> None:
         if self._encoded is None and "_raw_amqp_message" in self.__dict__:
             return
-        sdk = ServiceBusMessage(self._fields.body, **self._fields.sdk_kwargs())
+        sdk = self._fields.sdk_message()
         self.__dict__.update(sdk.__dict__)
         self._encoded = None
 
