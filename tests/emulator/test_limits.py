@@ -192,7 +192,8 @@ def test_a_burst_over_the_rate_gets_server_busy_with_the_seconds_to_wait(
             receiver.peek_messages(max_message_count=1)
     stats = _stats(info)
     assert (stats["ops"], stats["throttled"]) == (30, 2)
-    assert stats["limits"] == {"max_connections": 5000, "max_receivers": 5000, "ops_per_second": 5}
+    assert stats["limits"] == {"max_connections": 5000, "max_receivers": 5000, "ops_per_second": 5,
+                               "message_overhead": 800}  # the in-memory store's
 
 
 @pytest.mark.timeout(60)
@@ -289,9 +290,10 @@ def test_the_command_line_sets_each_namespaces_limits_and_the_stats_report_them(
     proc = EmulatorProcess.start(data_dir=None, namespaces=[
         NamespaceOptions("tight", max_connections=7, max_receivers=3, ops_per_second=250), NamespaceOptions("plain")])
     try:
-        assert _stats(proc["tight"])["limits"] == {"max_connections": 7, "max_receivers": 3, "ops_per_second": 250}
+        assert _stats(proc["tight"])["limits"] == {"max_connections": 7, "max_receivers": 3, "ops_per_second": 250,
+                                                   "message_overhead": 800}
         assert _stats(proc["plain"])["limits"] == {"max_connections": 5000, "max_receivers": 5000,
-                                                   "ops_per_second": None}
+                                                   "ops_per_second": None, "message_overhead": 800}
     finally:
         proc.stop()
 
