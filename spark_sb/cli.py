@@ -15,6 +15,17 @@ from .durations import seconds_argument as _duration_seconds
 from .durations import timeout_argument as _timeout_seconds
 
 
+def _positive_int(text: str) -> int:
+    """A positive whole number: an ``argparse`` type."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive whole number, got {text!r}")
+    return value
+
+
 def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     emu = sub.add_parser("emulator", help="run and control the local Service Bus emulator")
     esub = emu.add_subparsers(dest="action", required=True)
@@ -90,6 +101,22 @@ def _emulator_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
                        help="close a connection that sends nothing (not even an empty frame) this long; the AMQP "
                             "open advertises half of it as its idle-time-out, which clients heartbeat by "
                             "(default: 0, none: the Python SDK's receiver does not recover from that close)")
+    start.add_argument("--admin-request-timeout", metavar="DURATION", type=_duration_seconds, default=10.0,
+                       help="the admin port closes a connection whose request head (or body) has not come this long "
+                            "after its first byte, or that sends no request this long after connecting; also bounds "
+                            "each write of an answer (default: 10s)")
+    start.add_argument("--admin-idle-timeout", metavar="DURATION", type=_timeout_seconds, default=60.0,
+                       help="the admin port closes a kept-alive connection that sends no next request this long "
+                            "(default: 60s; 0: never). Waiting costs no thread")
+    start.add_argument("--admin-workers", metavar="N", type=_positive_int, default=8,
+                       help="threads that serve the admin port's requests, per namespace (default: 8)")
+    start.add_argument("--admin-max-connections", metavar="N", type=_positive_int, default=512,
+                       help="connections the admin port holds at once; at the cap the oldest one waiting for a "
+                            "request is closed for the new one, or, when all are being served, the new one is "
+                            "answered 503 (default: 512)")
+    start.add_argument("--admin-max-connections-per-client", metavar="N", type=_positive_int, default=128,
+                       help="connections the admin port holds from one client address, as --admin-max-connections "
+                            "(default: 128)")
     start.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                        help="a web origin (e.g. http://localhost:8080) whose pages may open the WebSocket endpoints; "
                             "repeatable. Clients sending no Origin (the SDKs) are always let in, other origins refused")
@@ -252,7 +279,7 @@ def _emulator(args: argparse.Namespace) -> int:
     from .durations import format_duration
 
     try:
-        from .emulator import server
+        from .emulator import AdminLimits, server
         from .emulator.broker import BrokerError
         from .emulator.model import EntityConfigError
     except ModuleNotFoundError as err:  # a core install: "spark-sb emulator needs the emulator extra: pip install ..."
@@ -297,7 +324,12 @@ def _emulator(args: argparse.Namespace) -> int:
                                          signing_key=os.environ.get("SPARK_SB_EMULATOR_ENTRA_ID_KEY") or None,
                                          identity_header=os.environ.get("SPARK_SB_EMULATOR_IDENTITY_HEADER") or None,
                                          handshake_timeout=args.handshake_timeout, idle_timeout=args.idle_timeout,
-                                         auth_timeout=args.auth_timeout, allowed_origins=args.allow_origin)
+                                         auth_timeout=args.auth_timeout, allowed_origins=args.allow_origin,
+                                         admin_limits=AdminLimits(
+                                             request_timeout=args.admin_request_timeout,
+                                             idle_timeout=args.admin_idle_timeout, workers=args.admin_workers,
+                                             max_connections=args.admin_max_connections,
+                                             max_connections_per_client=args.admin_max_connections_per_client))
         except (ValueError, EntityConfigError, BrokerError, OSError) as err:  # BrokerError: a rule it refuses
             print(f"spark-sb emulator: {err}", file=sys.stderr)
             return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 _EXTRA_MODULES = frozenset({"proton", "cproton", "_cproton", "cryptography", "jwt", "websockets"})
 
 try:
+    from ._http_loop import AdminLimits
     from .amqp import FAULT_KINDS
     from .server import (
         DEFAULT_NAMESPACES,
@@ -28,6 +29,7 @@ except ModuleNotFoundError as err:  # a core install (a cluster) has no emulator
                               name=err.name) from err
 
 __all__ = [
+    "AdminLimits",
     "DEFAULT_NAMESPACES",
     "Emulator",
     "EmulatorProcess",

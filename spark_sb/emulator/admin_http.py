@@ -1,8 +1,9 @@
 """The administration REST API of an emulated namespace, as ``ServiceBusAdministrationClient`` expects it.
 
-Atom XML over plain HTTP (Microsoft's emulator serves the same API on port 5300), stdlib and defusedxml: a
-``ThreadingHTTPServer`` in its own thread. Every broker access goes through ``call`` so that the broker
-is only ever touched from its own (reactor) thread.
+Atom XML over plain HTTP (Microsoft's emulator serves the same API on port 5300), stdlib and defusedxml: an event
+loop reads the requests' heads and a bounded pool of workers serves them (:mod:`._http_loop`, bounded by
+:class:`AdminLimits`: timeouts of seconds, caps on connections). Every broker access goes through ``call`` so that
+the broker is only ever touched from its own (reactor) thread.
 
 Routes (entity names may contain ``/``; the SDK percent-encodes them as ``%2F``)::
 
@@ -43,15 +44,14 @@ import ipaddress
 import json
 import logging
 import re
-import select
 import socket
-import threading
 import time
 import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http import HTTPStatus
+from http.server import BaseHTTPRequestHandler
 from typing import Any, Protocol, TypeVar
 from xml.sax.saxutils import escape, quoteattr
 
@@ -60,6 +60,7 @@ from defusedxml import ElementTree as _safe_xml
 
 from ..durations import DurationError, iso_duration, parse_seconds
 from . import aad, model, sas
+from ._http_loop import AdminLimits, HttpLoop, Outcome
 from .broker import Broker, BrokerError, Cond, RuntimeCounts
 from .model import QUEUE, SUBSCRIPTION, TOPIC, QueueSpec, RuleSpec, SubscriptionSpec, TopicSpec
 
@@ -700,7 +701,10 @@ class AdminServer:
         other_ports: Callable[[], Iterable[int | None]] | None = None,
         authority: aad.Authority | None = None,
         allowed_hosts: Iterable[str] = (),
+        limits: AdminLimits | None = None,
     ) -> None:
+        #: the bounds of its connections: timeouts, workers, caps (emulator-wide)
+        self.limits = limits or AdminLimits()
         #: Microsoft Entra ID: serves the token endpoint and verifies Bearer tokens (None: SAS only)
         self.authority = authority
         #: the host names a request's ``Host`` may give besides localhost and IP addresses (DNS rebinding: a name a
@@ -721,11 +725,8 @@ class AdminServer:
         self._keys = keys
         self._fault = fault
         self._control = control
-        self._httpd: ThreadingHTTPServer | None = None
-        self._thread: threading.Thread | None = None
-        self._stopping = threading.Event()
-        self._connections: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        self._loop: HttpLoop | None = None
+        self._server = _AdminHTTPServer(self)
         self._started_at = time.time()
 
     def __repr__(self) -> str:
@@ -733,8 +734,8 @@ class AdminServer:
 
     @property
     def port(self) -> int:
-        if self._httpd is not None:
-            return int(self._httpd.server_address[1])
+        if self._loop is not None:
+            return int(self._loop.server_address[1])
         return self._requested_port
 
     def own_ports(self) -> set[int]:
@@ -743,50 +744,36 @@ class AdminServer:
         return {p for p in ports if p is not None}
 
     def start(self) -> AdminServer:
-        if self._httpd is not None:
+        if self._loop is not None:
             raise RuntimeError("the admin server is already started")
-        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-        server_cls = type("_AdminHTTPServer", (_AdminHTTPServer,), {"address_family": family})
-        httpd = server_cls((self._host, self._requested_port), _Handler)
-        httpd.admin = self
-        self._httpd = httpd
-        self._stopping.clear()
-        self._thread = threading.Thread(
-            target=httpd.serve_forever, kwargs={"poll_interval": 0.1},
-            name=f"spark-sb-admin-{self.port}", daemon=True,
-        )
-        self._thread.start()
+        loop = HttpLoop(self._host, self._requested_port, limits=self.limits, serve=self._serve,
+                        refusal=_refusal, hold_seconds=lambda: self.hold_seconds, name="spark-sb-admin")
+        self._loop = loop
+        loop.start()
         _LOGGER.debug("admin API listening on http://%s:%d", self._host, self.port)
         return self
 
     def stop(self) -> None:
-        httpd, thread = self._httpd, self._thread
-        if httpd is None:
+        loop = self._loop
+        if loop is None:
             return
-        self._stopping.set()
-        if thread is not None and thread.is_alive():
-            httpd.shutdown()
-        httpd.server_close()
-        with self._lock:
-            connections = list(self._connections)
-            self._connections.clear()
-        for conn in connections:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        if thread is not None:
-            thread.join(timeout=2.0)
-        self._httpd = None
-        self._thread = None
+        loop.stop()
+        self._loop = None
 
-    # ------------------------------------------------------------------ helpers for the handler
-    def _track(self, conn: socket.socket, add: bool) -> None:
-        with self._lock:
-            if add:
-                self._connections.add(conn)
-            else:
-                self._connections.discard(conn)
+    def stats(self) -> dict[str, Any]:
+        """The admin port's connections (:meth:`HttpLoop.stats`), in ``/$emulator/stats`` as ``admin``."""
+        loop = self._loop
+        return loop.stats() if loop is not None else {}
+
+    def _serve(self, sock: socket.socket, client: Any, head: bytes) -> Outcome:
+        """One request whose head is complete, on a worker of the loop."""
+        handler = _Handler(sock, client, self._server, head)
+        handler.handle_one_request()
+        if handler.held:
+            return "hold", b""
+        if handler.close_connection:
+            return "close", b""
+        return "keep", handler.rfile.leftover()
 
     def host_allowed(self, header: str | None) -> bool:
         """Whether a request's ``Host`` names this machine by a name a web page cannot rebind: none (not a
@@ -821,13 +808,85 @@ class AdminServer:
         return self._call(lambda: fn(broker))
 
 
-class _AdminHTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
-    admin: AdminServer
+class _AdminHTTPServer:
+    """What a request's handler sees as its server."""
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        _LOGGER.debug("admin API: connection from %s ended with an error", client_address, exc_info=True)
+    def __init__(self, admin: AdminServer) -> None:
+        self.admin = admin
+
+
+def _refusal(status: int, reason: str) -> bytes:
+    """A whole answer that closes the connection: a connection refused at a cap (503), a head too large (431)."""
+    body = _error_body(status, reason)
+    phrase = HTTPStatus(status).phrase
+    return (f"HTTP/1.1 {status} {phrase}\r\nContent-Type: {_CT_ERROR}\r\nContent-Length: {len(body)}\r\n"
+            f"Connection: close\r\n" + ("Retry-After: 1\r\n" if status == 503 else "") + "\r\n").encode() + body
+
+
+class _Reader:
+    """A request's bytes: the head the loop read, then the socket, every read by ``deadline`` (a slow body holds a
+    worker no longer than the request timeout). It reads ahead no further than one recv; :meth:`leftover` is what
+    it read past the request, handed back to the loop with the connection."""
+
+    def __init__(self, sock: socket.socket, data: bytes, deadline: float) -> None:
+        self._sock = sock
+        self._buf = bytearray(data)
+        self._deadline = deadline
+
+    def _fill(self) -> bool:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request was not read within the admin request timeout")
+        self._sock.settimeout(left)
+        chunk = self._sock.recv(65536)
+        self._buf += chunk
+        return bool(chunk)
+
+    def readline(self, limit: int = -1) -> bytes:
+        start = 0
+        while True:
+            at = self._buf.find(b"\n", start)
+            if at >= 0 and (limit < 0 or at < limit):
+                end = at + 1
+                break
+            if 0 <= limit <= len(self._buf):
+                end = limit
+                break
+            start = len(self._buf)
+            if not self._fill():
+                end = len(self._buf)
+                break
+        line = bytes(self._buf[:end])
+        del self._buf[:end]
+        return line
+
+    def read(self, size: int = -1) -> bytes:
+        if size < 0:
+            raise ValueError("the admin API reads a body by its length")
+        while len(self._buf) < size and self._fill():
+            pass
+        data = bytes(self._buf[:size])
+        del self._buf[:size]
+        return data
+
+    def leftover(self) -> bytes:
+        return bytes(self._buf)
+
+
+class _Writer:
+    """The answer's bytes, each write bounded by the request timeout."""
+
+    def __init__(self, sock: socket.socket, timeout: float) -> None:
+        self._sock = sock
+        self._timeout = timeout
+
+    def write(self, data: bytes) -> int:
+        self._sock.settimeout(self._timeout)
+        self._sock.sendall(data)
+        return len(data)
+
+    def flush(self) -> None:
+        pass
 
 
 # Broker-thread functions: each takes the broker and returns plain data for rendering.
@@ -866,22 +925,29 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "spark-sb-emulator"
     sys_version = ""
-    timeout = 300  # idle keep-alive connections
-    disable_nagle_algorithm = True  # what the base class writes in two (its own error pages) is not held either
-    server: _AdminHTTPServer
+    server: _AdminHTTPServer  # type: ignore[assignment]  # not a socketserver: the loop (_http_loop) serves
+    rfile: _Reader  # type: ignore[assignment]
+    wfile: _Writer  # type: ignore[assignment]
     _body_pending = False  # the request's head announces a body not read (yet)
+    held = False  # a "timeout" fault: the loop holds the connection, answering nothing
     _headers_buffer: list[bytes]  # the base class's head under construction (send_header), written by flush_headers
 
     # ------------------------------------------------------------------ plumbing
-    def setup(self) -> None:
-        super().setup()
-        self.server.admin._track(self.connection, True)
+    def __init__(self, sock: socket.socket, client: Any, server: _AdminHTTPServer, head: bytes) -> None:
+        # one request (handle_one_request), called by AdminServer._serve; not the base class's handle() loop: the
+        # connection goes back to the loop between requests (TCP_NODELAY is set on it there)
+        self.request = sock
+        self.client_address = client
+        self.server = server
+        self._head = head
+        self.close_connection = True
+        self.setup()
 
-    def finish(self) -> None:
-        try:
-            super().finish()
-        finally:
-            self.server.admin._track(self.connection, False)
+    def setup(self) -> None:
+        self.connection = self.request
+        timeout = self.server.admin.limits.request_timeout
+        self.rfile = _Reader(self.request, self._head, time.monotonic() + timeout)
+        self.wfile = _Writer(self.request, timeout)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
         _LOGGER.debug("admin API %s: %s", self.client_address[0], format % args)
@@ -985,22 +1051,9 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def _hold(self) -> None:
-        """A "timeout" fault: answer nothing until the client gives up (or hold_seconds pass)."""
-        admin = self.server.admin
-        deadline = time.monotonic() + admin.hold_seconds
-        sock = self.connection
-        poller = select.poll()  # not select.select: it refuses descriptors past 1023 (a namespace holding thousands)
-        poller.register(sock, select.POLLIN)
-        while not admin._stopping.is_set() and time.monotonic() < deadline:
-            try:
-                readable = poller.poll(200)
-                if readable and not sock.recv(1, socket.MSG_PEEK):
-                    break  # the client closed its socket
-                if readable:
-                    time.sleep(0.2)
-            except (OSError, ValueError):
-                break
-        self._drop()
+        """A "timeout" fault: answer nothing until the client gives up (or hold_seconds pass). The loop holds the
+        connection: a held request costs no worker."""
+        self.held = True
 
     # ------------------------------------------------------------------ dispatch
     def _dispatch(self, method: str) -> None:
@@ -1055,8 +1108,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_error(_BROKER_STATUS.get(err.condition, 400), err.description)
         except model.EntityConfigError as err:
             self._send_error(400, str(err))
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            self.close_connection = True  # TimeoutError: the body did not come within the request timeout
         except Exception:  # noqa: BLE001 - a bug must not take the server down
             _LOGGER.exception("admin API: %s %s failed", method, self.path.split("?", 1)[0])
             self.close_connection = True
@@ -1098,6 +1151,8 @@ class _Handler(BaseHTTPRequestHandler):
             _LOGGER.exception("admin API: control %s %s failed", method, path)
             self._send_json(500, {"error": f"{type(err).__name__}: {err}"})
             return
+        if method == "GET" and status == 200 and path.rstrip("/") == "/$emulator/stats":
+            answer = {**answer, "admin": self.server.admin.stats()}  # this port's connections, beside the namespace's
         self._send_json(status, answer)
 
     def _send_json(self, status: int, data: dict[str, Any]) -> None:

@@ -544,7 +544,9 @@ class NamespaceServer(Handler):
         - ``ops``: operations admitted and counted, throttled or not: messages sent (a batch of k: k), messages
           delivered to receivers, ``$management`` requests;
         - ``throttled``: sends and management requests refused with ``com.microsoft:server-busy`` by the throttle;
-        - ``limits``: the limits in force: ``max_connections``, ``max_receivers``, ``ops_per_second`` (null: off);
+        - ``limits``: the limits in force: ``max_connections``, ``max_receivers``, ``ops_per_second`` (null: off),
+          ``message_overhead`` (the bytes each stored message counts against its entity's size quota besides its
+          encoded size: what its copy costs in memory);
         - ``tokens_accepted``, ``tokens_renewed``: put-tokens accepted, and those that renewed one of the connection;
         - ``unauthenticated``: connections held now that have no accepted token yet; ``unauthenticated_closed``:
           connections closed without one (at ``auth_timeout``, or to give their slot to a new connection).
@@ -554,7 +556,8 @@ class NamespaceServer(Handler):
                 "connections_opened": self.connections_opened, "connections_refused": self.connections_refused,
                 "receivers_refused": self.receivers_refused, "ops": self.ops, "throttled": self.throttled,
                 "limits": {"max_connections": self.max_connections, "max_receivers": self.max_receivers,
-                           "ops_per_second": self.ops_per_second},
+                           "ops_per_second": self.ops_per_second,
+                           "message_overhead": self.broker.message_overhead if self.broker is not None else None},
                 "tokens_accepted": self.tokens_accepted, "tokens_renewed": self.tokens_renewed,
                 "unauthenticated": len(self._unauthenticated), "unauthenticated_closed": self.unauthenticated_closed}
 

@@ -98,7 +98,7 @@ class Incoming:
     filter_fields: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(slots=True)  # slots: 160 bytes a message instead of 216 (50,000 one-byte messages, Python 3.11)
 class Stored:
     """A message held by an entity (queue, subscription, or a dead-letter sub-queue)."""
 
@@ -441,6 +441,9 @@ class Broker:
         self.max_sql_filters = max_sql_filters
         self.evaluation_budget = evaluation_budget
         self.name = name
+        #: what a stored message costs in memory besides its encoded bytes, counted against max_size_in_megabytes
+        #: (the store's :attr:`~spark_sb.emulator.store.Store.message_overhead`)
+        self.message_overhead: int = getattr(store, "message_overhead", limits.STORED_MESSAGE_OVERHEAD)
         self._store = store
         self._clock = clock
         self._max_message_size = max_message_size
@@ -1055,16 +1058,26 @@ class Broker:
                 batch_ids[mid] = seq
                 new_history.append((canon, mid, seq, now))
         if new_bytes:
+            # each message is counted at what it costs here: its encoded bytes (what the service counts) and the
+            # memory of its copy in each queue or subscription, so a quota bounds the process's memory (one-byte
+            # messages counted at their 62 encoded bytes cost ~13 times that)
             max_bytes = spec.max_size_in_megabytes * _MIB
+            overhead = self.message_overhead
             if spec.kind == QUEUE:
-                current = self._boxes[canon].size + self._boxes[canon + DLQ_SUFFIX].size
+                box, dlq = self._boxes[canon], self._boxes[canon + DLQ_SUFFIX]
+                current = box.size + dlq.size + (len(box.msgs) + len(dlq.msgs)) * overhead
             else:
-                current = self._topic_size[canon]
-            if current + new_bytes > max_bytes:
+                held = sum(len(self._boxes[p].msgs) + len(self._boxes[p + DLQ_SUFFIX].msgs)
+                           for p in self._subscriptions[canon].values())
+                current = self._topic_size[canon] + held * overhead
+            cost = new_bytes + len(accepted) * overhead
+            if current + cost > max_bytes:
                 raise BrokerError(
                     Cond.QUOTA,
                     f"The maximum entity size has been reached or exceeded for '{canon}'. Size of entity in bytes: "
-                    f"{current}, max entity size in bytes: {max_bytes}, size of the messages sent: {new_bytes}.",
+                    f"{current}, max entity size in bytes: {max_bytes}, size of the messages sent: {cost} (the "
+                    f"emulator counts each stored message at its encoded size plus the {overhead} bytes of memory "
+                    f"its copy costs).",
                 )
         if seq == first:
             return results  # only duplicates

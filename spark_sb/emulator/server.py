@@ -39,6 +39,7 @@ from . import aad as _aad
 from . import limits as _limits
 from . import model
 from . import relay as _relay
+from ._http_loop import AdminLimits
 from .amqp import (
     DEFAULT_AUTH_TIMEOUT,
     DEFAULT_HANDSHAKE_TIMEOUT,
@@ -337,6 +338,9 @@ class Emulator:
     ``open`` to its first accepted put-token before the namespace closes it with ``amqp:unauthorized-access``
     (default 10 s; the SDKs put their token at once); 0: off, for each. A namespace whose AMQP server fails
     closes its port and shows in :attr:`failures`.
+
+    ``admin_limits``: how every namespace's admin port bounds its clients (:class:`AdminLimits`: its request and
+    idle timeouts, its workers, its caps on connections in all and per client address); default: ``AdminLimits()``.
     """
 
     def __init__(
@@ -355,6 +359,7 @@ class Emulator:
         allowed_origins: Sequence[str] = (),
         entra_id: bool = False,
         auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
+        admin_limits: AdminLimits | None = None,
     ) -> None:
         names = [n.name for n in namespaces]
         if not entra_id:  # Entra ID is asked for, never implied: its development secrets are public
@@ -368,6 +373,7 @@ class Emulator:
         self.handshake_timeout = handshake_timeout
         self.auth_timeout = auth_timeout
         self.idle_timeout = idle_timeout
+        self.admin_limits = admin_limits or AdminLimits()
         if len(set(names)) != len(names):
             raise ValueError(f"namespace names must be distinct, got {names}")
         self.options = list(namespaces)
@@ -509,6 +515,7 @@ class Emulator:
                     fault=_fault_reader(server), control=_control(server), namespace_port=server.port,
                     other_ports=functools.partial(self._ports_of, opt.name),
                     authority=self.authority, allowed_hosts=[o.host for o in self.options],
+                    limits=self.admin_limits,
                 )
                 admin.start()
                 self._admins[opt.name] = admin
@@ -839,9 +846,10 @@ class EmulatorProcess:
         idle_timeout: float | None = None,
         entra_id: bool = False,
         auth_timeout: float | None = None,
+        admin_limits: AdminLimits | None = None,
     ) -> EmulatorProcess:
         """``data_dir=None`` keeps messages in memory only; ``tls``, ``websockets``, ``entra_id`` (``--entra-id``),
-        ``handshake_timeout``, ``idle_timeout`` and ``auth_timeout`` as for :class:`Emulator` (None: its default); ``token_lifetime``:
+        ``handshake_timeout``, ``idle_timeout``, ``auth_timeout`` and ``admin_limits`` as for :class:`Emulator` (None: its default); ``token_lifetime``:
         seconds the Entra ID tokens it issues live (``--token-lifetime``, with ``entra_id`` only)."""
         if not entra_id:
             for what, value in (("authority_port", authority_port), ("token_lifetime", token_lifetime)):
@@ -866,6 +874,8 @@ class EmulatorProcess:
             args += ["--idle-timeout", f"{idle_timeout:g}s"]
         if auth_timeout is not None:
             args += ["--auth-timeout", f"{auth_timeout:g}s"]
+        if admin_limits is not None:
+            args += admin_limit_args(admin_limits)
         for n in namespaces:
             args += ["--namespace", n.spec()]
         if entities is not None:
@@ -940,6 +950,13 @@ class EmulatorProcess:
         self.stop()
 
 
+def admin_limit_args(limits: AdminLimits) -> list[str]:
+    """The ``spark-sb emulator start`` options that set ``limits``."""
+    return ["--admin-request-timeout", f"{limits.request_timeout:g}s", "--admin-idle-timeout",
+            f"{limits.idle_timeout:g}s", "--admin-workers", str(limits.workers), "--admin-max-connections",
+            str(limits.max_connections), "--admin-max-connections-per-client", str(limits.max_connections_per_client)]
+
+
 def run_foreground(
     namespaces: Sequence[NamespaceOptions],
     data_dir: str | Path | None,
@@ -957,6 +974,7 @@ def run_foreground(
     signing_key: str | None = None,
     identity_header: str | None = None,
     auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
+    admin_limits: AdminLimits | None = None,
 ) -> int:
     """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
     then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace, with WebSockets ``WS NAME <url>`` and
@@ -972,7 +990,8 @@ def run_foreground(
                               identity_header=identity_header or defaults.identity_header)
     emu = Emulator(namespaces, data_dir=data_dir, entities=entities, tls=tls, websockets=websockets, entra_id=entra_id,
                    authority_port=authority_port, aad=aad, handshake_timeout=handshake_timeout,
-                   idle_timeout=idle_timeout, allowed_origins=allowed_origins, auth_timeout=auth_timeout)
+                   idle_timeout=idle_timeout, allowed_origins=allowed_origins, auth_timeout=auth_timeout,
+                   admin_limits=admin_limits)
     emu.start()
     # a flag, not a threading.Event: the handler runs in the main thread between two bytecodes, and Event.set takes
     # the lock that the main thread's Event.wait holds (a SIGTERM there deadlocked the emulator for good)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import limits
 from .broker import DLQ_SUFFIX, Stored
 from .model import spec_from_stored, spec_to_dict
 
@@ -76,6 +77,10 @@ def _row(m: Stored) -> tuple[Any, ...]:
 
 class Store:
     """The interface the broker uses. Subclasses implement the ``_``-free methods below."""
+
+    #: what a stored message costs in memory besides its encoded bytes (the broker's indexes and its copy of the
+    #: message), counted against the entity's size quota (:data:`spark_sb.emulator.limits.STORED_MESSAGE_OVERHEAD`)
+    message_overhead = limits.STORED_MESSAGE_OVERHEAD
 
     def __init__(self) -> None:
         self._depth = 0
@@ -333,6 +338,8 @@ class SqliteStore(Store):
 
 class MemoryStore(Store):
     """The same interface over dicts; nothing is durable."""
+
+    message_overhead = limits.MEMORY_STORE_MESSAGE_OVERHEAD  # it keeps a copy of every message's row besides
 
     def __init__(self) -> None:
         super().__init__()

@@ -34,7 +34,7 @@ from azure.servicebus.management import (
 
 from spark_sb import admin
 from spark_sb.admin import EmulatorAdminTransport, admin_client, emulator_admin_endpoint
-from spark_sb.emulator import sas, store
+from spark_sb.emulator import AdminLimits, sas, store
 from spark_sb.emulator.admin_http import AdminServer, format_duration, parse_duration
 from spark_sb.emulator.broker import Broker, Incoming
 from spark_sb.emulator.model import MAX_TTL_SECONDS, QueueSpec
@@ -51,14 +51,14 @@ MAX_DAYS = 10675199
 class Namespace:
     """A broker on a one-thread executor (standing in for the reactor) and its admin server."""
 
-    def __init__(self, make_store: Any) -> None:
+    def __init__(self, make_store: Any, limits: AdminLimits | None = None) -> None:
         self.executor = ThreadPoolExecutor(max_workers=1)
         self.faults: dict[str | None, str] = {}
         self.controls: list[tuple[str, str, dict]] = []
         self.broker = self.call(lambda: Broker(make_store()))
         self.server = AdminServer(
             "127.0.0.1", 0, broker=self.broker, call=self.call, keys={KEY_NAME: KEY},
-            fault=self.faults.get, control=self.control,
+            fault=self.faults.get, control=self.control, limits=limits,
         )
         self.server.start()
         self.endpoint = f"http://127.0.0.1:{self.server.port}"
@@ -739,3 +739,90 @@ def test_the_admin_port_in_the_connection_string_is_this_namespace(primary: Any,
         with admin_client(conn, admin_endpoint=primary.admin_url, retry_total=0) as wrong:
             with pytest.raises(ClientAuthenticationError, match="InvalidAudience"):
                 wrong.get_namespace_properties()
+
+
+# --------------------------------------------------------------------------- the port's bounds (AdminLimits)
+
+LIMITED = AdminLimits(request_timeout=1.0, idle_timeout=30.0, workers=2, max_connections=8,
+                      max_connections_per_client=4)
+
+
+@pytest.fixture
+def limited() -> Any:
+    namespace = Namespace(store.MemoryStore, LIMITED)
+    yield namespace
+    namespace.close()
+
+
+def _open(ns: Namespace, source: str = "127.0.0.1", data: bytes = b"") -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", ns.server.port), timeout=10, source_address=(source, 0))
+    if data:
+        sock.sendall(data)
+    return sock
+
+
+def _closed(sock: socket.socket, within: float = 10.0) -> bytes | None:
+    """What the port sent before it closed ``sock`` (None: still open after ``within`` seconds)."""
+    sock.settimeout(within)
+    answer = b""
+    try:
+        while data := sock.recv(65536):
+            answer += data
+    except TimeoutError:
+        return None
+    except ConnectionResetError:
+        pass
+    return answer
+
+
+def _get(path: str) -> bytes:
+    token = sas.make_token("https://localhost:5672", KEY_NAME, KEY)
+    return f"GET {path}?api-version=2021-05 HTTP/1.1\r\nHost: localhost\r\nAuthorization: {token}\r\n\r\n".encode()
+
+
+def test_a_head_that_does_not_come_within_the_request_timeout_is_closed(limited: Namespace) -> None:
+    """A read waited 300 s for each line of a head; now a head has request_timeout (here 1 s) from its first byte,
+    and a new connection as long for its first byte."""
+    partial = _open(limited, data=b"GET /q?api-version=2021-05 HTTP/1.1\r\nHost: local")
+    silent = _open(limited)
+    for sock in (partial, silent):
+        with sock:
+            assert _closed(sock) == b""
+    stats = limited.server.stats()
+    assert stats["timed_out"] == 2 and stats["connections"] == 0
+
+
+def test_the_port_caps_connections_per_client_closing_the_oldest_waiting_and_refusing_when_all_are_served(
+        limited: Namespace) -> None:
+    """No cap held any number of connections, each a thread. A client address holds at most
+    max_connections_per_client (here 4): a fifth closes its oldest connection still waiting for a request; when all
+    four are being served (here: waiting on a blocked broker) the fifth is answered 503. Two workers serve them,
+    whatever the connections."""
+    limited.call(lambda: limited.broker.create_entity(QueueSpec(name="capped")))
+    waiting = [_open(limited, "127.0.0.2", b"GET /capped HTTP/1.1\r\n") for _ in range(4)]
+    newest = _open(limited, "127.0.0.2", b"GET /capped HTTP/1.1\r\n")
+    assert _closed(waiting[0]) == b""  # the oldest made room
+    # another address is not touched by 127.0.0.2's cap
+    with limited.client() as client:
+        assert client.get_queue("capped").name == "capped"
+    for sock in [*waiting, newest]:
+        sock.close()
+    gate = threading.Event()
+    limited.executor.submit(gate.wait, 30)  # the broker's thread is busy: every request waits on it
+    served = [_open(limited, "127.0.0.3", _get("/capped")) for _ in range(4)]
+    try:
+        deadline = time.monotonic() + 10
+        while limited.server.stats()["busy"] < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with _open(limited, "127.0.0.3", _get("/capped")) as refused:
+            answer = _closed(refused)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 503 "), answer
+        assert b"Connection: close" in answer
+        stats = limited.server.stats()
+        assert stats["workers"] == 2 and stats["connections_refused"] == 1 and stats["connections_evicted"] == 1
+    finally:
+        gate.set()
+    for sock in served:
+        with sock:
+            sock.settimeout(10)
+            assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import select
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
 
 from spark_sb import cli
-from spark_sb.emulator import Emulator, NamespaceOptions, admin_http, sas
+from spark_sb.admin import admin_client
+from spark_sb.emulator import AdminLimits, Emulator, EmulatorProcess, NamespaceOptions, admin_http, sas
 from spark_sb.emulator.model import QueueSpec
 from spark_sb.emulator.server import DEFAULT_KEY, DEFAULT_KEY_NAME, WEBSOCKET_PATH, send_control
 
@@ -333,3 +335,54 @@ def test_an_answer_leaves_in_one_write_so_a_kept_alive_request_waits_on_no_delay
             assert answer.startswith(b"HTTP/1.1 "), answer
             assert b"connection: close" not in answer.lower()  # kept alive
             assert writes == [len(answer)], f"{head.splitlines()[0]}: {len(writes)} writes {writes}"
+
+
+def test_a_slowloris_of_300_connections_holds_no_thread_and_the_sdk_still_answers(emu: Emulator) -> None:
+    """The admin port held a thread per connection, each read waiting up to 300 s: 300 slow clients (one header
+    byte a second, their heads never ending) held 307 threads. The loop now reads the heads without a thread, the
+    port holds at most max_connections_per_client (128) from one address, closing the oldest waiting one for a new
+    connection, so the SDK's admin client gets in and is answered at once, and the thread count stays flat."""
+    info, server = emu["surface"], emu.server("surface")
+    if "slowloris" not in send_control(info.admin_url, "entities")["entities"]:
+        server.call(lambda: server.broker.create_entity(QueueSpec(name="slowloris")))
+    before = threading.active_count()
+    peak, slow = before, []
+    try:
+        for _ in range(300):
+            sock = socket.create_connection(("127.0.0.1", info.admin_port), timeout=10)
+            sock.sendall(f"GET /slowloris?api-version=2021-05 HTTP/1.1\r\nHost: localhost:{info.admin_port}\r\n"
+                         "X-Slow: ".encode())
+            slow.append(sock)
+            peak = max(peak, threading.active_count())
+        with admin_client(info.connection_string, admin_endpoint=info.admin_url, retry_total=0) as client:
+            for _ in range(3):
+                for sock in slow:  # a header byte a second each
+                    try:
+                        sock.send(b"x")
+                    except OSError:  # closed by the port to make room
+                        pass
+                started = time.monotonic()
+                assert client.get_queue("slowloris").name == "slowloris"
+                assert time.monotonic() - started < 2.0
+                peak = max(peak, threading.active_count())
+                time.sleep(1.0)
+        stats = send_control(info.admin_url, "stats")
+    finally:
+        for sock in slow:
+            sock.close()
+    assert peak - before < 24, f"{peak - before} threads more during the slowloris"
+    admin = stats["admin"]
+    assert admin["connections"] <= admin["limits"]["max_connections_per_client"] == 128
+    assert admin["connections_evicted"] >= 300 - 128
+    assert admin["workers"] <= admin["limits"]["workers"]
+
+
+def test_the_admin_ports_bounds_are_options_of_the_emulator_process() -> None:
+    """spark-sb emulator start --admin-request-timeout, --admin-idle-timeout, --admin-workers,
+    --admin-max-connections and --admin-max-connections-per-client reach every admin port, shown in its stats."""
+    limits = AdminLimits(request_timeout=2.5, idle_timeout=0, workers=3, max_connections=40,
+                         max_connections_per_client=20)
+    with EmulatorProcess.start(data_dir=None, namespaces=[NamespaceOptions("bounded")], admin_limits=limits) as proc:
+        stats = send_control(proc["bounded"].admin_url, "stats")
+    assert stats["admin"]["limits"] == {"request_timeout": 2.5, "idle_timeout": 0, "workers": 3,
+                                        "max_connections": 40, "max_connections_per_client": 20}

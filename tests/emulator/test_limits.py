@@ -12,9 +12,11 @@ Small limits keep each test to seconds. What the SDK raises (azure-servicebus 7.
 
 from __future__ import annotations
 
+import gc
 import re
 import socket
 import time
+import tracemalloc
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from typing import Any
@@ -35,6 +37,7 @@ from azure.servicebus.exceptions import (
 
 from spark_sb import cli
 from spark_sb.emulator import Emulator, EmulatorProcess, NamespaceInfo, NamespaceOptions
+from spark_sb.emulator.model import QueueSpec
 from spark_sb.emulator.server import send_control
 
 ENTITIES = {"queues": [{"name": "orders"}, {"name": "other"}],
@@ -189,7 +192,8 @@ def test_a_burst_over_the_rate_gets_server_busy_with_the_seconds_to_wait(
             receiver.peek_messages(max_message_count=1)
     stats = _stats(info)
     assert (stats["ops"], stats["throttled"]) == (30, 2)
-    assert stats["limits"] == {"max_connections": 5000, "max_receivers": 5000, "ops_per_second": 5}
+    assert stats["limits"] == {"max_connections": 5000, "max_receivers": 5000, "ops_per_second": 5,
+                               "message_overhead": 800}  # the in-memory store's
 
 
 @pytest.mark.timeout(60)
@@ -286,8 +290,49 @@ def test_the_command_line_sets_each_namespaces_limits_and_the_stats_report_them(
     proc = EmulatorProcess.start(data_dir=None, namespaces=[
         NamespaceOptions("tight", max_connections=7, max_receivers=3, ops_per_second=250), NamespaceOptions("plain")])
     try:
-        assert _stats(proc["tight"])["limits"] == {"max_connections": 7, "max_receivers": 3, "ops_per_second": 250}
+        assert _stats(proc["tight"])["limits"] == {"max_connections": 7, "max_receivers": 3, "ops_per_second": 250,
+                                                   "message_overhead": 800}
         assert _stats(proc["plain"])["limits"] == {"max_connections": 5000, "max_receivers": 5000,
-                                                   "ops_per_second": None}
+                                                   "ops_per_second": None, "message_overhead": 800}
     finally:
         proc.stop()
+
+
+def test_one_byte_messages_meet_their_queues_quota_before_they_outgrow_it_in_memory() -> None:
+    """One-byte messages were counted against max-size at their 62 encoded bytes and cost ~13 times that in memory,
+    so a 1 GB queue could reach ~13 GB before its quota refused anything. Each stored message is now counted at its
+    encoded size plus what its copy costs the emulator: of 50,000 one-byte messages sent to a 4 MB queue, those
+    past its quota are refused, and the memory held grew by no more than the quota (or under 300 bytes a message)."""
+    quota_mb, total = 4, 50_000
+    with Emulator([NamespaceOptions("costly")]) as emu:  # the in-memory store: the costlier one
+        server = emu.server("costly")
+        server.call(lambda: server.broker.create_entity(QueueSpec(name="tiny", max_size_in_megabytes=quota_mb)))
+        with ServiceBusClient.from_connection_string(emu["costly"].connection_string) as client, \
+                client.get_queue_sender("tiny") as sender:
+            sender.send_messages(ServiceBusMessage(b"x"))  # the link and its first allocations, before measuring
+            gc.collect()
+            tracemalloc.start()
+            try:
+                base, sent = tracemalloc.get_traced_memory()[0], 1
+                refused: str | None = None
+                while sent < total and refused is None:
+                    batch, added = sender.create_message_batch(), 0
+                    while sent + added < total:
+                        try:
+                            batch.add_message(ServiceBusMessage(b"x"))
+                        except ValueError:  # the batch is full
+                            break
+                        added += 1
+                    try:
+                        sender.send_messages(batch)
+                        sent += added
+                    except ServiceBusQuotaExceededError as err:
+                        refused = str(err)
+                del batch  # the SDK's copy of the refused messages: not the emulator's
+                gc.collect()
+                grown = tracemalloc.get_traced_memory()[0] - base
+            finally:
+                tracemalloc.stop()
+    assert refused is not None, f"all {sent} one-byte messages were taken by a {quota_mb} MB queue"
+    assert "The maximum entity size has been reached or exceeded for 'tiny'" in refused
+    assert grown < max(300 * sent, 1.25 * quota_mb * 1024 * 1024), f"{grown} bytes for {sent} messages"
