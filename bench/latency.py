@@ -10,8 +10,8 @@ Rows:
 * **sink failed over, loopback / secondary 40 ms away**: the sink's partition run (``PartitionRun``, what each
   executor runs inside ``mapInArrow``; no Spark scheduling in the timing) with the primary down and its entity
   failed over, over the raw SDK's sequential batch send of the same messages to the backlog queue;
-* **sink healthy, primary 5 ms away**: the same run to a healthy primary, over the raw SDK's sequential send to
-  the primary entity;
+* **sink healthy, loopback / primary 5 ms away**: the same run to a healthy primary, over the raw SDK's sequential
+  send to the primary entity;
 * **syphon job, secondary 40 ms away**: ``jobs/syphon.py``'s query on a local Spark session moving messages
   parked over ten backlog queues (the default count) home, over bench/syphon.py's raw loop (receive a page, send
   it, complete each message: one round trip per message to the far secondary);
@@ -515,8 +515,9 @@ def main() -> int:
     emu = emulator(work, "near", 0.0, 0.0)
     try:
         plain = failed_over_row(emu, args)
-        emit("sink failed over, secondary on loopback", *plain, ">= 0.90")
+        emit("sink failed over, secondary on loopback", *plain, ">= 1.0")
         session_rows(emu, plain, "secondary on loopback")
+        emit("sink healthy, loopback", *healthy_row(emu, args), ">= 1.2")
         emit("sink healthy, loopback: one connection per entity (raw: a connection per send in flight)",
              *shared_connection_row(emu, args), ">= 1.0")
     finally:

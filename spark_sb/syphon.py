@@ -74,6 +74,7 @@ from typing import Any
 from azure.servicebus import ServiceBusMessage
 
 from . import messages as msgs
+from . import wire
 from .bus import Namespace, entity_key, shared, shared_namespace
 from .bus.deferred import complete_deferred, deferred_numbers, peek_deferred, peek_pages, receive_deferred
 from .config import SparkSbConfig, load_config
@@ -726,7 +727,8 @@ def _fits(batch: Any, item: tuple[Any, ServiceBusMessage], entity: str) -> bool:
     """Add the message to the batch; False when it does not fit; :class:`_BadMessage` when it cannot be
     encoded at all (the reason names the field the SDK cannot encode: :func:`messages.check_encodable`)."""
     try:
-        batch.add_message(item[1])
+        if not wire.append(batch, item[1]):  # a restored message's bytes as they are, when it carries them
+            batch.add_message(item[1])
     except Exception as exc:
         if is_too_large(exc):
             return False
