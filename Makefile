@@ -133,10 +133,12 @@ bench: $(VENV)/.installed
 	$(PY) bench/emulator_ingest.py
 	$(PY) bench/latency.py
 
-# the far-namespace and loopback rows of bench/latency.py in under two minutes: every change to the send path
-# (spark_sb/bus/, spark_sb/paired/, sink.py, writer.py) puts this table in its note beside the one before it
+# the far-namespace and loopback rows of bench/latency.py and the CPU per message of bench/cpu.py, in a few minutes:
+# every change to the send path (spark_sb/bus/, spark_sb/paired/, sink.py, writer.py, wire.py) puts these tables
+# in its note beside the ones before it
 bench-quick: $(VENV)/.installed
 	$(PY) bench/latency.py --quick
+	$(PY) bench/cpu.py --messages 3000
 
 chaos: $(VENV)/.installed
 	$(PY) bench/chaos.py

@@ -547,6 +547,9 @@ def _partition_sender(config: SparkSbConfig, fingerprint: str, batch_id: int, fa
     return send_partition
 
 
+_UNKNOWN = object()
+
+
 class PartitionRun:
     """Sends one partition's rows; yields the reject rows (when rejecting) and then one summary row."""
 
@@ -579,6 +582,8 @@ class PartitionRun:
         self.pending: dict[str, list[tuple[ServiceBusMessage, Any]]] = {}
         #: entity_key -> the entity as first spelled in the partition (its chunks, counts and summary use it)
         self.spelled: dict[str, str] = {}
+        #: entity -> why nothing can be sent to it (None: it can), as config.unsendable says, asked once each
+        self.problems: dict[str, Any] = {}
         #: chunks submitted and not yet accounted for, oldest first: (entity, items, future)
         self.in_flight: collections.deque[tuple[str, list[tuple[ServiceBusMessage, Any]], Future[Any]]] = \
             collections.deque()
@@ -645,7 +650,9 @@ class PartitionRun:
         if entity is None:
             self._reject(message_id, None, "no entity: the entity column is null and sink.entity is not set", body)
             return
-        problem = unsendable(entity)
+        problem = self.problems.get(entity, _UNKNOWN)
+        if problem is _UNKNOWN:
+            problem = self.problems[entity] = unsendable(entity)
         if problem is not None:
             self._reject(message_id, entity, f"the entity {problem}", body)
             return
@@ -836,9 +843,26 @@ def _properties(row: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
         if types is None:
             kwargs["application_properties"] = {str(k): _property_value(v) for k, v in _items(properties)}
         else:
-            kinds = {str(k): v for k, v in _items(types) if v is not None}
+            kinds = _kinds(types)
             kwargs["application_properties"] = {
                 str(k): msgs.property_value(str(k), v, kinds.get(str(k), "string")) for k, v in _items(properties)}
+
+
+_KINDS: dict[Any, dict[str, Any]] = {}  # a row's application_property_types (as pyarrow hands it over) as a dict
+
+
+def _kinds(types: Any) -> dict[str, Any]:
+    """``{property: type}`` of an ``application_property_types`` value, remembered: most rows of a job repeat one
+    (bounded: forgotten when full)."""
+    key = tuple(types) if isinstance(types, list) else None  # pyarrow's list of pairs; a Row's dict is not kept
+    kinds = _KINDS.get(key) if key is not None else None
+    if kinds is None:
+        kinds = {str(k): v for k, v in _items(types) if v is not None}
+        if key is not None:
+            if len(_KINDS) >= 256:
+                _KINDS.clear()
+            _KINDS[key] = kinds
+    return kinds
 
 
 def _items(value: Any) -> Iterable[tuple[Any, Any]]:

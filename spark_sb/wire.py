@@ -348,7 +348,18 @@ _checked: dict[str, bool] = {}
 
 def _appendable(batch: Any) -> bool:
     """Whether :func:`append` may write into ``batch``: the SDK has what it writes and no tracer is configured
-    (the SDK adds each message a span and its trace properties)."""
+    (the SDK adds each message a span and its trace properties); asked once per batch."""
+    known: bool | None = getattr(batch, "_spark_sb_appendable", None)
+    if known is None:
+        known = _check_appendable(batch)
+        try:
+            batch._spark_sb_appendable = known
+        except AttributeError:  # a batch without a __dict__: asked each time
+            pass
+    return known
+
+
+def _check_appendable(batch: Any) -> bool:
     from azure.core.settings import settings
 
     if settings.tracing_implementation() is not None:
