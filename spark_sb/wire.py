@@ -281,6 +281,12 @@ class EncodedMessage(ServiceBusMessage):
             self._materialize()
         return object.__getattribute__(self, name)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickled or copied: as fields while it carries its bytes (built again on use), else as the SDK's message
+        if self._encoded is not None:
+            return _lazy, (self._fields,)
+        return super().__reduce_ex__(protocol)
+
     @property
     def message_id(self) -> str | None:
         if self._encoded is not None:
@@ -316,6 +322,10 @@ class EncodedMessage(ServiceBusMessage):
 
 
 _MATERIALIZING = threading.RLock()
+
+
+def _lazy(fields: Fields) -> EncodedMessage:
+    return EncodedMessage(fields, _LATER)
 
 
 def _sdk_property(message: ServiceBusMessage, name: str) -> str | None:

@@ -5,9 +5,11 @@ Through the emulator, a sink partition sent with ``sink.encoder: fast`` and with
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
 import decimal
 import logging
+import pickle
 import types
 import uuid
 from collections.abc import Iterator
@@ -206,6 +208,16 @@ def test_a_message_changed_after_it_was_built_is_the_sdks() -> None:
     decoded = ServiceBusMessage(b"hello", message_id="id-1", subject="after", application_properties={"a": 1})
     decoded.application_properties[b"b"] = "two"
     assert sdk_bytes(message) == sdk_bytes(decoded)
+
+
+def test_a_pickled_or_copied_message_keeps_its_bytes_or_its_changes() -> None:
+    message = wire.encoded_message(b"hello", "id-1", subject="s", application_properties={"a": 1})
+    assert message is not None
+    for again in (pickle.loads(pickle.dumps(message)), copy.copy(message), copy.deepcopy(message)):
+        assert wire.is_encoded(again) and again.encoded == message.encoded
+    message.subject = "changed"
+    for again in (pickle.loads(pickle.dumps(message)), copy.copy(message)):
+        assert not wire.is_encoded(again) and again.subject == "changed" and sdk_bytes(again) == sdk_bytes(message)
 
 
 def test_what_it_does_not_cover_goes_through_the_sdk_and_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
