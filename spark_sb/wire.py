@@ -3,21 +3,25 @@
 azure-servicebus builds a ``ServiceBusMessage`` (an ``AmqpAnnotatedMessage`` and its sections), converts it to its
 wire ``Message`` and encodes it twice when a batch takes it (once to size it, once to add it), in pure Python: three
 quarters of the sink's CPU per message. :func:`encoded_message` builds what the sink sends (a data body, the
-message properties, a partition key, simple application properties) straight into the AMQP bytes of
+message properties, a partition key, a header's durable and priority, application properties of the types a
+row's can have) straight into the AMQP bytes of
 ``_pyamqp/_encode.py``'s ``encode_payload``, the same bytes (tests/test_wire.py compares them over generated
 messages), and returns an :class:`EncodedMessage`: a ``ServiceBusMessage`` that carries them, and becomes a full SDK
 message the first time anything but its ids is asked of it (the bytes are then dropped, and the SDK encodes it as
 any other). :func:`append` adds its bytes to a ``ServiceBusMessageBatch`` as ``add_message`` would, without
-encoding anything. What it does not cover (a TTL, a scheduled time, a value of another type, a string that is not
-UTF-8) it leaves to the SDK (``None``), as does :func:`append` when a tracer is configured or the batch lacks an
+encoding anything. What it does not cover (a TTL, a scheduled time, bytes or a string that are not UTF-8, a
+value of another type) it leaves to the SDK (``None``), as does :func:`append` when a tracer is configured or the batch lacks an
 internal it writes (:func:`missing_internals`; said once).
 """
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import logging
 import struct
 import threading
+import uuid
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -162,7 +166,18 @@ def _value(value: Any) -> bytes:
         except Exception:
             raise _Unsupported(f"a {value[TYPE]} property the SDK cannot encode") from None
         return bytes(out)
-    # bytes (the SDK sends them as a string), datetimes, UUIDs...: left to the SDK
+    if kind is bytes:  # the SDK sends bytes as a string (uamqp's habit)
+        try:
+            return _string(value.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise _Unsupported("a bytes property that is not UTF-8") from None
+    if isinstance(value, datetime.datetime | uuid.UUID | decimal.Decimal):
+        out = bytearray()  # a timestamp, a UUID, a decimal128: the SDK's own encoder writes it
+        try:
+            encode_value(out, value)
+        except Exception:
+            raise _Unsupported(f"a {kind.__name__} property the SDK cannot encode") from None
+        return bytes(out)
     raise _Unsupported(f"a {kind.__name__} property")
 
 
@@ -238,6 +253,23 @@ def encoded_message(body: bytes | str, message_id: str, *, session_id: str | Non
 _LATER: Any = object()  # an EncodedMessage's bytes, not built yet
 
 
+def _id_property(name: str) -> Any:
+    """An id of an :class:`EncodedMessage` (``message_id``, ``session_id``, ``partition_key``), read from its fields
+    while it carries its bytes (without building the SDK's message); set, it becomes the SDK's message first."""
+
+    def get(self: EncodedMessage) -> str | None:
+        if self._encoded is not None:
+            value: str | None = getattr(self._fields, name)
+            return value
+        return _sdk_property(self, name)
+
+    def set(self: EncodedMessage, value: str | None) -> None:
+        self._materialize()
+        vars(ServiceBusMessage)[name].fset(self, value)
+
+    return property(get, set, doc=vars(ServiceBusMessage)[name].__doc__)
+
+
 class EncodedMessage(ServiceBusMessage):
     """A ``ServiceBusMessage`` built by :func:`encoded_message`: it carries its bytes and its ids; the first use of
     anything else builds the SDK's message in it (``ServiceBusMessage(**fields)``) and drops the bytes, so that
@@ -287,38 +319,9 @@ class EncodedMessage(ServiceBusMessage):
             return _lazy, (self._fields,)
         return super().__reduce_ex__(protocol)
 
-    @property
-    def message_id(self) -> str | None:
-        if self._encoded is not None:
-            return self._fields.message_id
-        return _sdk_property(self, "message_id")
-
-    @message_id.setter
-    def message_id(self, value: str | None) -> None:
-        self._materialize()
-        vars(ServiceBusMessage)["message_id"].fset(self, value)
-
-    @property
-    def session_id(self) -> str | None:
-        if self._encoded is not None:
-            return self._fields.session_id
-        return _sdk_property(self, "session_id")
-
-    @session_id.setter
-    def session_id(self, value: str | None) -> None:
-        self._materialize()
-        vars(ServiceBusMessage)["session_id"].fset(self, value)
-
-    @property
-    def partition_key(self) -> str | None:
-        if self._encoded is not None:
-            return self._fields.partition_key
-        return _sdk_property(self, "partition_key")
-
-    @partition_key.setter
-    def partition_key(self, value: str | None) -> None:
-        self._materialize()
-        vars(ServiceBusMessage)["partition_key"].fset(self, value)
+    message_id = _id_property("message_id")
+    session_id = _id_property("session_id")
+    partition_key = _id_property("partition_key")
 
 
 _MATERIALIZING = threading.RLock()
