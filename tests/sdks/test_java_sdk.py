@@ -6,10 +6,12 @@ Java 17), under a file lock because xdist may start this module while another wo
 
 from __future__ import annotations
 
+import json
 import os
 import uuid
 from typing import Any
 
+import fast_path
 import harness
 import pytest
 
@@ -24,6 +26,9 @@ JAVA = ROOT / "tests" / "sdks" / "java"
 STAMP = "tests/sdks/java/target/.installed"
 RUN_TIMEOUT_S = 240
 
+#: fast_path.QUEUES' names -> the scenario python_fast_path's queues (its own, then its helpers)
+FAST_PATH_QUEUES = {"fast": "python_fast_path", "sdk": "python_fast_path_sdk",
+                    "fast_session": "python_fast_path_session", "sdk_session": "python_fast_path_session_sdk"}
 #: scenario -> the entity it uses (named <prefix><scenario with hyphens>), as Scenarios.java expects
 QUEUES: dict[str, dict[str, Any]] = {
     "send_receive_fields": {},
@@ -49,6 +54,9 @@ QUEUES: dict[str, dict[str, Any]] = {
     "ttl_expiry": {"dead_lettering_on_message_expiration": True},
     "outage_recovery": {},
     "close": {},
+    # what the Python sink sent with its fast encoder (python_fast_path) and with the SDK's (fast_path.py)
+    **{FAST_PATH_QUEUES[name]: {"requires_session": True} if session else {}
+       for name, session in fast_path.QUEUES.items()},
 }
 #: scenario -> its topic's subscriptions and each one's rule
 TOPICS: dict[str, dict[str, RuleSpec]] = {
@@ -60,7 +68,7 @@ TOPICS: dict[str, dict[str, RuleSpec]] = {
     "rule_manager": {"managed": RuleSpec()},
 }
 #: entities of a scenario, not scenarios; errors_busy carries an injected busy fault during the run
-HELPERS = {"errors_disabled", "errors_busy"}
+HELPERS = {"errors_disabled", "errors_busy", *list(FAST_PATH_QUEUES.values())[1:]}
 #: the administration scenario makes its own entities through the Java admin client
 SCENARIOS = [*(q for q in QUEUES if q not in HELPERS), *TOPICS, "administration"]
 
@@ -90,9 +98,11 @@ def java_results(emulator: Emulator) -> dict[str, Any]:
     _build()
     prefix = f"java-{uuid.uuid4().hex[:6]}-"
     _entities(emulator, prefix)
+    sent = fast_path.send(emulator, {name: prefix + scenario.replace("_", "-")
+                                     for name, scenario in FAST_PATH_QUEUES.items()})
     ns = emulator["primary"]
     env = dict(os.environ, SB_CONNECTION_STRING=ns.connection_string, SB_ENTITY_PREFIX=prefix,
-               SB_ADMIN_ENDPOINT=f"http://localhost:{ns.admin_port}")
+               SB_ADMIN_ENDPOINT=f"http://localhost:{ns.admin_port}", SB_FAST_PATH=json.dumps(sent))
     cmd = ["java", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp",
            f"{JAVA / 'target' / 'classes'}{os.pathsep}{JAVA / 'target' / 'dependency' / '*'}", "sparksb.Scenarios"]
     busy = prefix + "errors-busy"

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
+import fast_path
 import harness
 import pytest
 
@@ -24,6 +26,9 @@ JS = ROOT / "tests" / "sdks" / "js"
 STAMP = "tests/sdks/js/node_modules/.installed"
 RUN_TIMEOUT_S = 180
 
+#: fast_path.QUEUES' names -> this module's queues for them
+FAST_PATH_QUEUES = {"fast": "python_fast_path", "sdk": "python_fast_path_sdk",
+                    "fast_session": "python_fast_path_session", "sdk_session": "python_fast_path_session_sdk"}
 #: the queues this module creates: scenario (or SB_ENTITIES key) -> QueueSpec properties
 QUEUES: dict[str, dict[str, Any]] = {
     "fields": {"requires_session": True},
@@ -44,13 +49,16 @@ QUEUES: dict[str, dict[str, Any]] = {
     "iterator": {},
     "session_subscribe": {"requires_session": True},
     "close": {},
+    # what the Python sink sent with its fast encoder and with the SDK's (python_fast_path; fast_path.py)
+    **{FAST_PATH_QUEUES[name]: {"requires_session": True} if session else {}
+       for name, session in fast_path.QUEUES.items()},
 }
 #: every scenario of scenarios.mjs, in its order; close_shared is the close of the client all the others used
 SCENARIOS = [
     "message_fields", "message_without_id", "batch", "peek", "defer", "dead_letter", "abandon", "max_delivery",
     "receive_and_delete", "schedule", "sessions", "topic_filters", "duplicate_detection", "lock_renewal",
     "size_limit", "subscribe", "session_subscribe", "rule_manager", "expiry", "lock_lost", "body_types", "iterator",
-    "not_found", "close", "close_shared",
+    "not_found", "close", "python_fast_path", "close_shared",
 ]
 
 
@@ -65,9 +73,11 @@ def _create(emulator: Emulator, spec: Any) -> None:
     server.call(lambda: server.broker.create_entity(spec))
 
 
-def run_scenarios(emulator: Emulator, **extra_env: str) -> dict[str, Any]:
-    """Create the queues on ``emulator``'s primary and run scenarios.mjs once against it (``extra_env``: more of
-    its input, such as SB_WEBSOCKET); its JSON lines by scenario, its exit and its stderr."""
+def run_scenarios(emulator: Emulator, scenarios: Sequence[str] = SCENARIOS, **extra_env: str) -> dict[str, Any]:
+    """Create the queues on ``emulator``'s primary, send python_fast_path's messages there through the Python
+    sink when it is one of ``scenarios`` (``emulator`` has a secondary then: the sink's configuration pairs them)
+    and run those of scenarios.mjs once against it (``extra_env``: more of its input, such as SB_WEBSOCKET); its
+    JSON lines by scenario, its exit and its stderr."""
     _install()
     prefix = f"js-{uuid.uuid4().hex[:6]}"
     names: dict[str, str] = {"prefix": prefix}
@@ -76,7 +86,10 @@ def run_scenarios(emulator: Emulator, **extra_env: str) -> dict[str, Any]:
         _create(emulator, QueueSpec(name=names[key], **props))
     ns = emulator["primary"]
     env = dict(os.environ, SB_CONNECTION_STRING=ns.connection_string, SB_ADMIN_PORT=str(ns.admin_port),
-               SB_ENTITIES=json.dumps(names), **extra_env)
+               SB_ENTITIES=json.dumps(names), SB_SCENARIOS=",".join(scenarios), **extra_env)
+    if "python_fast_path" in scenarios:
+        env["SB_FAST_PATH"] = json.dumps(fast_path.send(emulator, {name: names[key]
+                                                                   for name, key in FAST_PATH_QUEUES.items()}))
     return harness.run(["node", "scenarios.mjs"], cwd=JS, env=env, timeout=RUN_TIMEOUT_S)
 
 

@@ -134,6 +134,7 @@ public final class Scenarios {
         all.put("outage_recovery", s::outageRecovery);
         all.put("ttl_expiry", s::ttlExpiry);
         all.put("close", s::close);
+        all.put("python_fast_path", s::pythonFastPath);
         List<String> names = args.length > 0 ? Arrays.asList(args) : new ArrayList<>(all.keySet());
         ExecutorService pool = Executors.newCachedThreadPool(r -> {
             Thread t = new Thread(r);
@@ -1209,5 +1210,169 @@ public final class Scenarios {
         }
         return "close times (s): " + times.entrySet().stream()
             .map(e -> String.format("%s %.2f", e.getKey(), e.getValue())).collect(Collectors.joining(", "));
+    }
+
+    // ------------------------------------------------------------------ the Python sink's fast path (issue 50)
+
+    /** The class name each AMQP type of application property arrives as through this SDK (proton-j's types). */
+    private static final Map<String, String> JAVA_TYPES = Map.ofEntries(
+        Map.entry("string", "String"), Map.entry("symbol", "Symbol"), Map.entry("binary", "Binary"),
+        Map.entry("boolean", "Boolean"), Map.entry("byte", "Byte"), Map.entry("short", "Short"),
+        Map.entry("int", "Integer"), Map.entry("long", "Long"), Map.entry("ubyte", "UnsignedByte"),
+        Map.entry("ushort", "UnsignedShort"), Map.entry("uint", "UnsignedInteger"),
+        Map.entry("ulong", "UnsignedLong"), Map.entry("float", "Float"), Map.entry("double", "Double"),
+        Map.entry("timestamp", "Date"), Map.entry("uuid", "UUID"), Map.entry("decimal128", "Decimal128"));
+
+    /** The message annotations the broker sets on a delivery (the lock's on a peek-locked one only), not the sender. */
+    private static final Set<String> BROKER_ANNOTATIONS = Set.of("x-opt-enqueued-time", "x-opt-sequence-number",
+        "x-opt-enqueue-sequence-number", "x-opt-locked-until", "x-opt-lock-token", "x-opt-message-state");
+
+    /** A property value as text: what the row held (a Date's milliseconds, a Binary's base64). */
+    private static String canon(Object v) {
+        if (v == null) {
+            return null;
+        }
+        if (v instanceof org.apache.qpid.proton.amqp.Binary) {
+            org.apache.qpid.proton.amqp.Binary bin = (org.apache.qpid.proton.amqp.Binary) v;
+            return java.util.Base64.getEncoder().encodeToString(
+                Arrays.copyOfRange(bin.getArray(), bin.getArrayOffset(), bin.getArrayOffset() + bin.getLength()));
+        }
+        if (v instanceof java.util.Date) {
+            return String.valueOf(((java.util.Date) v).getTime());
+        }
+        if (v instanceof org.apache.qpid.proton.amqp.Decimal128) {
+            org.apache.qpid.proton.amqp.Decimal128 d = (org.apache.qpid.proton.amqp.Decimal128) v;
+            return "decimal128:" + d.getMostSignificantBits() + ":" + d.getLeastSignificantBits();
+        }
+        return v.toString();
+    }
+
+    private static String typeName(Object v) {
+        return v == null ? "null" : v.getClass().getSimpleName();
+    }
+
+    /** Everything this SDK tells of a received message but what the broker sets (times, sequence numbers, locks). */
+    private static Map<String, Object> fieldsOf(ServiceBusReceivedMessage m) {
+        Map<String, Object> d = new java.util.TreeMap<>();
+        d.put("body", java.util.Base64.getEncoder().encodeToString(m.getBody().toBytes()));
+        d.put("bodyType", String.valueOf(m.getRawAmqpMessage().getBody().getBodyType()));
+        d.put("message_id", m.getMessageId());
+        d.put("session_id", m.getSessionId());
+        d.put("partition_key", m.getPartitionKey());
+        d.put("subject", m.getSubject());
+        d.put("content_type", m.getContentType());
+        d.put("correlation_id", m.getCorrelationId());
+        d.put("to", m.getTo());
+        d.put("reply_to", m.getReplyTo());
+        d.put("reply_to_session_id", m.getReplyToSessionId());
+        d.put("time_to_live", String.valueOf(m.getTimeToLive()));
+        d.put("scheduled_enqueue_time", String.valueOf(m.getScheduledEnqueueTime()));
+        com.azure.core.amqp.models.AmqpMessageHeader h = m.getRawAmqpMessage().getHeader();
+        d.put("header", h == null ? null : Arrays.asList(h.isDurable(), h.getPriority(), h.isFirstAcquirer(),
+            String.valueOf(h.getTimeToLive())));
+        com.azure.core.amqp.models.AmqpMessageProperties p = m.getRawAmqpMessage().getProperties();
+        d.put("amqp_properties", p == null ? null : Arrays.asList(
+            p.getUserId() == null ? null : Arrays.toString(p.getUserId()), String.valueOf(p.getContentEncoding()),
+            String.valueOf(p.getGroupSequence()), String.valueOf(p.getCreationTime()),
+            String.valueOf(p.getAbsoluteExpiryTime())));
+        java.util.TreeSet<String> annotations = new java.util.TreeSet<>(m.getRawAmqpMessage().getMessageAnnotations()
+            .keySet());
+        annotations.removeAll(BROKER_ANNOTATIONS);
+        d.put("annotation_names", annotations);
+        d.put("application_property_order", new ArrayList<>(m.getApplicationProperties().keySet()));
+        Map<String, String> props = new java.util.TreeMap<>();
+        for (Map.Entry<String, Object> e : m.getApplicationProperties().entrySet()) {
+            props.put(e.getKey(), typeName(e.getValue()) + " " + canon(e.getValue()));
+        }
+        d.put("application_properties", props);
+        return d;
+    }
+
+    /** The messages of a queue (a session's, when {@code sessionId} is set), received and deleted. */
+    private List<ServiceBusReceivedMessage> receiveAll(String queue, String sessionId, int n) {
+        ServiceBusClientBuilder b = builder();
+        if (sessionId == null) {
+            try (ServiceBusReceiverClient r = b.receiver().queueName(queue)
+                     .receiveMode(ServiceBusReceiveMode.RECEIVE_AND_DELETE).buildClient()) {
+                return receiveExactly(r, n);
+            }
+        }
+        try (ServiceBusSessionReceiverClient sessions = b.sessionReceiver().queueName(queue)
+                 .receiveMode(ServiceBusReceiveMode.RECEIVE_AND_DELETE).buildClient();
+             ServiceBusReceiverClient r = sessions.acceptSession(sessionId)) {
+            return receiveExactly(r, n);
+        }
+    }
+
+    /**
+     * Messages the Python sink sent with its fast encoder (spark_sb.wire), received here: every field and each
+     * application property's value and Java type as the row gave them, and the same as what the sink sent with the
+     * SDK's encoder (sink.encoder: sdk) to the other queues. The rows and the queues: SB_FAST_PATH, made by
+     * tests/sdks/fast_path.py.
+     */
+    @SuppressWarnings("unchecked")
+    String pythonFastPath() throws Exception {
+        String spec = System.getenv("SB_FAST_PATH");
+        check(spec != null, "SB_FAST_PATH is not set");
+        Map<String, Object> input = new com.fasterxml.jackson.databind.ObjectMapper().readValue(spec, Map.class);
+        Map<String, String> queues = (Map<String, String>) input.get("queues");
+        String sessionId = (String) input.get("session_id");
+        List<Map<String, Object>> rows = (List<Map<String, Object>>) input.get("messages");
+        Map<String, Map<String, Object>> described = new LinkedHashMap<>();
+        int properties = 0;
+        for (boolean session : new boolean[] {false, true}) {
+            List<Map<String, Object>> expected = rows.stream().filter(row -> session == (Boolean) row.get("session"))
+                .collect(Collectors.toList());
+            List<String> ids = expected.stream().map(row -> (String) row.get("message_id"))
+                .collect(Collectors.toList());
+            Map<String, List<ServiceBusReceivedMessage>> got = new LinkedHashMap<>();
+            for (String encoder : new String[] {"fast", "sdk"}) {
+                String queue = queues.get(session ? encoder + "_session" : encoder);
+                List<ServiceBusReceivedMessage> messages = receiveAll(queue, session ? sessionId : null, ids.size());
+                equal(ids, messages.stream().map(ServiceBusReceivedMessage::getMessageId).collect(Collectors.toList()),
+                    "the message ids in " + queue + " (" + encoder + " encoder), in order");
+                got.put(encoder, messages);
+            }
+            for (int i = 0; i < expected.size(); i++) {
+                Map<String, Object> row = expected.get(i);
+                String id = (String) row.get("message_id");
+                Map<String, Object> fast = fieldsOf(got.get("fast").get(i));
+                Map<String, Object> sdk = fieldsOf(got.get("sdk").get(i));
+                for (String key : sdk.keySet()) {
+                    equal(sdk.get(key), fast.get(key),
+                        id + ": " + key + " sent by the fast encoder (against the SDK's)");
+                }
+                ServiceBusReceivedMessage m = got.get("fast").get(i);
+                equal((String) row.get("body_b64"), (String) fast.get("body"), id + ": body (base64)");
+                equal("DATA", (String) fast.get("bodyType"), id + ": body type");
+                for (String field : new String[] {"subject", "content_type", "correlation_id", "to", "reply_to",
+                    "partition_key", "session_id"}) {
+                    equal(row.get(field), fast.get(field), id + ": " + field);
+                }
+                equal(null, fast.get("reply_to_session_id"), id + ": reply_to_session_id");
+                Map<String, List<String>> props = (Map<String, List<String>>) row.get("properties");
+                equal(new HashSet<>(props.keySet()), new HashSet<>(m.getApplicationProperties().keySet()),
+                    id + ": application property names");
+                for (Map.Entry<String, List<String>> e : props.entrySet()) {
+                    String amqpType = e.getValue().get(0);
+                    String text = e.getValue().get(1);
+                    Object v = m.getApplicationProperties().get(e.getKey());
+                    String what = id + ": application property " + e.getKey() + " (" + amqpType + ")";
+                    if (text == null) {
+                        equal(null, v, what);
+                        continue;
+                    }
+                    equal(JAVA_TYPES.get(amqpType), typeName(v), what + ": its Java type");
+                    if (!amqpType.equals("decimal128")) {
+                        equal(text, canon(v), what + ": its value");
+                    }
+                    properties++;
+                }
+                described.put(id, fast);
+            }
+        }
+        return String.format("%d messages (%d application property values) sent by the fast encoder: every field, "
+            + "each property's value and Java type as the row gave them, and the same as the SDK encoder's",
+            described.size(), properties);
     }
 }
