@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -56,8 +57,8 @@ _TYPED: dict[str, tuple[str, str | None]] = {
     "t": ("timestamp", "1704164645123"),
     "nothing": ("string", None),
 }
-#: types the fast path leaves to the SDK (the row falls back by itself): sent and compared between the queues
-_FALLBACK: dict[str, tuple[str, str | None]] = {
+#: types whose bytes the SDK's own value encoder writes inside the fast path (spark_sb.wire hands it the value)
+_SDK_VALUES: dict[str, tuple[str, str | None]] = {
     "u": ("uuid", "6f1c2a9e-2b4d-4c4e-9a61-0d3f5e7b8c90"),
     "dec": ("decimal128", "12.5"),
 }
@@ -89,9 +90,11 @@ ROWS: list[dict[str, Any]] = [
     _row("fp-session", b"in a session", {"i": ("int", "3"), "t": ("timestamp", "0")}, session_id="fp-s",
          partition_key="fp-s", subject="session subject"),
     _row("fp-session-2", "second in the session", None, session_id="fp-s", reply_to="r"),
-    _row("fp-fallback", b"left to the SDK", {**_FALLBACK, "i": ("int", "9")}, subject="fallback"),
+    _row("fp-sdk-values", b"uuid and decimal", {**_SDK_VALUES, "i": ("int", "9")}, subject="sdk values"),
+    {**_row("fp-fallback", b"left to the SDK", {"i": ("int", "9")}, subject="fallback"),
+     "scheduled_enqueue_time": datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)},
 ]
-#: the rows the fast path leaves to the SDK (a property type it does not encode itself)
+#: the rows the fast path leaves to the SDK (a scheduled enqueue time; one in the past is enqueued at once)
 FALLBACK_IDS = {"fp-fallback"}
 
 
