@@ -430,9 +430,11 @@ _NOT_FOUND_STATUS = 404
 _SETTLED_AFTER_SHUTDOWN = re.compile(r"^Failed to [a-z -]+ the message as the handler has already been shutdown")
 
 
-def _causes(exc: BaseException) -> Iterator[BaseException]:
+def _causes(exc: BaseException, *, implicit: bool = True) -> Iterator[BaseException]:
     """``exc`` and every exception reachable through ``inner_exception`` (where azure-core keeps the cause the
-    SDK attaches), ``__cause__``, and ``__context__`` unless suppressed (``raise ... from None``)."""
+    SDK attaches), ``__cause__``, and ``__context__`` unless suppressed (``raise ... from None``) or ``implicit``
+    is False: an exception raised while another was being handled carries it as its context, whatever they have
+    to do with each other (a send that timed out in the handler of a ping's refusal is no refused message)."""
     seen: set[int] = set()
     stack = [exc]
     while stack and len(seen) < 32:
@@ -441,7 +443,7 @@ def _causes(exc: BaseException) -> Iterator[BaseException]:
             continue
         seen.add(id(current))
         yield current
-        context = None if current.__suppress_context__ else current.__context__
+        context = None if current.__suppress_context__ or not implicit else current.__context__
         for linked in (getattr(current, "inner_exception", None), current.__cause__, context):
             if isinstance(linked, BaseException):
                 stack.append(linked)
@@ -547,7 +549,7 @@ def classify(exc: BaseException) -> ErrorClass:
         # status codes are not evidence here: a management request over quota also answers 403
         if _credential_rejected(exc, by_status=False):
             return ErrorClass.CONFIGURATION_CREDENTIAL
-        if any(_condition(e) in _MESSAGE_REJECTING_CONDITIONS for e in _causes(exc)):
+        if any(_condition(e) in _MESSAGE_REJECTING_CONDITIONS for e in _causes(exc, implicit=False)):
             return ErrorClass.BAD_MESSAGE
         return ErrorClass.OUTAGE
     if isinstance(exc, ClientAuthenticationError):

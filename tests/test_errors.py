@@ -333,6 +333,27 @@ def test_a_refusal_for_a_missing_session_id_is_told_apart() -> None:
     assert not needs_session(ValueError("sessionid"))  # not an answer of the service
 
 
+def test_a_timeout_raised_while_a_refusal_was_handled_is_an_outage_not_a_bad_message() -> None:
+    """The soak's lost messages (issue 48): the syphon pinged a session queue (refused: no session id, which
+    counts as reachable), then its send timed out inside that handler; the refusal was the timeout's context, and
+    the messages were dead-lettered as refused by their destination."""
+    refused = _schedule_refused("The SessionId was not set on message 'p', and it cannot be sent to 'orders'")
+    timed_out = OperationTimeoutError(message="Send operation timed out")
+    try:
+        try:
+            raise refused
+        except ServiceBusError:
+            raise timed_out  # noqa: B904 - the implicit chaining under test
+    except OperationTimeoutError as raised:
+        assert raised.__context__ is refused
+        assert classify(raised) is ErrorClass.OUTAGE
+    assert classify(ServiceBusError("wrapped", error=refused)) is ErrorClass.BAD_MESSAGE  # a cause the SDK attaches
+    try:
+        raise ServiceBusError("refused") from refused
+    except ServiceBusError as explicit:
+        assert classify(explicit) is ErrorClass.BAD_MESSAGE
+
+
 def test_an_entity_that_already_exists_is_told_apart() -> None:
     assert already_exists(ResourceExistsError("Queue 'contoso/x-servicebus-transfer/0' already exists"))
     assert not already_exists(_http_error(409))

@@ -303,6 +303,28 @@ def test_a_restored_message_the_destination_refuses_is_dead_lettered_with_its_re
     assert _peek(secondary.connection_string, queue) == []
 
 
+def test_session_messages_whose_sends_time_out_are_left_not_dead_lettered(
+    emulator, config, primary, secondary, make_queue
+) -> None:
+    """The session soak's 3 lost and 2 out-of-order messages (issue 48): the ping of a session queue is refused
+    for want of a session id (which says the entity is there), and the sends that then timed out (acknowledgements
+    lost) carried that refusal as their context, so they were taken for refused messages and dead-lettered (the
+    ones the service had in fact stored arrived out of order, the others were lost)."""
+    sessions = make_queue(requires_session=True)
+    queue = config["backlog_queue"]
+    _to_backlog(secondary, queue, [messages.to_backlog(
+        ServiceBusMessage(f"m{i}", message_id=f"m{i}", session_id=f"s{i % 2}"), sessions) for i in range(4)])
+    numbers = _defer_all(secondary, queue, 4)
+    cfg = _syphon_config(config)
+    cfg["send_availability"] = {**cfg["send_availability"], "primary_try_timeout": "2s"}
+    emulator.fault("primary", "ack-lost", entity=sessions)
+    try:
+        outcomes = republish_deferred(load_config(cfg), {queue: numbers})
+    finally:
+        emulator.heal("primary", entity=sessions)
+    assert {(o.message_id, o.outcome) for o in outcomes} == {(f"m{i}", "left") for i in range(4)}
+
+
 def test_settling_carries_on_through_a_secondary_that_stops_answering_for_a_few_seconds(
     emulator, config, primary, secondary, make_queue
 ) -> None:
