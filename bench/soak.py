@@ -49,8 +49,16 @@ beside their logs.
 steady input, two healthy minutes, then the drain. It reports the sink's batch durations healthy and failed
 over (from the writer's log) and how long the syphon took to bring the backlog home, at what rate.
 
-Exit code: 1 when anything was lost or (``--sessions``) a session is out of order on the primary, 2 when nothing was lost but a queue with duplicate detection (or the
-deduplicated read) holds a duplicate or a mode did not drain in time, else 0.
+``--sessions`` also reports every batch a session send held (``send_availability.session_order: strict``: the
+backlog could neither say whether the session had messages parked nor take its messages, so the batch failed
+and was replayed), from the writer's log (the error ends the writer's run; its time is that of the run's
+``batch N failed`` line): when, the primary's faults in force meanwhile (a killed emulator until it was up again),
+whether the watcher saw a message of the held sessions parked then, and how many were held while the primary was
+healthy and nothing of their sessions was parked (``held while healthy``).
+
+Exit code: 1 when anything was lost or (``--sessions``) a session is out of order on the primary or a batch was
+held while the primary was healthy and nothing of its sessions was parked, 2 when nothing was lost but a queue
+with duplicate detection (or the deduplicated read) holds a duplicate or a mode did not drain in time, else 0.
 """
 
 from __future__ import annotations
@@ -149,6 +157,10 @@ class Result:
     out_of_order: dict[str, int] = field(default_factory=dict)
     sessions_out: dict[str, int] = field(default_factory=dict)
     events: list[tuple[float, str, dict]] = field(default_factory=list)  # (wall time, kind, detail): the faults
+    # --sessions: batches a session send held (strict), and of them those held while the primary was healthy and
+    # nothing of their sessions was parked
+    held: int = 0
+    held_healthy: int = 0
 
 
 class World:
@@ -167,6 +179,8 @@ class World:
                                                 entra_id=self.entra)
                     for side in SIDES}
         self.emu_lock = {side: threading.Lock() for side in SIDES}
+        #: each emulator killed: (side, wall time killed, wall time back up or healed)
+        self.down_spells: list[tuple[str, float, float]] = []
         self.source = work / "source"
         self.source.mkdir()
         self.files: list[str] = []  # the input files, in order
@@ -270,6 +284,7 @@ class World:
             return False  # already down
 
         def run() -> None:
+            killed = time.time()
             try:
                 self.emu[side].kill()
                 time.sleep(down_for)
@@ -277,6 +292,7 @@ class World:
             except Exception as err:
                 say(f"  {side} emulator restart failed: {_first_line(err)}")
             finally:
+                self.down_spells.append((side, killed, time.time()))
                 self.emu_lock[side].release()
 
         threading.Thread(target=run, daemon=True, name=f"soak-kill-{side}").start()
@@ -499,6 +515,7 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
             result.notes += token_notes(world)
         count(world, result)
         if world.sessions:
+            held_batches(world, result, watcher)
             check_order(world, result, watcher)
         if marks is not None:
             result.notes += outage_report(world, marks, depth)
@@ -576,6 +593,7 @@ class BacklogWatcher:
     def __init__(self, world: World) -> None:
         self.world = world
         self.seen: dict[tuple[str, str], Parked] = {}  # (entity, message id) -> where and when
+        self.looked: dict[str, list[float]] = collections.defaultdict(list)  # queue -> wall times of its peeks
         self.halt = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="soak-backlog-watcher")
 
@@ -591,6 +609,7 @@ class BacklogWatcher:
                 except Exception:
                     continue  # the secondary down or restarting: nothing seen this time
                 now = time.time()
+                self.looked[queue].append(now)
                 for m in found:
                     entity, _ = messages.parked_session(m)
                     key = (entity or "?", str(m.message_id))
@@ -738,6 +757,69 @@ def _describe_run(run: list[tuple[int, int, Any, Any]], queue: str, watcher: Bac
             f"{'seen parked in ' + h_parked.queue if h_parked else 'not seen parked'}); on the primary at "
             f"{clock(h_at)} (seq {h_seq}) and {clock(l_at)} (seq {seqs[0]}); faults active at {clock(h_at)}: "
             f"{'; '.join(faults) or 'none'}; {verdict}")
+
+
+#: the writer's log: a line's time, and the error a session send held in strict mode fails its batch with
+_LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) ")
+_HELD = re.compile(r"for entity '([^']+)'.*the backlog can neither say whether session\(s\) (.*?) have messages "
+                   r"parked nor take their (\d+) message")
+_LONGEST_BATCH = 60.0  # seconds: a held batch is taken to have started at most this long before it failed
+
+
+def held_batches(world: World, result: Result, watcher: BacklogWatcher) -> None:
+    """``--sessions``: the batches a session send held (``session_order: strict``: the backlog could neither say
+    whether the session had messages parked nor take them), from the writer's log: a held send fails its batch
+    and the query, so a run of the writer ends on the error, and its time is that of the run's ``batch N failed``
+    line; the batch ran from the line before it. For each: the primary's faults in force meanwhile (a killed
+    emulator until it was up again) and whether the watcher saw a message of the held sessions parked (at any
+    time between the watcher's peek before it was first seen and the one after it was last seen). A batch held
+    while the primary was healthy and nothing of its sessions was parked is counted in ``held_healthy``."""
+    start = min((t for t, _, _ in result.events), default=time.time())
+    all_sessions = {session_of(n, world.sessions)[0] for n in range(1, world.sessions + 1)}
+    primary = [(t, t + float(d["seconds"]), kind) for t, kind, d in result.events
+               if kind.startswith("primary ") and "seconds" in d]
+    primary += [(killed, back, "primary emulator killed") for side, killed, back in world.down_spells
+                if side == "primary"]
+
+    def parked_between(entity: str, sessions: set[str], begin: float, end: float) -> int:
+        n = 0
+        for (queue, message_id), p in watcher.seen.items():
+            if (queue != entity or not message_id[1:].isdigit()
+                    or session_of(int(message_id[1:]), world.sessions)[0] not in sessions):
+                continue
+            looked = watcher.looked.get(p.queue, [])
+            before = max((t for t in looked if t < p.first), default=float("-inf"))
+            after = min((t for t in looked if t > p.last), default=float("inf"))
+            n += before <= end and after >= begin
+        return n
+
+    for log in sorted(world.work.glob("writer-*.log"), key=lambda f: int(f.stem.split("-")[1])):
+        lines = log.read_text(errors="replace").splitlines()
+        held = next((m for line in lines if (m := _HELD.search(line))), None)
+        if held is None:
+            continue
+        times = [(i, datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp())
+                 for i, line in enumerate(lines) if (m := _LOG_TIME.match(line))]
+        failed = [(i, t) for i, t in times if re.search(r" spark_sb\.sink: batch \d+ failed", lines[i])]
+        if not failed:
+            result.notes.append(f"held: {log.name}: {held[0]!r} held but no 'batch N failed' line to time it")
+            continue
+        at_line, end = failed[-1]
+        begin = max([t for i, t in times if i < at_line] + [end - _LONGEST_BATCH])
+        entity, named, count = held[1], held[2], int(held[3])
+        sessions = set(re.findall(r"'([^']+)'", named)) if not named.endswith("...") else all_sessions
+        faults = [f"{kind} +{t - start:.0f}s to +{until - start:.0f}s" for t, until, kind in primary
+                  if t <= end and until >= begin]
+        parked = parked_between(entity, sessions, begin, end)
+        healthy = not faults and not parked
+        result.held += 1
+        result.held_healthy += healthy
+        others = "; ".join(f for f in _active_faults(result, end) if not f.startswith("primary ")) or "none"
+        result.notes.append(
+            f"held: {log.name} +{begin - start:.0f}s to +{end - start:.0f}s, {entity} {count} messages of "
+            f"{len(sessions)} sessions; primary faults in force: {'; '.join(faults) or 'none'}; messages of those "
+            f"sessions seen parked meanwhile: {parked}; other faults active at the failure: {others}"
+            + ("; HELD WHILE THE PRIMARY WAS HEALTHY AND NOTHING OF THE SESSIONS WAS PARKED" if healthy else ""))
 
 
 def drain(world: World, seconds: float) -> bool:
@@ -959,10 +1041,14 @@ def main() -> int:
                      for r in results)
     print()
     out_of_order = sum(sum(r.out_of_order.values()) for r in results)
+    held = sum(r.held for r in results)
+    held_healthy = sum(r.held_healthy for r in results)
     print(f"seed {seed}: lost {lost}; duplicated with duplicate detection {duplicated}; "
-          + (f"out of order (sessions) {out_of_order}; " if args.sessions else "")
+          + (f"out of order (sessions) {out_of_order}; batches held (sessions, strict) {held}, of them while the "
+             f"primary was healthy and nothing of their sessions was parked {held_healthy}; " if args.sessions else "")
           + f"drained: {'yes' if all(r.drained for r in results) else 'NO'}")
-    return 1 if lost or out_of_order else 2 if duplicated or not all(r.drained for r in results) else 0
+    return (1 if lost or out_of_order or held_healthy
+            else 2 if duplicated or not all(r.drained for r in results) else 0)
 
 
 if __name__ == "__main__":
