@@ -49,8 +49,16 @@ beside their logs.
 steady input, two healthy minutes, then the drain. It reports the sink's batch durations healthy and failed
 over (from the writer's log) and how long the syphon took to bring the backlog home, at what rate.
 
-Exit code: 1 when anything was lost or (``--sessions``) a session is out of order on the primary, 2 when nothing was lost but a queue with duplicate detection (or the
-deduplicated read) holds a duplicate or a mode did not drain in time, else 0.
+``--sessions`` also reports every send a session held (``send_availability.session_order: strict``: the backlog
+could neither say whether the session had messages parked nor take its messages, so the task failed; Spark tries
+it again, then fails the batch, which is replayed), from the writer's JVM console (each failed task attempt with
+its time and error): when, the primary's faults in force meanwhile (a killed emulator until it was up again),
+whether the watcher saw a message of the held sessions parked then, and how many were held while the primary was
+healthy and nothing of their sessions was parked.
+
+Exit code: 1 when anything was lost or (``--sessions``) a session is out of order on the primary or a send was
+held while the primary was healthy and nothing of its sessions was parked, 2 when nothing was lost but a queue
+with duplicate detection (or the deduplicated read) holds a duplicate or a mode did not drain in time, else 0.
 """
 
 from __future__ import annotations
@@ -149,6 +157,10 @@ class Result:
     out_of_order: dict[str, int] = field(default_factory=dict)
     sessions_out: dict[str, int] = field(default_factory=dict)
     events: list[tuple[float, str, dict]] = field(default_factory=list)  # (wall time, kind, detail): the faults
+    # --sessions: task attempts a session send held (strict), and of them those held while the primary was healthy
+    # and nothing of their sessions was parked
+    held: int = 0
+    held_healthy: int = 0
 
 
 class World:
@@ -167,6 +179,8 @@ class World:
                                                 entra_id=self.entra)
                     for side in SIDES}
         self.emu_lock = {side: threading.Lock() for side in SIDES}
+        #: each emulator killed: (side, wall time killed, wall time back up or healed)
+        self.down_spells: list[tuple[str, float, float]] = []
         self.source = work / "source"
         self.source.mkdir()
         self.files: list[str] = []  # the input files, in order
@@ -270,6 +284,7 @@ class World:
             return False  # already down
 
         def run() -> None:
+            killed = time.time()
             try:
                 self.emu[side].kill()
                 time.sleep(down_for)
@@ -277,6 +292,7 @@ class World:
             except Exception as err:
                 say(f"  {side} emulator restart failed: {_first_line(err)}")
             finally:
+                self.down_spells.append((side, killed, time.time()))
                 self.emu_lock[side].release()
 
         threading.Thread(target=run, daemon=True, name=f"soak-kill-{side}").start()
@@ -499,6 +515,7 @@ def run_mode(work: Path, mode: str, args: argparse.Namespace, seconds: float, rn
             result.notes += token_notes(world)
         count(world, result)
         if world.sessions:
+            held_batches(world, result, watcher)
             check_order(world, result, watcher)
         if marks is not None:
             result.notes += outage_report(world, marks, depth)
@@ -576,6 +593,7 @@ class BacklogWatcher:
     def __init__(self, world: World) -> None:
         self.world = world
         self.seen: dict[tuple[str, str], Parked] = {}  # (entity, message id) -> where and when
+        self.looked: dict[str, list[float]] = collections.defaultdict(list)  # queue -> wall times of its peeks
         self.halt = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True, name="soak-backlog-watcher")
 
@@ -591,6 +609,7 @@ class BacklogWatcher:
                 except Exception:
                     continue  # the secondary down or restarting: nothing seen this time
                 now = time.time()
+                self.looked[queue].append(now)
                 for m in found:
                     entity, _ = messages.parked_session(m)
                     key = (entity or "?", str(m.message_id))
@@ -740,6 +759,93 @@ def _describe_run(run: list[tuple[int, int, Any, Any]], queue: str, watcher: Bac
             f"{'; '.join(faults) or 'none'}; {verdict}")
 
 
+#: the writer's JVM console: a line's time, a task that failed (each attempt: Spark tries a task 4 times), the batch
+#: of a lost task, and the error of a session send held in strict mode
+_JVM_TIME = re.compile(r"^(\d\d/\d\d/\d\d \d\d:\d\d:\d\d) ")
+_TASK_FAILED = re.compile(r" ERROR Executor: Exception in task \S+ in stage \S+ \(TID (\d+)\)")
+_TASK_LOST = re.compile(r"\[batchId = (\d+)\] Lost task \S+ in stage \S+ \(TID (\d+)\)")
+_HELD = re.compile(r"for entity '([^']+)'.*the backlog can neither say whether session\(s\) (.*?) have messages "
+                   r"parked nor take their (\d+) message")
+#: the writer's log: a batch sent (its time ends the batch before the next one)
+_BATCH_SENT = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+) INFO spark_sb\.sink: batch \d+: ")
+_LONGEST_TRY = 60.0  # seconds: a held task is taken to have started at most this long before it failed
+
+
+def _held_sends(world: World) -> list[tuple[str, float, float, str, set[str], int]]:
+    """Every task attempt of the writer that a session send held (``session_order: strict``: the backlog could
+    neither say whether the session had messages parked nor take them), from the writer's JVM console, where
+    each failed attempt is logged with its time (a held send fails its task; Spark tries it again, and the batch
+    and the writer's run fail after the fourth): ``(where, began, ended, entity, sessions, messages)``. It began
+    after the writer's last batch before it, or its task's attempt before it, at most a minute earlier."""
+    held = []
+    every = {session_of(n, world.sessions)[0] for n in range(1, world.sessions + 1)}
+    for jvm in sorted(world.work.glob("writer-*.jvm.log"), key=lambda f: int(f.name.split("-")[1].split(".")[0])):
+        log = jvm.with_name(jvm.name.replace(".jvm", ""))
+        starts = [datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+                  for line in (log.read_text(errors="replace").splitlines() if log.exists() else [])
+                  if (m := _BATCH_SENT.match(line))]
+        task: tuple[float, str] | None = None
+        batch_of: dict[str, str] = {}
+        found = []
+        for line in jvm.read_text(errors="replace").splitlines():
+            if m := _JVM_TIME.match(line):
+                at = datetime.datetime.strptime(m[1], "%y/%m/%d %H:%M:%S").timestamp()
+                failed = _TASK_FAILED.search(line)
+                task = (at, failed[1]) if failed else None
+                if failed:
+                    starts.append(at)
+                if lost := _TASK_LOST.search(line):
+                    batch_of[lost[2]] = lost[1]
+            elif task is not None and (h := _HELD.search(line)):
+                found.append((task, h))
+                task = None
+        for (at, tid), h in found:
+            end = at + 1.0  # the console's times are to the second
+            begin = max([t for t in starts if t < at] + [end - _LONGEST_TRY])
+            sessions = every if h[2].endswith("...") else set(re.findall(r"'([^']+)'", h[2]))
+            held.append((f"{jvm.name} batch {batch_of.get(tid, '?')} (TID {tid})", begin, end, h[1], sessions,
+                         int(h[3])))
+    return held
+
+
+def held_batches(world: World, result: Result, watcher: BacklogWatcher) -> None:
+    """``--sessions``: each held send (:func:`_held_sends`) with its time, the primary's faults in force while it
+    ran (a killed emulator until it was up again), and whether the watcher saw a message of its sessions parked
+    then (at any time between the watcher's peek before it was first seen and its peek after it was last seen).
+    One held while the primary was healthy and nothing of its sessions was parked counts in ``held_healthy``."""
+    start = min((t for t, _, _ in result.events), default=time.time())
+    primary = [(t, t + float(d["seconds"]), kind) for t, kind, d in result.events
+               if kind.startswith("primary ") and "seconds" in d]
+    primary += [(killed, back, "primary emulator killed") for side, killed, back in world.down_spells
+                if side == "primary"]
+
+    def parked_between(entity: str, sessions: set[str], begin: float, end: float) -> int:
+        n = 0
+        for (queue, message_id), p in watcher.seen.items():
+            if (queue != entity or not message_id[1:].isdigit()
+                    or session_of(int(message_id[1:]), world.sessions)[0] not in sessions):
+                continue
+            looked = watcher.looked.get(p.queue, [])
+            before = max((t for t in looked if t < p.first), default=float("-inf"))
+            after = min((t for t in looked if t > p.last), default=float("inf"))
+            n += before <= end and after >= begin
+        return n
+
+    for where, begin, end, entity, sessions, count in _held_sends(world):
+        faults = [f"{kind} +{t - start:.0f}s to +{until - start:.0f}s" for t, until, kind in primary
+                  if t <= end and until >= begin]
+        parked = parked_between(entity, sessions, begin, end)
+        healthy = not faults and not parked
+        result.held += 1
+        result.held_healthy += healthy
+        others = "; ".join(f for f in _active_faults(result, end) if not f.startswith("primary ")) or "none"
+        result.notes.append(
+            f"held: {where} +{begin - start:.0f}s to +{end - start:.0f}s, {entity} {count} messages of "
+            f"{len(sessions)} sessions; primary faults in force: {'; '.join(faults) or 'none'}; messages of those "
+            f"sessions seen parked meanwhile: {parked}; other faults active at the failure: {others}"
+            + ("; HELD WHILE THE PRIMARY WAS HEALTHY AND NOTHING OF ITS SESSIONS WAS PARKED" if healthy else ""))
+
+
 def drain(world: World, seconds: float) -> bool:
     """Wait until the writer committed every input file and the backlog (paired) or both namespaces (active)
     are empty."""
@@ -760,12 +866,13 @@ def drain(world: World, seconds: float) -> bool:
 
 
 def _left(world: World) -> int:
-    """Messages not yet home: in the backlog queues (paired), or in either namespace's queues (active)."""
+    """Messages not yet home: in the backlog queues (paired), or in either namespace's queues (active). A ping
+    whose cancellation a fault cut is not one: scheduled a year ahead, it expires unread (behaviour.md)."""
     if world.mode == "paired":
         wanted = [("secondary", q) for q in world.backlog_queues]
     else:
         wanted = [(side, q) for side in SIDES for q in QUEUES]
-    return sum(len(_peek_all(world.info(side).connection_string, q)) for side, q in wanted)
+    return sum(not messages.is_ping(m) for side, q in wanted for m in _peek_all(world.info(side).connection_string, q))
 
 
 def count(world: World, result: Result) -> None:
@@ -959,10 +1066,15 @@ def main() -> int:
                      for r in results)
     print()
     out_of_order = sum(sum(r.out_of_order.values()) for r in results)
+    held = sum(r.held for r in results)
+    held_healthy = sum(r.held_healthy for r in results)
     print(f"seed {seed}: lost {lost}; duplicated with duplicate detection {duplicated}; "
-          + (f"out of order (sessions) {out_of_order}; " if args.sessions else "")
+          + (f"out of order (sessions) {out_of_order}; sends held (sessions, strict: failed task attempts) {held}, "
+             f"of them while the primary was healthy and nothing of their sessions was parked {held_healthy}; "
+             if args.sessions else "")
           + f"drained: {'yes' if all(r.drained for r in results) else 'NO'}")
-    return 1 if lost or out_of_order else 2 if duplicated or not all(r.drained for r in results) else 0
+    return (1 if lost or out_of_order or held_healthy
+            else 2 if duplicated or not all(r.drained for r in results) else 0)
 
 
 if __name__ == "__main__":
