@@ -10,8 +10,8 @@ from __future__ import annotations
 #: the top-level modules of the [emulator] extra: python-qpid-proton, cryptography, PyJWT, websockets
 _EXTRA_MODULES = frozenset({"proton", "cproton", "_cproton", "cryptography", "jwt", "websockets"})
 
-try:
-    from ._http_loop import AdminLimits
+# isort: off
+try:  # the modules that need the extra first: a core install then loads none of the emulator's
     from .amqp import FAULT_KINDS
     from .server import (
         DEFAULT_NAMESPACES,
@@ -22,11 +22,13 @@ try:
         fault,
         heal,
     )
+    from ._http_loop import AdminLimits  # after them, see above
 except ModuleNotFoundError as err:  # a core install (a cluster) has no emulator: say which extra brings it
     if (err.name or "").partition(".")[0] not in _EXTRA_MODULES:
         raise
     raise ModuleNotFoundError(f"spark-sb emulator needs the emulator extra: pip install 'spark-sb[emulator]' ({err})",
                               name=err.name) from err
+# isort: on
 
 __all__ = [
     "AdminLimits",
