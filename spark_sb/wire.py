@@ -160,25 +160,25 @@ def _value(value: Any) -> bytes:
     if value is None:
         return _NULL
     if isinstance(value, dict) and TYPE in value and VALUE in value and not isinstance(value[VALUE], dict | list):
-        out = bytearray()  # a typed value (a long, a symbol, a timestamp...): the SDK's own encoder writes it
-        try:
-            encode_value(out, value)
-        except Exception:
-            raise _Unsupported(f"a {value[TYPE]} property the SDK cannot encode") from None
-        return bytes(out)
+        return _sdk_value(value, value[TYPE])  # a typed value (a long, a symbol, a timestamp...)
     if kind is bytes:  # the SDK sends bytes as a string (uamqp's habit)
         try:
             return _string(value.decode("utf-8"))
         except UnicodeDecodeError:
             raise _Unsupported("a bytes property that is not UTF-8") from None
     if isinstance(value, datetime.datetime | uuid.UUID | decimal.Decimal):
-        out = bytearray()  # a timestamp, a UUID, a decimal128: the SDK's own encoder writes it
-        try:
-            encode_value(out, value)
-        except Exception:
-            raise _Unsupported(f"a {kind.__name__} property the SDK cannot encode") from None
-        return bytes(out)
+        return _sdk_value(value, kind.__name__)  # a timestamp, a UUID, a decimal128
     raise _Unsupported(f"a {kind.__name__} property")
+
+
+def _sdk_value(value: Any, kind: str) -> bytes:
+    """``value`` as the SDK's own value encoder writes it (``kind`` names it in the log when it cannot)."""
+    out = bytearray()
+    try:
+        encode_value(out, value)
+    except Exception:
+        raise _Unsupported(f"a {kind} property the SDK cannot encode") from None
+    return bytes(out)
 
 
 def _application_properties(properties: Mapping[str, Any]) -> bytes:
