@@ -36,6 +36,7 @@ import pyarrow as pa
 from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
 
 from spark_sb import sink as sink_module
+from spark_sb.bus import all_boards
 from spark_sb.config import load_config
 from spark_sb.emulator import EmulatorProcess, fault, heal
 from spark_sb.syphon import republish_received
@@ -96,13 +97,24 @@ def raw_sdk(conn_str: str, batches: list[pa.RecordBatch]) -> int:
 
 
 def partition(config: Any, batches: list[pa.RecordBatch], failed_over: tuple[str, ...] = ()) -> int:
+    """Send ``batches`` through a partition run; every row must reach the primary (to the backlog when
+    ``failed_over``): a path measured is the path named."""
     run = sink_module.PartitionRun(config, config.fingerprint(), 1, 0, failed_over, reject=False)
-    out = list(run.run(iter(batches)))
-    sent = out[-1].to_pydict()["sent"][0]
+    summary = list(run.run(iter(batches)))[-1].to_pylist()[0]
     expected = sum(b.num_rows for b in batches)
-    if sent != expected:
-        raise RuntimeError(f"the partition run sent {sent} of {expected}")
-    return int(sent)
+    where = sum(n for _, n in summary["backlog"]) if failed_over else summary["primary"]
+    if summary["sent"] != expected or where != expected:
+        raise RuntimeError(f"the partition run sent {summary['sent']} of {expected}, "
+                           f"{where} to the {'backlog' if failed_over else 'primary'}")
+    return expected
+
+
+def fail_back() -> None:
+    """Close the senders and fail :data:`QUEUE` back, as a ping that succeeded would: the health of a pair is the
+    process's (its board outlives a sender), and the next path must start healthy."""
+    sink_module.close_senders()
+    for board in all_boards().values():
+        board.ping_result(QUEUE, True)
 
 
 @contextlib.contextmanager
@@ -133,6 +145,7 @@ def republish(config: Any, admin: str, secondary: str, backlog: str, n: int) -> 
         sink_module.close_senders()
         with primary_down(admin):
             partition(config, rows(n, 1024), (QUEUE,))
+        fail_back()
         with ServiceBusClient.from_connection_string(secondary) as c, \
                 c.get_queue_receiver(backlog, receive_mode=ServiceBusReceiveMode.RECEIVE_AND_DELETE) as receiver:
             while len(received) < n:
@@ -192,7 +205,7 @@ def main() -> int:
                     if name == "sink, failed over":  # the primary down: the entity stays failed over
                         with primary_down(emu["primary"].admin_url):
                             figures[name].append(cpu(paths[name]))
-                        sink_module.close_senders()  # healthy again for the next path
+                        fail_back()  # healthy again for the next path
                     else:
                         figures[name].append(cpu(paths[name]))
                 print(f"round {r + 1} ({size} B): " + ", ".join(

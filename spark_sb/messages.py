@@ -45,12 +45,13 @@ import copy
 import datetime
 import decimal
 import enum
+import functools
 import json
 import logging
 import math
 import re
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,7 @@ __all__ = [
     "ping_message",
     "property_types",
     "property_types_on_wire",
+    "property_reader",
     "property_value",
     "set_time_to_live",
     "text",
@@ -154,6 +156,11 @@ _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 def _key(key: object) -> str:
+    kind = type(key)
+    if kind is str:
+        return key  # type: ignore[return-value]
+    if kind is bytes:  # as the SDK decodes a received map's keys
+        return key.decode("utf-8", "replace")  # type: ignore[attr-defined,no-any-return]
     if isinstance(key, bytes | bytearray):
         return bytes(key).decode("utf-8", "replace")
     return str(key)
@@ -168,7 +175,10 @@ def _plain(value: Any) -> Any:
 
 def _as_str(value: Any) -> str | None:
     """A string property as ``str``: the SDK hands received strings over as UTF-8 ``bytes``."""
-    if isinstance(value, str):
+    kind = type(value)
+    if kind is str:
+        return value  # type: ignore[no-any-return]
+    if kind is not bytes and kind is not bytearray and isinstance(value, str):
         return value
     if isinstance(value, bytes | bytearray):
         try:
@@ -697,15 +707,24 @@ def _scheduled_property(properties: Mapping[str, Any]) -> datetime.datetime | No
     return when
 
 
+_TYPES_READ: dict[str, Any] = {}  # x-ms-propertytypes texts read (most messages of a queue repeat a few; bounded)
+
+
 def _types_property(properties: Mapping[str, Any]) -> dict[str, str]:
     if X_MS_PROPERTY_TYPES not in properties:
         return {}
     value = properties[X_MS_PROPERTY_TYPES]
     text = _as_str(_plain(value))
-    try:
-        codes = json.loads(text) if text is not None else None
-    except ValueError:
-        codes = None
+    codes = _TYPES_READ.get(text) if text is not None else None
+    if codes is None:
+        try:
+            codes = json.loads(text) if text is not None else None
+        except ValueError:
+            codes = None
+        if text is not None and isinstance(codes, dict) and len(text) <= 1024:
+            if len(_TYPES_READ) >= 256:
+                _TYPES_READ.clear()
+            _TYPES_READ[text] = codes
     if not isinstance(codes, dict) or not all(isinstance(c, str) and c in _AMQP_TYPES for c in codes.values()):
         raise _Invalid(
             f"{X_MS_PROPERTY_TYPES} is not a JSON map of type codes",
@@ -1220,6 +1239,57 @@ def property_value(name: str, text: str | None, amqp_type: str) -> Any:
         return decimal.Decimal(text.strip())
     except decimal.InvalidOperation:
         raise wrong from None
+
+
+def property_reader(amqp_type: str) -> Callable[[str, Any], Any]:
+    """``read(name, text)``: :func:`property_value` for one type, faster for the types most rows carry (a string,
+    a long, an int, a double): their common texts are read at once, anything else by :func:`property_value`
+    (same value, same error)."""
+    kind = str(amqp_type).strip().lower() if isinstance(amqp_type, str) else None
+    if kind == "string":
+        return _read_text
+    if kind == "double":
+        return _read_double
+    if kind in ("long", "int"):
+        return _read_long if kind == "long" else _read_int
+    return functools.partial(_read_other, amqp_type)
+
+
+def _read_text(name: str, text: Any) -> Any:
+    return text
+
+
+def _read_double(name: str, text: Any) -> Any:
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except (TypeError, ValueError):
+        return property_value(name, text, "double")
+
+
+def _digits(text: Any, most: int) -> bool:
+    """True for a plain decimal integer text (an optional ``-``) of fewer than ``most`` digits."""
+    if type(text) is not str:
+        return False
+    digits = text[1:] if text[:1] == "-" else text
+    return 0 < len(digits) < most and digits.isascii() and digits.isdigit()
+
+
+def _read_long(name: str, text: Any) -> Any:
+    if _digits(text, 19):  # below 10**18: in range
+        return _typed(AMQPTypes.long, int(text))
+    return property_value(name, text, "long")
+
+
+def _read_int(name: str, text: Any) -> Any:
+    if _digits(text, 10):  # below 10**9: in range
+        return int(text)
+    return property_value(name, text, "int")
+
+
+def _read_other(amqp_type: str, name: str, text: Any) -> Any:
+    return property_value(name, text, amqp_type)
 
 
 # --- pings and sizes -------------------------------------------------------------------------------------

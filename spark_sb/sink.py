@@ -843,26 +843,31 @@ def _properties(row: Mapping[str, Any], kwargs: dict[str, Any]) -> None:
         if types is None:
             kwargs["application_properties"] = {str(k): _property_value(v) for k, v in _items(properties)}
         else:
-            kinds = _kinds(types)
-            kwargs["application_properties"] = {
-                str(k): msgs.property_value(str(k), v, kinds.get(str(k), "string")) for k, v in _items(properties)}
+            readers = _readers(types)
+            values: dict[str, Any] = {}
+            for k, v in _items(properties):
+                name = k if type(k) is str else str(k)
+                values[name] = readers.get(name, _read_text)(name, v)
+            kwargs["application_properties"] = values
 
 
-_KINDS: dict[Any, dict[str, Any]] = {}  # a row's application_property_types (as pyarrow hands it over) as a dict
+_read_text = msgs.property_reader("string")
+#: a row's application_property_types (as pyarrow hands it over) -> {property: its reader}
+_READERS: dict[Any, dict[str, Callable[[str, Any], Any]]] = {}
 
 
-def _kinds(types: Any) -> dict[str, Any]:
-    """``{property: type}`` of an ``application_property_types`` value, remembered: most rows of a job repeat one
-    (bounded: forgotten when full)."""
+def _readers(types: Any) -> dict[str, Callable[[str, Any], Any]]:
+    """``{property: reader}`` (:func:`spark_sb.messages.property_reader`) of an ``application_property_types``
+    value, remembered: most rows of a job repeat one (bounded: forgotten when full)."""
     key = tuple(types) if isinstance(types, list) else None  # pyarrow's list of pairs; a Row's dict is not kept
-    kinds = _KINDS.get(key) if key is not None else None
-    if kinds is None:
-        kinds = {str(k): v for k, v in _items(types) if v is not None}
+    readers = _READERS.get(key) if key is not None else None
+    if readers is None:
+        readers = {str(k): msgs.property_reader(v) for k, v in _items(types) if v is not None}
         if key is not None:
-            if len(_KINDS) >= 256:
-                _KINDS.clear()
-            _KINDS[key] = kinds
-    return kinds
+            if len(_READERS) >= 256:
+                _READERS.clear()
+            _READERS[key] = readers
+    return readers
 
 
 def _items(value: Any) -> Iterable[tuple[Any, Any]]:

@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 from azure.servicebus import ServiceBusMessage, ServiceBusMessageBatch
 from azure.servicebus._pyamqp._encode import encode_value
-from azure.servicebus._pyamqp.types import TYPE, VALUE
+from azure.servicebus._pyamqp.types import TYPE, VALUE, AMQPTypes
 from azure.servicebus._transport._pyamqp_transport import PyamqpTransport
 from azure.servicebus.amqp import AmqpMessageHeader
 from azure.servicebus.exceptions import MessageSizeExceededError
@@ -41,6 +41,8 @@ _INT32 = range(-(2**31), 2**31)
 _PACK_D = struct.Struct(">d").pack
 _PACK_I = struct.Struct(">i").pack
 _PACK_L = struct.Struct(">L").pack
+_PACK_Q = struct.Struct(">q").pack
+_INT64 = range(-(2**63), 2**63)
 
 _HEADER = b"\x00\x53\x70"
 _ANNOTATIONS = b"\x00\x53\x72"
@@ -160,6 +162,9 @@ def _value(value: Any) -> bytes:
     if value is None:
         return _NULL
     if isinstance(value, dict) and TYPE in value and VALUE in value and not isinstance(value[VALUE], dict | list):
+        inner = value[VALUE]
+        if value[TYPE] == AMQPTypes.long and type(inner) is int and inner in _INT64:  # encode_long's bytes
+            return bytes((0x55, inner & 0xFF)) if -128 <= inner <= 127 else b"\x81" + _PACK_Q(inner)
         return _sdk_value(value, value[TYPE])  # a typed value (a long, a symbol, a timestamp...)
     if kind is bytes:  # the SDK sends bytes as a string (uamqp's habit)
         try:
