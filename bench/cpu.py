@@ -34,9 +34,9 @@ from typing import Any
 
 import pyarrow as pa
 from azure.servicebus import ServiceBusClient, ServiceBusMessage, ServiceBusReceiveMode
+from latency import fail_back  # bench/, the script's directory
 
 from spark_sb import sink as sink_module
-from spark_sb.bus import all_boards
 from spark_sb.config import load_config
 from spark_sb.emulator import EmulatorProcess, fault, heal
 from spark_sb.syphon import republish_received
@@ -107,14 +107,6 @@ def partition(config: Any, batches: list[pa.RecordBatch], failed_over: tuple[str
         raise RuntimeError(f"the partition run sent {summary['sent']} of {expected}, "
                            f"{where} to the {'backlog' if failed_over else 'primary'}")
     return expected
-
-
-def fail_back() -> None:
-    """Close the senders and fail :data:`QUEUE` back, as a ping that succeeded would: the health of a pair is the
-    process's (its board outlives a sender), and the next path must start healthy."""
-    sink_module.close_senders()
-    for board in all_boards().values():
-        board.ping_result(QUEUE, True)
 
 
 @contextlib.contextmanager

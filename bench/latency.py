@@ -69,6 +69,7 @@ import pyarrow as pa
 from azure.servicebus import ServiceBusClient, ServiceBusMessage
 
 from spark_sb import sink as sink_module
+from spark_sb.bus import all_boards
 from spark_sb.config import load_config
 from spark_sb.emulator import EmulatorProcess, NamespaceOptions, fault, heal
 
@@ -117,9 +118,12 @@ class _Warm(list):
         return super().__iter__()
 
 
-def partition_run(config: Any, n: int, failed_over: tuple[str, ...] = (), sessions: int = 0) -> float:
+def partition_run(config: Any, n: int, failed_over: tuple[str, ...] = (), sessions: int = 0,
+                  to: str | None = "") -> float:
     """Messages/s of one sink partition run over ``n`` rows (Arrow batches of 10,000 rows, as mapInArrow); with
-    ``sessions``, row ``i`` in session ``i % sessions``, to ``config.sink.entity``."""
+    ``sessions``, row ``i`` in session ``i % sessions``, to ``config.sink.entity``. Every row must go ``to``
+    ``"primary"`` or ``"backlog"`` (by default the backlog when ``failed_over``, else the primary; ``None``: not
+    checked): a row measures the path it names."""
     tag = uuid.uuid4().hex[:8]
     entity = config.sink.entity
     batches = [pa.RecordBatch.from_pydict({"body": [BODY] * min(10_000, n - start),
@@ -145,10 +149,22 @@ def partition_run(config: Any, n: int, failed_over: tuple[str, ...] = (), sessio
     started = time.perf_counter()
     out = list(run.run(iter(batches)))
     seconds = time.perf_counter() - started
-    summary = out[-1].to_pydict()
-    if summary["sent"] != [n]:
+    summary = out[-1].to_pylist()[0]
+    if summary["sent"] != n:
         raise RuntimeError(f"the partition run sent {summary['sent']} of {n}")
+    to = ("backlog" if failed_over else "primary") if to == "" else to
+    went = {"primary": summary["primary"], "backlog": sum(count for _, count in summary["backlog"])}
+    if to is not None and went[to] != n:
+        raise RuntimeError(f"the partition run sent {went} of {n} rows: the row measures the path to the {to}")
     return n / seconds
+
+
+def fail_back(entity: str = QUEUE) -> None:
+    """Close the senders and fail ``entity`` back, as a ping that succeeded would: a pair's health is the
+    process's (its board outlives a sender), and the next row must start healthy."""
+    sink_module.close_senders()
+    for board in all_boards().values():
+        board.ping_result(entity, True)
 
 
 def rounds(count: int, raw: Callable[[], float], ours: Callable[[], float]) -> tuple[float, float]:
@@ -198,7 +214,7 @@ def failed_over_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[flo
                       lambda: partition_run(config, args.messages, (QUEUE,)))
     finally:
         heal(emu["primary"].admin_url)
-        sink_module.close_senders()
+        fail_back()
 
 
 def healthy_row(emu: EmulatorProcess, args: argparse.Namespace) -> tuple[float, float]:
@@ -248,7 +264,7 @@ def failed_over_sessions_row(emu: EmulatorProcess, args: argparse.Namespace, pre
         return rates
     finally:
         heal(emu["primary"].admin_url)
-        sink_module.close_senders()
+        fail_back(SESSION_QUEUE)
 
 
 def park_others(conn_str: str, queues: list[str], n: int) -> None:
@@ -340,7 +356,7 @@ def following_sessions_row(emu: EmulatorProcess, args: argparse.Namespace, prefi
             raise RuntimeError(f"parked {parked.backlog} of {args.sessions} sessions' messages")
         sender.board.record_success(SESSION_QUEUE)  # failed back: the primary takes sessions with nothing parked
         before = sender.stats()["session_follows"]
-        rate = partition_run(config, args.messages, sessions=args.sessions)
+        rate = partition_run(config, args.messages, sessions=args.sessions, to="backlog")
         if sender.stats()["session_follows"] - before != args.messages:
             raise RuntimeError(f"{sender.stats()['session_follows'] - before} of {args.messages} messages followed")
         return rate
