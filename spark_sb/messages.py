@@ -268,9 +268,10 @@ _CODES = {
     AMQPTypes.int: "i", AMQPTypes.long: "l", AMQPTypes.timestamp: "t", AMQPTypes.uint: "I",
     AMQPTypes.ulong: "L", AMQPTypes.short: "h", AMQPTypes.ushort: "H", AMQPTypes.byte: "c",
     AMQPTypes.ubyte: "C", AMQPTypes.float: "f", AMQPTypes.double: "d",
+    AMQPTypes.decimal128: "D",  # an application property only, carried as its text (see _decimal_text)
 }
 _AMQP_TYPES = {code: amqp_type for amqp_type, code in _CODES.items()}
-_BYTES_CODES = frozenset("sby")  # received as bytes
+_BYTES_CODES = frozenset("sbyD")  # received as bytes
 _INT_CODES = frozenset("iltILhHcC")  # received as int
 _FLOAT_CODES = frozenset("fd")  # received as float
 _BODY_TYPES_PATTERN = re.compile(r"(?:[sbyiltILhHcCfd][0-9]*)*")
@@ -322,9 +323,28 @@ def _received_code(value: Any, *, property_value: bool = False) -> str:
     return "l" if value < 2**63 else "L"
 
 
+def _decimal_text(value: Any) -> str | None:
+    """The text a decimal128 application property is carried as in a backlog copy (a ``Decimal``, or one typed
+    decimal128, that the SDK can encode); ``None`` for any other value. The SDK's decoder cannot read the
+    decimal128 its own encoder writes (``Invalid AMQP decimal128 encoding``: a receive of the whole batch fails),
+    so a backlog copy that carried one could never be read by the syphon; :func:`from_backlog` gives it back."""
+    inner = value[VALUE] if _is_typed(value) and value[TYPE] == AMQPTypes.decimal128 else value
+    if not isinstance(inner, decimal.Decimal):
+        return None
+    try:
+        encode_value(bytearray(), inner)  # NaN, an infinity, too many digits: left to the encoder's check
+    except (ValueError, TypeError, decimal.DecimalException):
+        return None
+    return str(inner)
+
+
 def _sent(value: Any, *, property_value: bool = False) -> tuple[str, Any] | None:
     """(the code of the AMQP type the SDK sends ``value`` as, ``value`` as a receiver gets it) for a leaf
-    whose type a receiver cannot tell; ``None`` for anything else."""
+    whose type a receiver cannot tell; ``None`` for anything else (a decimal: ``D``, for a property only)."""
+    if property_value:
+        text = _decimal_text(value)
+        if text is not None:
+            return "D", text.encode("ascii")
     if _is_typed(value):
         code = _CODES.get(value[TYPE])
         if code is None:
@@ -412,14 +432,17 @@ def _body_types(raw: AmqpAnnotatedMessage) -> str | None:
     return "".join(runs)
 
 
-def _property_types(properties: Mapping[Any, Any]) -> str | None:
+def _property_types(properties: dict[Any, Any]) -> str | None:
     """``x-ms-propertytypes``: ``{"name": code}`` (JSON) for the application properties a receiver would not
-    get back as what they were sent as (a datetime, a typed long that fits an int, ...); ``None`` if none."""
+    get back as what they were sent as (a datetime, a typed long that fits an int, ...); ``None`` if none. A
+    decimal's value in ``properties`` is replaced by its text (:func:`_decimal_text`)."""
     codes: dict[str, str] = {}
     for name, value in properties.items():
         leaf = _sent(value, property_value=True)
         if leaf is not None and leaf[0] != _received_code(leaf[1], property_value=True):
             codes[_key(name)] = leaf[0]
+            if leaf[0] == "D":
+                properties[name] = leaf[1].decode("ascii")
     return json.dumps(codes, separators=(",", ":"), ensure_ascii=False) if codes else None
 
 
@@ -434,6 +457,11 @@ def _restore(value: Any, code: str, *, top: bool = False) -> Any:
             raise _Mismatch(code)
         if code == "b":
             return bytes(value)
+        if code == "D":  # a decimal128 property carried as its text
+            try:
+                return decimal.Decimal(bytes(value).decode("ascii"))
+            except (UnicodeDecodeError, decimal.InvalidOperation):
+                raise _Mismatch(code) from None
         if code == "s":
             try:
                 return bytes(value).decode("utf-8")
