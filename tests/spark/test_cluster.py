@@ -5,6 +5,8 @@ worker) and their Python workers in their own processes, as for a user who outgr
 from __future__ import annotations
 
 import collections
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -84,6 +86,54 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pat
                 process.kill()
 
 
+def _executors(workers: Path) -> list[int]:
+    """Process ids of the executor JVMs running in this cluster's workers (their folder under ``workers``)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (b"CoarseGrainedExecutorBackend" in (proc / "cmdline").read_bytes()
+                    and os.readlink(proc / "cwd").startswith(str(workers))):
+                found.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+def _held(emulator: Any, namespace: str) -> int:
+    """Sends the namespace holds unanswered (an ``ack-lost`` or ``timeout`` fault): a task is in the middle of one."""
+    server = emulator.server(namespace)
+    return int(server.call(lambda: sum(len(link.sb.held) for links in server._links_by_path.values()
+                                       for link in links)))
+
+
+def _stored(emulator: Any, namespace: str, entity: str) -> int:
+    server = emulator.server(namespace)
+    return int(server.call(lambda: server.broker.runtime_counts(entity).active))
+
+
+def _kill_an_executor_mid_send(emulator: Any, namespace: str, entity: str, kind: str, workers: Path,
+                               ended: threading.Event, killed: list[int], deadline: float) -> None:
+    """Once ``entity`` takes messages again (the executors' senders are back on it), hold its sends with fault
+    ``kind`` until a task is in the middle of one, SIGKILL an executor JVM (as a spot instance taken back), heal;
+    the pid in ``killed``."""
+    before = _stored(emulator, namespace, entity)
+    while time.monotonic() < deadline and not ended.is_set() and _stored(emulator, namespace, entity) == before:
+        time.sleep(0.1)
+    emulator.fault(namespace, kind, entity=entity)
+    try:
+        while time.monotonic() < deadline and not ended.is_set() and not _held(emulator, namespace):
+            time.sleep(0.1)
+        executors = _executors(workers)
+        if executors and not ended.is_set():
+            os.kill(executors[0], signal.SIGKILL)
+            killed.append(executors[0])
+            time.sleep(1)  # the rest of the batch's sends held a moment more: the retried task meets them
+    finally:
+        emulator.heal(namespace, entity=entity)
+
+
 def _submit(cluster: str, script: str, conf: Path, *args: str, work: Path, timeout: float = 300) -> str:
     """``spark-submit --master spark://...`` of a job script (client mode); returns its output."""
     command = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster, "--packages", delta_package(),
@@ -92,7 +142,12 @@ def _submit(cluster: str, script: str, conf: Path, *args: str, work: Path, timeo
                "--conf", "spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension",
                "--conf", "spark.sql.catalog.spark_catalog=org.apache.spark.sql.delta.catalog.DeltaCatalog",
                str(ROOT / "jobs" / script), "--conf", str(conf), *args]
-    done = subprocess.run(command, capture_output=True, text=True, env=_env(work), timeout=timeout, cwd=work)
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=_env(work), timeout=timeout, cwd=work)
+    except subprocess.TimeoutExpired as expired:
+        said = (expired.stderr or b"")
+        raise AssertionError(f"{script} still ran after {timeout:g} s:\n"
+                             f"{(said.decode(errors='replace') if isinstance(said, bytes) else said)[-6000:]}") from None
     assert done.returncode == 0, f"{script} failed:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done.stdout + done.stderr
 
@@ -105,19 +160,24 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
         cluster: tuple[str, Path], spark: Any, emulator: Any, primary: Any, secondary: Any, make_queue: Any,
         tmp_path: Path) -> None:
     entity = make_queue(requires_duplicate_detection=True)
-    config = sink_config(primary, secondary, entity=entity, trigger="1s", max_batches=14,
+    config = sink_config(primary, secondary, entity=entity, trigger="1s", max_batches=18,
                          source={"format": "rate", "rows_per_second": 20, "num_partitions": 2},
                          checkpoint_location=str(tmp_path / "writer-checkpoint"),
                          metrics_table=str(tmp_path / "metrics"))
-    config["syphon"] = {"retry_interval": "1s", "checkpoint_location": str(tmp_path / "syphon-checkpoint"),
+    # batches of 25: the syphon sends home in several batches, in one of which the executor is killed
+    config["syphon"] = {"retry_interval": "1s", "max_messages_per_trigger": 25,
+                        "checkpoint_location": str(tmp_path / "syphon-checkpoint"),
                         "ledger": str(tmp_path / "ledger")}
     conf = tmp_path / "cluster.yaml"
     conf.write_text(yaml.safe_dump(config))
 
     # the primary's entity goes down from the writer's third batch until the executors parked messages (a fixed
     # duration could fall between two batches of a slow run): they fail over to the backlog queues, ping, and
-    # return once it heals
+    # return once it heals. Then an executor is killed in the middle of a send whose answer the primary lost
+    # (stored, unanswered): its task is retried on the other executor (or the one the worker starts again) and
+    # sends the same rows again; duplicate detection keeps one
     writer_ended = threading.Event()
+    killed: list[int] = []
 
     def outage() -> None:
         # here, not at the top: this module is collected on Spark 3.5 too, where spark_sb.source refuses to load
@@ -134,16 +194,18 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
                 time.sleep(0.2)
         finally:
             emulator.heal("primary", entity=entity)
+        _kill_an_executor_mid_send(emulator, "primary", entity, "ack-lost", workers, writer_ended, killed, deadline)
 
     injector = threading.Thread(target=outage, daemon=True)
     url, workers = cluster
     with one_heavy_spark_test():
         injector.start()
         try:
-            _submit(url, "paired_writer.py", conf, work=tmp_path)
+            writer_output = _submit(url, "paired_writer.py", conf, work=tmp_path)
         finally:
             writer_ended.set()
             injector.join(timeout=30)
+    assert len(killed) == 1 and "Lost executor" in writer_output, writer_output[-3000:]
 
     metrics = spark.read.format("delta").load(str(tmp_path / "metrics"))
     totals = metrics.selectExpr("sum(rows) AS rows", "sum(primary) AS primary", "max(partitions) AS partitions",
@@ -152,8 +214,24 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
     assert totals["partitions"] == 2 and totals["failovers"] >= 1 and parked > 0, totals
     assert totals["rows"] == totals["primary"] + parked
 
+    # the syphon: an executor killed while it republishes (the primary holding its sends unanswered, nothing
+    # stored); what that executor had locked comes back when its lock expires, and is moved once
+    syphon_ended = threading.Event()
+
+    def kill_the_syphons_executor() -> None:
+        _kill_an_executor_mid_send(emulator, "primary", entity, "timeout", workers, syphon_ended, killed,
+                                   time.monotonic() + 240)
+
+    injector = threading.Thread(target=kill_the_syphons_executor, daemon=True)
     with one_heavy_spark_test():
-        _submit(url, "syphon.py", conf, "--until-empty", work=tmp_path)
+        injector.start()
+        try:
+            # a minute more than the writer: what the killed executor held locked waits for its lock to lapse
+            syphon_output = _submit(url, "syphon.py", conf, "--until-empty", work=tmp_path, timeout=420)
+        finally:
+            syphon_ended.set()
+            injector.join(timeout=30)
+    assert len(killed) == 2 and "Lost executor" in syphon_output, syphon_output[-3000:]
     bodies = [str(m) for m in receive_all(primary.connection_string, entity, wait=1.0)]
     values = sorted(int(b.removeprefix("row ")) for b in bodies)
     twice = [v for v, n in collections.Counter(values).items() if n > 1]
