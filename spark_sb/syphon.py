@@ -47,6 +47,12 @@ Choices where behaviour.md is silent:
   ``left`` and reason :data:`PRIMARY_DOWN` (the syphon job's republisher then stops its run, see
   :class:`PrimaryDownError`), so that an outage does not rewrite the backlog batch after batch;
 * a message whose lock was lost before it could be settled is left to the broker (it comes back);
+* a receiver whose link or connection is lost while it settles (:func:`~spark_sb.errors.is_link_gone`: the
+  secondary went down, the service detached the link) settles nothing more in that call: every message not
+  settled yet stays in the backlog, and those not sent yet are not sent (outcome ``left``, reason
+  :data:`RECEIVER_LOST`); one warning names the queue and how many were left, and the receiver is closed, so that
+  the next receive opens a new one. Their locks lapse and the broker delivers them again; one already sent is
+  sent again with its message id, and duplicate detection on the primary drops the second copy;
 * taking back (:meth:`Syphon.take_back`, which :meth:`Syphon.drain` runs first): a syphon job's source defers
   the messages of each batch and reads them back by sequence number, so a job that died leaves them deferred,
   and a deferred message is never delivered to a receive. ``drain`` finds them by peeking (their state says
@@ -96,9 +102,10 @@ from .paired.retry import ExponentialBackoff, RetryFor
 
 _LOGGER = logging.getLogger(__name__)
 
-__all__ = ["PRIMARY_DOWN", "PROBE_ENTITY", "REJECTED_BY_DESTINATION", "X_MS_REPARKED_FROM", "MoveSummary",
-           "Outcome", "PrimaryDownError", "Syphon", "SyphonSettleError", "primary_unanswered", "probe_primary",
-           "reparked_copies", "republish_deferred", "republish_received", "settle_outcomes", "summary_dict"]
+__all__ = ["PRIMARY_DOWN", "PROBE_ENTITY", "RECEIVER_LOST", "REJECTED_BY_DESTINATION", "X_MS_REPARKED_FROM",
+           "MoveSummary", "Outcome", "PrimaryDownError", "Syphon", "SyphonSettleError", "primary_unanswered",
+           "probe_primary", "reparked_copies", "republish_deferred", "republish_received", "settle_outcomes",
+           "summary_dict"]
 
 #: dead-letter reason for a restored message that the destination refused as invalid
 REJECTED_BY_DESTINATION = "RejectedByDestination"
@@ -108,6 +115,9 @@ X_MS_REPARKED_FROM = msgs.X_MS_REPARKED_FROM
 _MAX_DESCRIPTION = 1024
 #: the ledger reason of a message left in the backlog, not re-parked, because the primary namespace did not answer
 PRIMARY_DOWN = "PrimaryDown"
+#: the reason of a message left in the backlog, not sent, because its receiver's link or connection was lost
+#: while the syphon settled the messages it had received (it comes back when its lock lapses)
+RECEIVER_LOST = "BacklogReceiverLost"
 #: the entity :func:`primary_unanswered` pings: one that does not exist, so that the namespace's "not found"
 #: proves it answers without touching a destination
 PROBE_ENTITY = "spark-sb-primary-probe"
@@ -171,6 +181,9 @@ class MoveSummary:
         ``received`` too.
     :ivar deferred_locked: deferred messages not taken back because another receiver holds their lock; they
         stay deferred (in a :meth:`Syphon.drain` summary: those still locked at its end).
+    :ivar unsettled: messages left in the backlog unsettled because their receiver's link or connection was lost
+        while it settled them, or their own lock was (counted in ``moved`` too when they had been sent, else in
+        ``left``): they come back when their locks lapse.
     """
 
     backlog_queue: str
@@ -182,6 +195,7 @@ class MoveSummary:
     down: list[str] = field(default_factory=list)
     taken_back: int = 0
     deferred_locked: int = 0
+    unsettled: int = 0
     #: one :class:`Outcome` per message settled (not pings), for the ledger
     outcomes: list[Outcome] = field(default_factory=list)
 
@@ -202,6 +216,7 @@ class MoveSummary:
         self.pings += other.pings
         self.taken_back += other.taken_back
         self.deferred_locked += other.deferred_locked
+        self.unsettled += other.unsettled
         for mine, theirs in ((self.moved, other.moved), (self.dead_lettered, other.dead_lettered),
                              (self.left, other.left)):
             for key, n in theirs.items():
@@ -272,6 +287,7 @@ class Syphon:
         self._healthy_at: dict[str, float] = {}  # when each destination last accepted a ping or a send
         self._left_sessions: set[tuple[str, str]] = set()  # of the current settle call (see _leave)
         self._primary_down: bool | None = None  # of the current settle call: None until asked (see _leave)
+        self._call = _SettleCall()  # what the current settle call could not settle (see _settle)
         self._primary = Namespace("primary", config.primary, config.send_availability.primary_client_kwargs())
         self._secondary = Namespace("secondary", config.secondary, {"retry_total": 0})
         #: held by whoever uses this syphon (one batch at a time: :func:`syphon_for`)
@@ -408,9 +424,15 @@ class Syphon:
                 summary.received += len(received)
                 summary.taken_back += len(received)
                 self.settle(receiver, received, summary, reparked=copied, behind=session_gaps(receiver, received))
+                if self._call.lost is not None:  # the receiver is gone: the rest waits for the next take
+                    break
             settled = {o.sequence_number for o in summary.outcomes if o.outcome != "left"}
             rest = [n for n in numbers if n not in settled]
-            still = [int(m.sequence_number) for m in peek_deferred(receiver, rest)]  # gone: settled by another
+            lost = self._call.lost is not None
+            # gone: settled by another (a lost receiver peeks nothing: what it left is taken again next time)
+            still = rest if lost else [int(m.sequence_number) for m in peek_deferred(receiver, rest)]
+        if lost:
+            self._secondary.drop_receiver(queue)
         taken = {o.sequence_number for o in summary.outcomes}
         summary.deferred_locked = sum(1 for n in still if n not in taken)
         if summary.taken_back:
@@ -429,6 +451,8 @@ class Syphon:
                 received = list(receiver.receive_messages(max_message_count=limit, max_wait_time=max_wait_time))
                 summary.received = len(received)
                 self.settle(receiver, received, summary, behind=session_gaps(receiver, received))
+            if self._call.lost is not None:  # lost while settling (settle said so once): the next move opens anew
+                self._secondary.drop_receiver(backlog_queue)
         except Exception as exc:
             if summary.received or not _missing(backlog_queue, exc):
                 raise
@@ -450,14 +474,29 @@ class Syphon:
         outcome is ``reparked`` (the copy carries them on).
         ``behind``: per ``(entity, session id)``, the lowest sequence number of a message of that session in the
         backlog queue and not in ``received`` (:func:`session_gaps`: locked by a receive whose answer was lost,
-        say); the session's messages above it are left (outcome ``left``), so that they never overtake it."""
+        say); the session's messages above it are left (outcome ``left``), so that they never overtake it.
+
+        A settlement that finds ``receiver``'s link or connection gone (:func:`~spark_sb.errors.is_link_gone`) ends
+        the settling through it: the messages not settled yet stay in the backlog (those not sent yet are not sent:
+        outcome ``left``, reason :data:`RECEIVER_LOST`), counted in ``summary.unsettled``; one warning at the end
+        of the call names the queue and how many, and the caller closes the receiver (:meth:`move` and
+        :meth:`take_back` do). Messages whose locks were lost are counted and named by one warning too."""
+        self._call = _SettleCall(summary.unsettled)
+        try:
+            self._settle_received(receiver, received, summary, reparked, behind)
+        finally:
+            self._call.warn(summary)
+
+    def _settle_received(self, receiver: Any | None, received: Sequence[Any], summary: MoveSummary,
+                         reparked: Collection[int], behind: Mapping[tuple[str, str], int] | None) -> None:
+        """:meth:`settle`'s work."""
         now = datetime.datetime.fromtimestamp(self._clock(), datetime.UTC)
         groups: dict[str, list[tuple[Any, ServiceBusMessage]]] = {}
         spelled: dict[str, str] = {}  # entity_key -> the first spelling of the call (entity names are case-insensitive)
         for message in received:
             if msgs.is_ping(message):
-                _settle(receiver, "complete_message", message)
-                summary.pings += 1
+                if self._settle(receiver, summary, "complete_message", message):
+                    summary.pings += 1
                 continue
             try:
                 restored = msgs.from_backlog(message, now, fast=self.config.syphon.encoder == "fast")
@@ -469,7 +508,7 @@ class Syphon:
                                   restored.entity)
                 continue
             if reparked and getattr(message, "sequence_number", None) in reparked:
-                _settle(receiver, "complete_message", message)
+                self._settle(receiver, summary, "complete_message", message)
                 summary.outcomes.append(_outcome(summary.backlog_queue, message, restored.entity, "reparked"))
                 _add(summary.left, restored.entity)
                 _LOGGER.info("backlog message %s was re-parked by an earlier attempt: not sent again",
@@ -496,13 +535,16 @@ class Syphon:
         except BaseException:
             for entity, items in pending:
                 for message, _ in items:
-                    _settle(receiver, "abandon_message", message)
+                    self._settle(receiver, summary, "abandon_message", message)
                     summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left"))
                 _add(summary.left, entity, len(items))
             raise
 
     def _deliver(self, receiver: Any, entity: str, items: list[tuple[Any, ServiceBusMessage]],
                  summary: MoveSummary, *, one_by_one: bool = False, fresh: bool = False) -> None:
+        if self._call.lost is not None:  # the receiver is gone: what it cannot settle is not sent either
+            self._unsent(entity, items, summary)
+            return
         if self._primary_down or self._skip_until.get(entity, 0.0) > self._clock():
             self._leave(receiver, entity, items, summary)
             return
@@ -520,13 +562,17 @@ class Syphon:
                 self._healthy_at[entity] = self._clock()
             with self._primary.sender(entity) as sdk_sender:
                 for batch, built in _batches(sdk_sender, items, entity, one_by_one):
+                    if self._call.lost is not None:  # lost while completing the batch before: send no more
+                        break
                     sdk_sender.send_messages(built)
                     for message, _ in batch:
-                        _settle(receiver, "complete_message", message)
+                        self._settle(receiver, summary, "complete_message", message, sent=True)
                         summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "delivered"))
                     done += len(batch)
                     _add(summary.moved, entity, len(batch))
                     self._healthy_at[entity] = self._clock()
+            if done < len(items):  # the receiver was lost
+                self._unsent(entity, items[done:], summary)
         except _BadMessage as bad:  # the messages before it were sent; dead-letter it, go on with the rest
             self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
             rest = [item for item in items[done:] if item[0] is not bad.message]
@@ -575,7 +621,7 @@ class Syphon:
         call (locked by another receive, or not yet taken); they go once it has (never re-parked)."""
         for item in items:
             key = _session(entity, item)
-            _settle(receiver, "abandon_message", item[0])
+            self._settle(receiver, summary, "abandon_message", item[0])
             summary.outcomes.append(_outcome(summary.backlog_queue, item[0], entity, "left", SESSION_GAP,
                                              f"behind message {behind[key] if key else '?'} of its session, still "
                                              f"in the backlog queue"))
@@ -594,13 +640,14 @@ class Syphon:
         self._left_sessions.update(session for session in (_session(entity, item) for item in items) if session)
         if entity not in summary.down:
             summary.down.append(entity)
-        parked = [self.repark and _session(entity, item) is None for item in items]
+        # a lost receiver cannot complete an original: a copy would be a second one (it comes back anyway)
+        parked = [self.repark and self._call.lost is None and _session(entity, item) is None for item in items]
         primary_down = any(parked) and self._primary_is_down()
         if primary_down:
             parked = [False] * len(items)
         kept = [item for item, park in zip(items, parked, strict=True) if not park]
         for message, _ in kept:
-            _settle(receiver, "abandon_message", message)
+            self._settle(receiver, summary, "abandon_message", message)
             summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left",
                                              PRIMARY_DOWN if primary_down else None))
         if kept:
@@ -654,12 +701,16 @@ class Syphon:
                 try:
                     with self._secondary.sender(queue) as sdk_sender:
                         for batch, built in _batches(sdk_sender, copies, queue, False):
+                            if self._call.lost is not None:  # its originals could not be completed: no copies
+                                break
                             sdk_sender.send_messages(built)
                             for message, _ in batch:
-                                _settle(receiver, "complete_message", message)
+                                self._settle(receiver, summary, "complete_message", message, sent=True)
                                 summary.outcomes.append(_outcome(queue, message, entity, "reparked"))
                             sent += len(batch)
                             _add(summary.left, entity, len(batch))
+                    if sent < len(copies):  # the receiver was lost
+                        self._unsent(entity, copies[sent:], summary)
                     copies = []
                 except _BadMessage as bad:  # those before it were sent: dead-letter it, go on with the rest
                     self._dead_letter(receiver, bad.message, bad.reason, bad.description, summary, entity)
@@ -679,11 +730,52 @@ class Syphon:
         blips = RetryFor(REPARK_OUTAGE_WAIT, ExponentialBackoff(0.5, 5.0), clock=time.monotonic, sleep=time.sleep)
         blips.call(attempt, is_blip, what=f"re-parking {len(copies)} messages in {queue!r}")
 
-    @staticmethod
-    def _dead_letter(receiver: Any | None, message: Any, reason: str, description: str | None,
+    def _settle(self, receiver: Any | None, summary: MoveSummary, action: str, message: Any, *, sent: bool = False,
+                **kwargs: Any) -> bool:
+        """Settle one message (``receiver`` None: leave it to the caller); whether it was settled. A lost lock
+        (:func:`~spark_sb.errors.is_lock_lost`) leaves that message to the broker: its lock lapses and it comes
+        back. A link or connection gone (:func:`~spark_sb.errors.is_link_gone`: the connection was lost and the
+        SDK shut the receiver's handler down, whose later settlements all raise its ``ValueError`` "Failed to
+        complete the message as the handler has already been shutdown") ends the settling through ``receiver``
+        for the rest of the call: this message and every later one are left to the broker unsettled. Both are
+        counted in ``summary.unsettled`` and told once, at the end of the call (:meth:`_SettleCall.warn`);
+        ``sent``: the message was sent home already. Anything else raises."""
+        if receiver is None:
+            return True
+        call = self._call
+        if call.lost is None:
+            try:
+                getattr(receiver, action)(message, **kwargs)
+                return True
+            except Exception as exc:
+                if is_link_gone(exc):
+                    call.lost = exc
+                elif is_lock_lost(exc):
+                    call.lock_lost = exc
+                else:
+                    raise
+        summary.unsettled += 1
+        call.sent += sent
+        return False
+
+    def _unsent(self, entity: str, items: Sequence[tuple[Any, Any]], summary: MoveSummary) -> None:
+        """Leave ``items`` in the backlog unsent and unsettled: the receiver that holds their locks was lost
+        (outcome ``left``, reason :data:`RECEIVER_LOST`)."""
+        for message, _ in items:
+            summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left", RECEIVER_LOST))
+        _add(summary.left, entity, len(items))
+        summary.unsettled += len(items)
+
+    def _dead_letter(self, receiver: Any | None, message: Any, reason: str, description: str | None,
                      summary: MoveSummary, entity: str | None = None) -> None:
         description = (description or reason)[:_MAX_DESCRIPTION]
-        _settle(receiver, "dead_letter_message", message, reason=reason, error_description=description)
+        if not self._settle(receiver, summary, "dead_letter_message", message, reason=reason,
+                            error_description=description):  # it stays in the backlog, and comes back
+            summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "left",
+                                             RECEIVER_LOST if self._call.lost is not None else None))
+            if entity is not None:
+                _add(summary.left, entity)
+            return
         _add(summary.dead_lettered, reason)
         summary.outcomes.append(_outcome(summary.backlog_queue, message, entity, "dead_lettered", reason,
                                          description))
@@ -826,22 +918,37 @@ def reparked_copies(receiver: Any, queue: str, sequence_numbers: Collection[int]
     return found
 
 
-def _settle(receiver: Any | None, action: str, message: Any, **kwargs: Any) -> None:
-    """Settle one message (``receiver`` None: leave it to the caller). A lost lock, or a link or connection gone
-    with the message's lock (the connection was lost, and the SDK shut the receiver's handler down: its
-    ``ValueError`` "Failed to abandon the message as the handler has already been shutdown", see
-    :func:`~spark_sb.errors.is_link_gone`) leaves it to the broker: its lock lapses and it comes back (sent
-    again with its message id if it was delivered). Anything else raises."""
-    if receiver is None:
-        return
-    try:
-        getattr(receiver, action)(message, **kwargs)
-    except Exception as exc:
-        if not (is_lock_lost(exc) or is_link_gone(exc)):
-            raise
-        _LOGGER.warning("backlog message %s was not settled (%s: %s); it stays in the backlog and comes back when "
-                        "its lock lapses", getattr(message, "message_id", None), type(exc).__name__,
-                        redact(str(exc))[:200])
+@dataclass
+class _SettleCall:
+    """What one :meth:`Syphon.settle` call could not settle, told once at its end (:meth:`warn`)."""
+
+    #: ``summary.unsettled`` when the call began
+    before: int = 0
+    #: why the receiver is gone (a link or connection lost); None while it settles
+    lost: BaseException | None = None
+    #: the last error of a message whose own lock was lost (its settlement failed, the call went on)
+    lock_lost: BaseException | None = None
+    #: of the messages left unsettled, those sent home (or re-parked) already
+    sent: int = 0
+
+    def warn(self, summary: MoveSummary) -> None:
+        """One warning for the messages this call left unsettled, naming the backlog queue and how many."""
+        left = summary.unsettled - self.before
+        if not left:
+            return
+        again = (f" ({self.sent} of them sent home or re-parked already: when they come back they are sent again "
+                 "with their message ids, and duplicate detection on the primary drops the second copy)"
+                 if self.sent else "")
+        if self.lost is not None:
+            _LOGGER.warning("backlog queue %r: the receiver's link or connection was lost while settling (%s: %s): "
+                            "%d of the %d messages received stay in the backlog unsettled%s; they come back when "
+                            "their locks lapse, to a new receiver", summary.backlog_queue, type(self.lost).__name__,
+                            redact(str(self.lost))[:200], left, summary.received, again)
+        else:
+            lock_lost = self.lock_lost
+            _LOGGER.warning("backlog queue %r: %d messages were not settled, their locks lost (%s: %s)%s; they stay "
+                            "in the backlog and come back", summary.backlog_queue, left, type(lock_lost).__name__,
+                            redact(str(lock_lost))[:200], again)
 
 
 def _missing(queue: str, exc: BaseException) -> bool:
@@ -869,7 +976,8 @@ def summary_dict(summary: MoveSummary) -> Mapping[str, Any]:
     """The summary as a plain dict (for logs and the CLI)."""
     return {"backlog_queue": summary.backlog_queue, "received": summary.received, "moved": dict(summary.moved),
             "dead_lettered": dict(summary.dead_lettered), "left": dict(summary.left), "pings": summary.pings,
-            "down": list(summary.down), "taken_back": summary.taken_back, "deferred_locked": summary.deferred_locked}
+            "down": list(summary.down), "taken_back": summary.taken_back, "deferred_locked": summary.deferred_locked,
+            "unsettled": summary.unsettled}
 
 
 # --- republishing what a Spark batch read, and settling it once its ledger recorded it ---------------------

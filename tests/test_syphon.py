@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import decimal
+import logging
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,7 @@ from azure.servicebus import (
 )
 from azure.servicebus.amqp import AmqpAnnotatedMessage
 from azure.servicebus.exceptions import ServiceBusConnectionError
-from pairing import pair_config, peek_all
+from pairing import pair_config, peek_all, received_ids
 
 from spark_sb import messages
 from spark_sb.bus import close_all
@@ -746,6 +747,64 @@ def test_a_connection_lost_while_settling_leaves_the_messages_in_the_backlog_to_
     assert sorted(m.message_id for m in _receive(primary.connection_string, up, expected=4)) == [
         f"{up}-{i}" for i in range(3)]
     assert len(peek_all(secondary.connection_string, queue)) == 6
+
+
+@pytest.mark.parametrize("path", ["move", "take_back"])
+def test_a_connection_lost_mid_settle_is_told_once_and_every_message_comes_home_once(
+        emulator, primary, secondary, make_queue, monkeypatch, caplog, path) -> None:
+    """The secondary namespace goes down as the syphon starts settling the 30 messages it has just sent home
+    (issue 51: a cluster run logged one warning per message, "handler has already been shutdown"), whether it
+    received them (``move``) or took them back deferred (``take_back``, what ``drain`` runs first). The syphon
+    settles nothing more through the dead receiver, says so in one warning naming the queue and the 30 messages,
+    and drops the receiver; once the namespace is back, a new receiver gets them again when their locks lapse, and
+    each reaches the primary once (sent again with its message id: duplicate detection drops the second copy)."""
+    home = make_queue(requires_duplicate_detection=True)
+    cfg = _config(primary, secondary)
+    queue = f"{cfg['send_availability']['backlog_prefix']}/x-servicebus-transfer/0"
+    server = emulator.server("secondary")
+    server.call(lambda: server.broker.create_entity(QueueSpec(name=queue, lock_duration=5.0,  # the shortest
+                                                              max_delivery_count=2147483647)))
+    ids = [f"m-{i:02}" for i in range(30)]
+    _to_backlog(secondary, queue, [messages.to_backlog(ServiceBusMessage(i, message_id=i), home) for i in ids])
+    if path == "take_back":
+        _defer_all(secondary, queue, 30)  # as a syphon job that died leaves its batch
+    try:
+        with Syphon.from_config(cfg) as syphon:
+            receiver_of = syphon._secondary.receiver
+            faulted: list[str] = []
+
+            @contextlib.contextmanager
+            def down_at_the_first_settlement(name: str, **kwargs: Any) -> Iterator[Any]:
+                with receiver_of(name, **kwargs) as sdk_receiver:
+                    complete = sdk_receiver.complete_message
+
+                    def fault_then_complete(message: Any, **more: Any) -> None:
+                        if not faulted:  # the namespace goes down (its connections dropped) under the settling
+                            faulted.append(str(message.message_id))
+                            emulator.fault("secondary", "down")
+                        complete(message, **more)
+
+                    sdk_receiver.complete_message = fault_then_complete
+                    yield sdk_receiver
+
+            monkeypatch.setattr(syphon._secondary, "receiver", down_at_the_first_settlement)
+            with caplog.at_level(logging.WARNING, logger="spark_sb"):
+                first = syphon.move(queue, 50, max_wait_time=3.0) if path == "move" else syphon.take_back(queue)
+            assert first.received == 30 and faulted
+            about_settling = [r.getMessage() for r in caplog.records
+                              if r.levelno >= logging.WARNING and r.name.startswith("spark_sb") and "settl" in
+                              r.getMessage()]
+            assert len(about_settling) == 1, about_settling
+            assert queue in about_settling[0] and "30 of the 30 messages" in about_settling[0], about_settling[0]
+            assert first.unsettled == 30
+            emulator.heal("secondary")
+            deadline = time.monotonic() + 120  # their locks lapse within 5 s
+            while peek_all(secondary.connection_string, queue) and time.monotonic() < deadline:
+                syphon.drain(max_wait_time=1.0)
+    finally:
+        emulator.heal("secondary")
+    assert peek_all(secondary.connection_string, queue) == []
+    assert sorted(received_ids(primary.connection_string, home)) == ids
 
 
 # --- sessions keep their order (issue 38) -----------------------------------------------------------------

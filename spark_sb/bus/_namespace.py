@@ -396,6 +396,17 @@ class Namespace:
                     close_quietly(sdk_receiver, f"the receiver of {queue!r}")
                 raise
 
+    def drop_receiver(self, queue: str, *, delete: bool = False) -> None:
+        """Close and forget the receiver of ``queue`` (peek-lock, or receive-and-delete when ``delete``) after a
+        block that ended without an exception found its link or connection gone (the SDK shut its handler down):
+        the next use opens a new one. Waits for a ``with`` block of another thread holding it."""
+        key = (queue, delete)
+        with self._handle_lock(("receiver", *key)):
+            with self._lock:
+                sdk_receiver = self._current.receivers.pop(key, None)
+            if sdk_receiver is not None:
+                close_quietly(sdk_receiver, f"the receiver of {queue!r}")
+
     # --- pings -----------------------------------------------------------------------------------------
 
     def ping(self, entity: str) -> None:
