@@ -113,25 +113,29 @@ def _stored(emulator: Any, namespace: str, entity: str) -> int:
     return int(server.call(lambda: server.broker.runtime_counts(entity).active))
 
 
-def _kill_an_executor_mid_send(emulator: Any, namespace: str, entity: str, kind: str, workers: Path,
+def _kill_an_executor_mid_send(emulator: Any, namespace: str, entity: str, kind: str | None, workers: Path,
                                ended: threading.Event, killed: list[int], deadline: float) -> None:
-    """Once ``entity`` takes messages again (the executors' senders are back on it), hold its sends with fault
-    ``kind`` until a task is in the middle of one, SIGKILL an executor JVM (as a spot instance taken back), heal;
-    the pid in ``killed``."""
+    """Once ``entity`` takes messages again (the executors' senders are back on it, or the syphon moved its first
+    batch), SIGKILL an executor JVM (as a spot instance taken back); with a fault ``kind``, hold the entity's sends
+    with it first until a task is in the middle of one, and heal after. The pid in ``killed``."""
     before = _stored(emulator, namespace, entity)
     while time.monotonic() < deadline and not ended.is_set() and _stored(emulator, namespace, entity) == before:
         time.sleep(0.1)
-    emulator.fault(namespace, kind, entity=entity)
+    if kind is not None:
+        emulator.fault(namespace, kind, entity=entity)
     try:
-        while time.monotonic() < deadline and not ended.is_set() and not _held(emulator, namespace):
+        while (kind is not None and time.monotonic() < deadline and not ended.is_set()
+               and not _held(emulator, namespace)):
             time.sleep(0.1)
         executors = _executors(workers)
         if executors and not ended.is_set():
             os.kill(executors[0], signal.SIGKILL)
             killed.append(executors[0])
-            time.sleep(1)  # the rest of the batch's sends held a moment more: the retried task meets them
+            if kind is not None:
+                time.sleep(1)  # the rest of the batch's sends held a moment more: the retried task meets them
     finally:
-        emulator.heal(namespace, entity=entity)
+        if kind is not None:
+            emulator.heal(namespace, entity=entity)
 
 
 def _submit(cluster: str, script: str, conf: Path, *args: str, work: Path, timeout: float = 300) -> str:
@@ -153,9 +157,10 @@ def _submit(cluster: str, script: str, conf: Path, *args: str, work: Path, timeo
 
 
 @pytest.mark.slow
-# the cluster's start, two jobs of at most 300 s each (_submit) and the checks: in make test, where it starts first
-# beside the README's and Connect's, it took 322 to 442 s, and its cluster 49 to 53 s to start (the bound was 600 s)
-@pytest.mark.timeout(900)
+# the cluster's start, the writer (at most 300 s), the syphon (at most 480 s: what the killed executor held locked
+# waits a minute for its lock) and the checks: alone on a quiet machine it took 377 to 444 s with the kills; in make
+# test, where it starts first beside the README's and Connect's, it took 322 to 442 s before them
+@pytest.mark.timeout(1200)
 def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
         cluster: tuple[str, Path], spark: Any, emulator: Any, primary: Any, secondary: Any, make_queue: Any,
         tmp_path: Path) -> None:
@@ -214,12 +219,13 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
     assert totals["partitions"] == 2 and totals["failovers"] >= 1 and parked > 0, totals
     assert totals["rows"] == totals["primary"] + parked
 
-    # the syphon: an executor killed while it republishes (the primary holding its sends unanswered, nothing
-    # stored); what that executor had locked comes back when its lock expires, and is moved once
+    # the syphon: an executor killed once it moved its first batch, in the middle of the next ones (a fault
+    # that held its sends made it re-park every batch for a while, and the run outlast its bound under load);
+    # what that executor had locked comes back when its lock expires, and is moved once
     syphon_ended = threading.Event()
 
     def kill_the_syphons_executor() -> None:
-        _kill_an_executor_mid_send(emulator, "primary", entity, "timeout", workers, syphon_ended, killed,
+        _kill_an_executor_mid_send(emulator, "primary", entity, None, workers, syphon_ended, killed,
                                    time.monotonic() + 240)
 
     injector = threading.Thread(target=kill_the_syphons_executor, daemon=True)
@@ -227,7 +233,8 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
         injector.start()
         try:
             # a minute more than the writer: what the killed executor held locked waits for its lock to lapse
-            syphon_output = _submit(url, "syphon.py", conf, "--until-empty", work=tmp_path, timeout=420)
+            syphon_output = _submit(url, "syphon.py", conf, "--until-empty", "--timeout", "360", work=tmp_path,
+                                    timeout=480)
         finally:
             syphon_ended.set()
             injector.join(timeout=30)
