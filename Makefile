@@ -61,7 +61,7 @@ $(JS_SDK)/node_modules/.installed: $(JS_SDK)/package-lock.json
 	cd $(JS_SDK) && npm ci --silent --no-audit --no-fund
 	touch $@
 
-.PHONY: install demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench bench-quick chaos soak
+.PHONY: install demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench bench-quick chaos soak soak-cluster
 # `make install`: .venv with everything the two commands use (spark-sb itself, editable, with the [dev] extras:
 # the emulator, Spark and Delta, the tests' and the docs' tools), and nothing run
 install: $(VENV)/.installed
@@ -145,3 +145,7 @@ chaos: $(VENV)/.installed
 
 soak: $(VENV)/.installed
 	$(PY) bench/soak.py $(SOAK_ARGS)
+
+# a cluster's faults (issue 51): executors, workers and drivers killed on a standalone cluster (bench/cluster_soak.py)
+soak-cluster: $(VENV)/.installed
+	$(PY) bench/cluster_soak.py $(SOAK_ARGS)

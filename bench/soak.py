@@ -316,8 +316,9 @@ class Job:
     """A job in its own process (and session: its JVM and Python workers), restarted whenever it exits until
     ``halt``; ``restarts`` counts them."""
 
-    def __init__(self, world: World, name: str, argv: list[str]) -> None:
+    def __init__(self, world: World, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         self.world, self.name, self.argv = world, name, argv
+        self.env = env or {}  # over SUBPROCESS_ENV (bench/cluster_soak.py: the cluster's master, Spark settings)
         self.proc: subprocess.Popen | None = None
         self.runs = 0
         self.failed: list[str] = []  # runs that ended by themselves (not killed): their last error line
@@ -328,6 +329,7 @@ class Job:
     def _spawn(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYSPARK_GATEWAY")}
         env.update(SUBPROCESS_ENV)
+        env.update(self.env)
         self.runs += 1
         if self.world.sessions:  # the JVM's console (the executors' Python warnings) beside the job's log
             env["SPARK_SB_JVM_LOG"] = str(self.world.work / f"{self.name}-{self.runs}.jvm.log")
@@ -405,9 +407,12 @@ class Nemesis:
             self.result.events.append((time.time(), kind, detail))
         say(f"  nemesis +{at:6.1f}s {kind} {json.dumps(detail)}")
 
+    #: what the nemesis draws from (equally likely draws)
+    KINDS = ["namespace"] * 10 + ["emulator-killed", "worker-killed", "writer-killed", "job-killed"] + ["quiet"] * 2
+
     def run(self) -> None:
         rng = self.rng
-        kinds = ["namespace"] * 10 + ["emulator-killed", "worker-killed", "writer-killed", "job-killed"] + ["quiet"] * 2
+        kinds = self.KINDS
         while time.monotonic() - self.started < self.seconds:
             kind = rng.choice(kinds)
             side = rng.choice(SIDES)
