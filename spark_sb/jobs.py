@@ -287,9 +287,18 @@ def stop_between_batches(query: Any, settle: float = 30.0) -> None:
         if not gate.close(settle):
             _LOGGER.warning("the batch in flight did not end within %g s: stopping the query interrupts it (the "
                             "next run on the checkpoint replays it)", settle)
-        # the batch that ran last is committed (its progress follows its commit) before the stop can interrupt it
-        while gate.last is not None and query.isActive and time.monotonic() < deadline and (
-                query.lastProgress is None or query.lastProgress["batchId"] < gate.last):
+        # the batch that ran last is committed (its progress follows its commit) before the stop can interrupt it:
+        # a bound of its own, not what the batch in flight left of ``settle`` (a batch that took 29 s of 30 left
+        # its commit one second on a loaded machine)
+        deadline = time.monotonic() + settle
+        while gate.last is not None and query.isActive and not _progress_reached(query, gate.last):
+            if time.monotonic() >= deadline:
+                progress = query.lastProgress
+                _LOGGER.warning("batch %s ran but Spark had not committed it after %g s (its last progress: %s): "
+                                "stopping the query may interrupt its commit (the next run on the checkpoint "
+                                "replays it)", gate.last, settle,
+                                "none" if progress is None else f"batch {progress['batchId']}")
+                break
             time.sleep(0.05)
     else:
         while query.isActive and query.status.get("isTriggerActive") and time.monotonic() < deadline:
@@ -302,6 +311,11 @@ def stop_between_batches(query: Any, settle: float = 30.0) -> None:
             raise
         _LOGGER.info("stopped between batches: batch %s was not run (the next run on the checkpoint replays it)",
                      ", ".join(map(str, gate.refused)))
+
+
+def _progress_reached(query: Any, batch_id: int) -> bool:
+    progress = query.lastProgress
+    return progress is not None and int(progress["batchId"]) >= batch_id
 
 
 def await_batches(query: Any, max_batches: int | None, poll: float = 0.2, settle: float = 30.0) -> None:

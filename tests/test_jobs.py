@@ -84,16 +84,19 @@ class _Query:
     stream thread runs them) through the job's gate: the batch after the last is refused and, as in Spark, ends
     the query with that error, which ``awaitTermination`` raises."""
 
-    def __init__(self, gate: Any) -> None:
+    def __init__(self, gate: Any, commit_seconds: float = 0.0) -> None:
         import threading
 
         self.id = "query-under-test"
         self.isActive = True
         self.lastProgress: dict[str, int] | None = None
         self.status = {"isTriggerActive": True}
+        self.committed: list[int] = []  # the batches whose commit was written (a stop interrupts one in progress)
         self._error: BaseException | None = None
         self._ended = threading.Event()
+        self._stopped = threading.Event()
         self._gate = gate
+        self._commit_seconds = commit_seconds
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
@@ -101,7 +104,10 @@ class _Query:
         try:
             while self.isActive:
                 self._gate(None, batch)
-                self.lastProgress = {"batchId": batch}
+                if self._stopped.wait(self._commit_seconds):
+                    break  # the stop interrupted the commit: the batch is not committed
+                self.committed.append(batch)
+                self.lastProgress = {"batchId": batch}  # Spark reports a batch's progress after its commit
                 batch += 1
         except Exception as exc:  # noqa: BLE001 - the query's error, raised by awaitTermination
             self._error = exc
@@ -116,6 +122,7 @@ class _Query:
 
     def stop(self) -> None:
         self.isActive = False
+        self._stopped.set()
 
 
 @pytest.mark.parametrize("poll", [0.2, 5.0])
@@ -132,3 +139,20 @@ def test_max_batches_ends_quietly_when_the_refused_batch_ends_the_query_first(po
     jobs._GATES[query.id] = gate
     jobs.await_batches(query, 3, poll=poll, settle=5)
     assert gate.ran == 3 and gate.refused == [3]
+
+
+def test_a_stop_waits_for_the_commit_of_a_batch_that_used_most_of_the_settle_time() -> None:
+    """The batch in flight at the stop takes 0.4 s of the 0.5 s ``settle``, and Spark needs 0.3 s more to commit
+    it: the stop waits for that commit, with a bound of its own. Before, the commit's wait had what the batch left
+    of ``settle`` (0.1 s), the stop interrupted the commit, and the next run replayed a batch that had sent
+    everything (tests/spark/test_job_console.py saw a run end with its last batch uncommitted under CI load)."""
+    from spark_sb import jobs
+
+    gate = jobs.BatchGate(lambda df, batch_id: time.sleep(0.4))
+    query = _Query(gate, commit_seconds=0.3)
+    jobs._GATES[query.id] = gate
+    deadline = time.monotonic() + 5
+    while gate._running == 0 and time.monotonic() < deadline:  # the first batch is in flight
+        time.sleep(0.01)
+    jobs.stop_between_batches(query, settle=0.5)
+    assert gate.last == 0 and query.committed == [0], (gate.last, query.committed)
