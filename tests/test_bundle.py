@@ -436,6 +436,20 @@ def test_the_writer_job_is_continuous_and_paused_only_in_dev(target: str) -> Non
 
 
 @pytest.mark.parametrize("target", TARGETS)
+def test_both_job_clusters_keep_the_driver_on_demand_and_run_no_speculative_copies(target: str) -> None:
+    """A spot node taken back must not be the driver (first_on_demand 1), and neither job runs speculative copies
+    of its tasks (docs/guarantee.md, On a cluster); the workers' availability is the ``availability`` variable."""
+    bundle = resolve_bundle(ROOT, target, {**(PROD if target == "prod" else {}),
+                                           "availability": "SPOT_WITH_FALLBACK_AZURE"})
+    for name, job in jobs_of(bundle).items():
+        cluster = job.job_clusters[0].new_cluster
+        assert cluster.azure_attributes is not None, name
+        assert cluster.azure_attributes.first_on_demand == 1, name
+        assert str(cluster.azure_attributes.availability.value) == "SPOT_WITH_FALLBACK_AZURE", name
+        assert cluster.spark_conf == {"spark.speculation": "false"}, name
+
+
+@pytest.mark.parametrize("target", TARGETS)
 def test_both_jobs_email_on_failure_and_not_on_a_cancelled_run(target: str) -> None:
     jobs = jobs_of(resolve_bundle(ROOT, target, PROD if target == "prod" else None))
     expected = PROD["alert_email"] if target == "prod" else WORKSPACE["workspace.current_user.userName"]
