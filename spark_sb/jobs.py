@@ -478,6 +478,11 @@ def _one_line(err: BaseException) -> str:
         line = named[-1]
         name, _, message = line.partition(": ")
         return f"{name.rsplit('.', 1)[-1]}: {message}"[:1000]
+    # a failure of the JVM's (Py4JJavaError: "An error occurred while calling o53.load." says only where): the
+    # Java exception it carries, e.g. a job aborted because an executor was lost
+    java = [found for line in lines if (found := re.match(r"^:?\s*([\w.$]+(?:Error|Exception)): (.+)", line))]
+    if java:
+        return f"{java[0][1].rsplit('.', 1)[-1]}: {java[0][2]}"[:1000]
     return f"{type(err).__name__}: {lines[0] if lines else ''}".rstrip(": ")[:1000]
 
 

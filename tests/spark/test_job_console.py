@@ -197,6 +197,22 @@ def test_the_one_line_of_a_failure_names_the_error_and_its_message() -> None:
     assert jobs._one_line(KeyError()) == "KeyError"
 
 
+
+def test_the_one_line_of_a_failure_in_the_jvm_names_the_java_exception() -> None:
+    """A job whose executor was lost while Spark inferred the source's schema, with spark.task.maxFailures 1 (the
+    cluster soak): the line said only "Py4JJavaError: An error occurred while calling o53.load."."""
+    java_text = ("An error occurred while calling o53.load.\n"
+                 ": org.apache.spark.SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed 1 "
+                 "times, most recent failure: Lost task 0.0 in stage 0.0 (TID 0) (127.0.0.3 executor 0): "
+                 "ExecutorLostFailure (executor 0 exited caused by one of the running tasks) Reason: Command exited "
+                 "with code 137\nDriver stacktrace:\n\tat org.apache.spark.scheduler.DAGScheduler.failJobAndIndepen"
+                 "dentStages(DAGScheduler.scala:2935)\nCaused by: java.io.IOException: later\n")
+    assert jobs._one_line(RuntimeError(java_text)) == (
+        "SparkException: Job aborted due to stage failure: Task 0 in stage 0.0 failed 1 times, most recent failure: "
+        "Lost task 0.0 in stage 0.0 (TID 0) (127.0.0.3 executor 0): ExecutorLostFailure (executor 0 exited caused by "
+        "one of the running tasks) Reason: Command exited with code 137")
+
+
 def test_a_failed_writer_run_ends_with_one_line_naming_the_error(spark, primary, secondary, make_queue, tmp_path,
                                                                  capsys, monkeypatch) -> None:
     from spark_sb.sink import PairedSink
