@@ -184,6 +184,7 @@ class World:
         self.source = work / "source"
         self.source.mkdir()
         self.files: list[str] = []  # the input files, in order
+        self.file_times: list[float] = []  # when each was written (wall time)
         self.keys = 0
         self.stop = threading.Event()  # ends the producer
         self.config = self._config()
@@ -255,6 +256,7 @@ class World:
             pq.write_table(pa.Table.from_pylist(rows, schema=schema), self.source / f".{name}.tmp")
             os.rename(self.source / f".{name}.tmp", self.source / name)
             self.files.append(name)
+            self.file_times.append(time.time())
             self.stop.wait(max(0.0, period - (time.monotonic() - started)))
 
     def written(self) -> set[str]:
@@ -331,8 +333,8 @@ class Job:
         env.update(SUBPROCESS_ENV)
         env.update(self.env)
         self.runs += 1
-        if self.world.sessions:  # the JVM's console (the executors' Python warnings) beside the job's log
-            env["SPARK_SB_JVM_LOG"] = str(self.world.work / f"{self.name}-{self.runs}.jvm.log")
+        # the JVM's console (Spark's log lines, the executors' Python warnings in local mode) beside the job's log
+        env["SPARK_SB_JVM_LOG"] = str(self.world.work / f"{self.name}-{self.runs}.jvm.log")
         with (self.world.work / f"{self.name}-{self.runs}.log").open("w") as out:
             return subprocess.Popen([sys.executable, *self.argv], stdout=out, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True, cwd=ROOT)
@@ -983,6 +985,16 @@ def reader_main(conf: str, table: str) -> int:
 # --- the report -----------------------------------------------------------------------------------------
 
 
+def print_notes(results: list[Result]) -> None:
+    """Each run's faults by kind, dead-lettered messages by reason and notes, one line each."""
+    for r in results:
+        print(f"- {r.mode}: faults {json.dumps(dict(r.faults))}")
+        for reason, n in sorted(r.dead.items()):
+            print(f"- {r.mode}: dead-lettered {n}: {reason}")
+        for note in r.notes:
+            print(f"- {r.mode}: {note}")
+
+
 def table(results: list[Result], sessions: int = 0) -> str:
     order = " out of order on / off (sessions) |" if sessions else ""
     lines = ["| mode | produced (keys) | arrived on / off | lost on / off | duplicated on / off |" + order + " left | "
@@ -1060,12 +1072,7 @@ def main() -> int:
     print()
     print(table(results, args.sessions))
     print()
-    for r in results:
-        print(f"- {r.mode}: faults {dict(r.faults)}")
-        for reason, n in sorted(r.dead.items()):
-            print(f"- {r.mode}: dead-lettered {n}: {reason}")
-        for note in r.notes:
-            print(f"- {r.mode}: {note}")
+    print_notes(results)
     lost = sum(sum(r.lost.values()) for r in results)
     duplicated = sum(r.duplicated.get(DEDUP, 0) + (r.duplicated.get(PLAIN, 0) if r.mode == "active" else 0)
                      for r in results)

@@ -12,12 +12,16 @@ missing), never from its version string; the version only appears in messages.
 from __future__ import annotations
 
 import functools
+import logging
 from importlib.util import find_spec
+from typing import Any
 
 from .errors import UnsupportedSparkError
 
 __all__ = ["admission_control", "python_data_sources", "require_python_data_sources", "spark_version",
-           "trigger_available_now"]
+           "trigger_available_now", "warn_if_speculating"]
+
+_LOGGER = logging.getLogger(__name__)
 
 
 def spark_version() -> str:
@@ -105,3 +109,24 @@ def check_delta_pairing() -> None:
         wanted = " or ".join(f"{minor}.x" for minor in built_for)
         raise UnsupportedSparkError(f"delta-spark {delta} is not built for Spark {spark}: install delta-spark "
                                     f"{wanted} with it (docs/where-it-runs/spark-versions.md)")
+
+
+#: what :func:`warn_if_speculating` logs
+SPECULATION_WARNING = (
+    "spark.speculation is on: Spark may run a slow task a second time on another executor, and both copies send "
+    "the partition's rows, with the same message ids. An entity with duplicate detection keeps one copy of each; "
+    "an entity without it receives both (see docs/guarantee.md, On a cluster). Turn spark.speculation off for "
+    "this job, or duplicate detection on for its entities.")
+
+
+def warn_if_speculating(spark: Any) -> bool:
+    """Log :data:`SPECULATION_WARNING` once when the session runs speculative copies of tasks
+    (``spark.speculation``); returns whether it does."""
+    try:
+        speculating = str(spark.conf.get("spark.speculation", "false")).strip().lower() == "true"
+    except Exception as err:  # a session that cannot say (a Connect server refusing the key): nothing to warn of
+        _LOGGER.debug("spark.speculation not readable: %s", type(err).__name__)
+        return False
+    if speculating:
+        _LOGGER.warning(SPECULATION_WARNING)
+    return speculating

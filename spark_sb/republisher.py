@@ -33,6 +33,7 @@ from . import messages as msgs
 from . import tables
 from .bus import shared_namespace
 from .bus.deferred import peek_deferred
+from .capabilities import warn_if_speculating
 from .config import SparkSbConfig
 from .syphon import PRIMARY_DOWN, Outcome, PrimaryDownError, republish_received, settle_outcomes
 
@@ -147,6 +148,8 @@ class Republisher:
     def __call__(self, batch_df: Any, batch_id: int) -> None:
         spark = batch_df.sparkSession
         times = [time.monotonic()]
+        if self._begun is None:  # this process's first batch: a speculative copy would republish its messages twice
+            warn_if_speculating(spark)
         # only a batch id this process began before, or the first one it runs, can be a replay
         replay = self._begun is None or batch_id <= self._begun
         self._begun = batch_id

@@ -100,6 +100,7 @@ from pyspark.sql import types as T
 
 from . import bus, tables, wire
 from . import messages as msgs
+from .capabilities import warn_if_speculating
 from .config import SinkConfig, SparkSbConfig, load_config, unsendable
 from .errors import ENCODING_ERRORS, BadInputError, BadMessageError, EntityNotFoundError
 from .paired import PRIMARY, PairedSender, SendResult
@@ -407,6 +408,7 @@ class PairedSink:
         self.latest: BatchSummary | None = None
         self.totals = BatchSummary()
         self.health: dict[str, str] = {}
+        self._speculation_checked = False
 
     @classmethod
     def from_config(cls, source: str | os.PathLike[str] | Mapping[str, Any] | SparkSbConfig) -> PairedSink:
@@ -446,6 +448,9 @@ class PairedSink:
         if type(batch_df).__module__.startswith("pyspark.sql.connect"):
             log_to_stderr_unless_configured()
         present = self.columns(batch_df, batch_id)
+        if not self._speculation_checked:
+            self._speculation_checked = True
+            warn_if_speculating(batch_df.sparkSession)
         selected = batch_df.select(*[F.col(_quote(column)).alias(name) for name, column in present.items()])
         send = _partition_sender(self.config, self.fingerprint, int(batch_id), self.failed_over,
                                  reject=sink.reject_table is not None)

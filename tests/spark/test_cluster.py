@@ -138,9 +138,12 @@ def _kill_an_executor_mid_send(emulator: Any, namespace: str, entity: str, kind:
             emulator.heal(namespace, entity=entity)
 
 
-def _submit(cluster: str, script: str, conf: Path, *args: str, work: Path, timeout: float = 300) -> str:
-    """``spark-submit --master spark://...`` of a job script (client mode); returns its output."""
+def _submit(cluster: str, script: str, conf: Path, *args: str, work: Path, timeout: float = 300,
+            spark_conf: tuple[str, ...] = ()) -> str:
+    """``spark-submit --master spark://...`` of a job script (client mode), with ``spark_conf`` settings
+    (``key=value``) over the test's own; returns its output."""
     command = [str(SPARK_HOME / "bin" / "spark-submit"), "--master", cluster, "--packages", delta_package(),
+               *[arg for setting in spark_conf for arg in ("--conf", setting)],
                "--conf", f"spark.pyspark.python={sys.executable}", "--conf", "spark.executor.memory=512m",
                "--conf", "spark.ui.enabled=false", "--conf", "spark.sql.shuffle.partitions=2",
                "--conf", "spark.sql.extensions=io.delta.sql.DeltaSparkSessionExtension",
@@ -206,11 +209,15 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
     with one_heavy_spark_test():
         injector.start()
         try:
-            writer_output = _submit(url, "paired_writer.py", conf, work=tmp_path)
+            # speculation on (Spark's default thresholds): the writer warns of it once; its copies, if any, are
+            # the same message ids, which duplicate detection keeps once
+            writer_output = _submit(url, "paired_writer.py", conf, work=tmp_path,
+                                    spark_conf=("spark.speculation=true",))
         finally:
             writer_ended.set()
             injector.join(timeout=30)
     assert len(killed) == 1 and "Lost executor" in writer_output, writer_output[-3000:]
+    assert writer_output.count("spark.speculation is on: Spark may run a slow task") == 1, writer_output[-3000:]
 
     metrics = spark.read.format("delta").load(str(tmp_path / "metrics"))
     totals = metrics.selectExpr("sum(rows) AS rows", "sum(primary) AS primary", "max(partitions) AS partitions",
@@ -234,11 +241,12 @@ def test_writer_and_syphon_on_a_standalone_cluster_deliver_every_row_once(
         try:
             # a minute more than the writer: what the killed executor held locked waits for its lock to lapse
             syphon_output = _submit(url, "syphon.py", conf, "--until-empty", "--timeout", "360", work=tmp_path,
-                                    timeout=480)
+                                    timeout=480, spark_conf=("spark.speculation=true",))
         finally:
             syphon_ended.set()
             injector.join(timeout=30)
     assert len(killed) == 2 and "Lost executor" in syphon_output, syphon_output[-3000:]
+    assert syphon_output.count("spark.speculation is on: Spark may run a slow task") == 1, syphon_output[-3000:]
     bodies = [str(m) for m in receive_all(primary.connection_string, entity, wait=1.0)]
     values = sorted(int(b.removeprefix("row ")) for b in bodies)
     twice = [v for v, n in collections.Counter(values).items() if n > 1]
