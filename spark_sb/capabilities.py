@@ -120,8 +120,9 @@ SPECULATION_WARNING = (
 
 
 def warn_if_speculating(spark: Any) -> bool:
-    """Log :data:`SPECULATION_WARNING` once when the session runs speculative copies of tasks
-    (``spark.speculation``); returns whether it does."""
+    """Log :data:`SPECULATION_WARNING` when the session runs speculative copies of tasks (``spark.speculation``);
+    returns whether it does. Its callers ask once each: ``PairedSink`` on its first batch, the syphon's
+    ``Republisher`` on the first batch of its process."""
     try:
         speculating = str(spark.conf.get("spark.speculation", "false")).strip().lower() == "true"
     except Exception as err:  # a session that cannot say (a Connect server refusing the key): nothing to warn of
