@@ -61,7 +61,18 @@ $(JS_SDK)/node_modules/.installed: $(JS_SDK)/package-lock.json
 	cd $(JS_SDK) && npm ci --silent --no-audit --no-fund
 	touch $@
 
-.PHONY: install demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench bench-quick chaos soak soak-cluster
+# The emulator page's browser tests (tests/emulator/test_page_browser.py) drive Debian's chromium with Playwright: made
+# on first use where this user may install packages (root with apt-get), as a fresh CI machine is; elsewhere it says
+# what to install
+chromium:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  echo "installing Debian's chromium for the emulator page's browser tests" && \
+	  { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null || \
+	    { apt-get update -q >/dev/null && \
+	      DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium >/dev/null; }; }; } || \
+	  { echo "the emulator page's browser tests need Chromium on PATH (Debian: apt-get install chromium)" >&2; exit 1; }
+
+.PHONY: chromium install demo test test-checked-no-spark test-suite test-no-spark test-spark test-spark-versions test-spark-4.0-then-3.5 $(SPARK_VERSIONS:%=test-spark-%) docs typecheck lint bench bench-quick chaos soak soak-cluster
 # `make install`: .venv with everything the two commands use (spark-sb itself, editable, with the [dev] extras:
 # the emulator, Spark and Delta, the tests' and the docs' tools), and nothing run
 install: $(VENV)/.installed
@@ -93,7 +104,7 @@ test-suite: $(VENV)/.installed $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modu
 	@$(MAKE) --no-print-directory test-no-spark; first=$$?; $(MAKE) --no-print-directory test-spark; spark=$$?; \
 	  exit $$(( first || spark ))
 
-test-no-spark: $(VENV)/.installed $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed
+test-no-spark: $(VENV)/.installed $(JAVA_SDK)/target/.installed $(JS_SDK)/node_modules/.installed chromium
 	@echo "== Spark 4.2 (.venv): the tests without Spark"
 	$(PY) -m pytest -q -n $(WORKERS) $(DIST) --durations=10 --ignore=tests/spark
 

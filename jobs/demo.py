@@ -184,6 +184,8 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         for info in emu.info.values():
             _say(f"  {info.name:9s} amqp://localhost:{info.amqp_port}  admin {info.admin_url}"
                  + (f"  wss://localhost:{info.wss_port}" if through_proxy else ""))
+        _say(f"watch both namespaces live (the outage, the backlog filling, the syphon draining it): "
+             f"{emu['primary'].page_url}")
         config = _config(conf, emu, work, rows, trigger)
         proxy = None
         if through_proxy:
@@ -322,6 +324,7 @@ def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, 
     from spark_sb.source import config_options
 
     with _emulator(work, free_ports) as emu:
+        _say(f"watch both namespaces live: {emu['primary'].page_url}")
         config = _config(conf, emu, work, rows, trigger)
         config["replication"] = {"mode": mode, "retry_interval": "2s"}
         _say(starting_line("spark-sb-demo"))

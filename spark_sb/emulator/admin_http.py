@@ -60,6 +60,7 @@ from defusedxml import ElementTree as _safe_xml
 
 from ..durations import DurationError, iso_duration, parse_seconds
 from . import aad, model, sas
+from . import page as _page
 from ._http_loop import AdminLimits, HttpLoop, Outcome
 from .broker import Broker, BrokerError, Cond, RuntimeCounts
 from .model import QUEUE, SUBSCRIPTION, TOPIC, QueueSpec, RuleSpec, SubscriptionSpec, TopicSpec
@@ -702,7 +703,10 @@ class AdminServer:
         authority: aad.Authority | None = None,
         allowed_hosts: Iterable[str] = (),
         limits: AdminLimits | None = None,
+        page: _page.Page | None = None,
     ) -> None:
+        #: the live page of the emulator's namespaces, at ``/`` (:mod:`.page`); None: no page
+        self.page = page
         #: the bounds of its connections: timeouts, workers, caps (emulator-wide)
         self.limits = limits or AdminLimits()
         #: Microsoft Entra ID: serves the token endpoint and verifies Bearer tokens (None: SAS only)
@@ -1025,12 +1029,15 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _HttpError(400, "malformed chunked request body (its trailer)")
         return b"".join(chunks)
 
-    def _send(self, status: int, body: bytes, content_type: str | None) -> None:
+    def _send(self, status: int, body: bytes, content_type: str | None,
+              headers: Iterable[tuple[str, str]] = ()) -> None:
         if self._body_pending:  # answered without reading the body: the connection cannot carry another request
             self.close_connection = True
         self.send_response(status)
         if content_type:
             self.send_header("Content-Type", content_type)
+        for name, value in headers:
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         if self.close_connection:
             self.send_header("Connection", "close")
@@ -1069,6 +1076,11 @@ class _Handler(BaseHTTPRequestHandler):
                 raise _HttpError(403, f"Host {host!r} does not name this emulator (localhost, an IP address or "
                                       f"{', '.join(sorted(admin.allowed_hosts)) or 'no other name'}): a web page "
                                       "reaching it by DNS rebinding is refused")
+            page = admin.page
+            if page is not None and (path == "/" or path.startswith(_page.PREFIX)):
+                control = path != "/"  # the page's API answers its errors in JSON, as the controls do
+                self._page(page, method, path, split.query)
+                return
             if control:
                 self._control(method, path)
                 return
@@ -1131,20 +1143,7 @@ class _Handler(BaseHTTPRequestHandler):
                                       "with Manage); spark-sb emulator fault/heal and spark_sb.emulator.fault/heal "
                                       "send it")
             self._authenticate(_Route("control", path.strip("/")), path)
-        if method != "GET" or self._body_pending:
-            media = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
-            if media != "application/json":
-                raise _HttpError(415, f"the emulator's controls take a JSON body (Content-Type: application/json), "
-                                      f"got {media or 'no Content-Type'!r}")
-        body = self._read_body()
-        try:
-            data = json.loads(body) if body.strip() else {}
-        except ValueError as err:
-            self._send_json(400, {"error": f"the body is not valid JSON ({err})"})
-            return
-        if not isinstance(data, dict):
-            self._send_json(400, {"error": f"the body must be a JSON object, got {type(data).__name__}"})
-            return
+        data = self._json_body(method)
         try:
             status, answer = control(method, path, data)
         except Exception as err:  # noqa: BLE001 - report the failure to the caller
@@ -1154,6 +1153,67 @@ class _Handler(BaseHTTPRequestHandler):
         if method == "GET" and status == 200 and path.rstrip("/") == "/$emulator/stats":
             answer = {**answer, "admin": self.server.admin.stats()}  # this port's connections, beside the namespace's
         self._send_json(status, answer)
+
+    def _json_body(self, method: str) -> dict[str, Any]:
+        """The JSON object a control's or the page's request carries ({} for a GET without a body): a body of
+        another type is refused (415: a web page's form cannot send JSON), as is one that is not a JSON object."""
+        if method != "GET" or self._body_pending:
+            media = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
+            if media != "application/json":
+                raise _HttpError(415, f"the emulator's controls take a JSON body (Content-Type: application/json), "
+                                      f"got {media or 'no Content-Type'!r}")
+        body = self._read_body()
+        try:
+            data = json.loads(body) if body.strip() else {}
+        except ValueError as err:
+            raise _HttpError(400, f"the body is not valid JSON ({err})") from None
+        if not isinstance(data, dict):
+            raise _HttpError(400, f"the body must be a JSON object, got {type(data).__name__}")
+        return data
+
+    def _page(self, page: _page.Page, method: str, path: str, query_text: str) -> None:
+        """The live page (:mod:`.page`): the page and its files for anyone the Host check lets in, its API only with
+        the controls' header and, for a POST, a JSON body; a namespace with a key of its own also needs it."""
+        if path == "/":
+            self._only(method, "GET")
+            host = self.headers.get("Host") or f"localhost:{self.server.admin.port}"
+            self._send(200, page.html(host).encode("utf-8"), "text/html; charset=utf-8", _page.SECURITY_HEADERS)
+            return
+        name = path[len(_page.PREFIX):]
+        found = _page.file(name)
+        if found is not None:
+            self._only(method, "GET")
+            self._send(200, found[0], found[1], _page.SECURITY_HEADERS)
+            return
+        if (self.headers.get(CONTROL_HEADER) or "").strip() != "1":
+            raise _HttpError(403, f"the page's requests need the header {CONTROL_HEADER}: 1 (its script sends it; a "
+                                  "page of another site cannot)")
+        body = self._json_body(method)
+        query = urllib.parse.parse_qs(query_text, keep_blank_values=True)
+        try:
+            if name == "namespaces":
+                self._only(method, "GET")
+                self._send(200, page.namespaces_html().encode("utf-8"), "text/html; charset=utf-8",
+                           _page.SECURITY_HEADERS)
+            elif name == "view":
+                self._only(method, "GET")
+                self._send_json(200, page.view())
+            elif name == "messages":
+                self._only(method, "GET")
+                peek = page.messages(query, self.headers)
+                if (query.get("format") or [""])[0] == "json":
+                    self._send_json(200, peek)
+                else:
+                    self._send(200, page.messages_html(peek).encode("utf-8"), "text/html; charset=utf-8",
+                               _page.SECURITY_HEADERS)
+            elif name in ("fault", "heal"):
+                self._only(method, "POST")
+                self._send_json(200, page.fault(body, self.headers) if name == "fault" else page.heal(body,
+                                                                                                     self.headers))
+            else:
+                raise _HttpError(404, f"no page resource {path!r} (the page is at /)")
+        except _page.PageError as err:
+            self._send_json(err.status, {"error": str(err)})
 
     def _send_json(self, status: int, data: dict[str, Any]) -> None:
         self._send(status, json.dumps(data).encode("utf-8"), _CT_JSON)

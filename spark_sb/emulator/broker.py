@@ -1453,6 +1453,20 @@ class Broker:
         )
         return [_snapshot(msgs[s]) for s in seqs]
 
+    def peek_newest(self, path: str, count: int, before: int | None = None) -> list[Stored]:
+        """The ``count`` messages with the highest sequence numbers (below ``before``, when given), newest first, any
+        state, without locking or counting a delivery: the live page's first view of an entity."""
+        msgs = self._box(path).msgs
+        if count <= 0:
+            return []
+        seqs = heapq.nlargest(count, (s for s in msgs if before is None or s < before))
+        return [_snapshot(msgs[s]) for s in seqs]
+
+    def deferred_count(self, path: str) -> int:
+        """How many of a queue's or a subscription's messages are deferred (the service reports none; the live page
+        shows them beside its counts): one pass over them."""
+        return sum(1 for m in self._box(path).msgs.values() if m.state == STATE_DEFERRED)
+
     # ------------------------------------------------------------------ time
     def tick(self) -> None:
         """Apply what the clock says is due: expired locks (message back to active, delivery count kept,

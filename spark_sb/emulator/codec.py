@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from proton import Array, Data, Described, int32, symbol, timestamp, ulong
@@ -129,6 +130,52 @@ def _map(section: bytes | None) -> dict[str, Any]:
         return {}
     value = _decode(section).value
     return {str(k): v for k, v in value.items()} if isinstance(value, dict) else {}
+
+
+@dataclass(frozen=True)
+class Parts:
+    """One stored message's sections decoded, for people to read (the live page): ``body`` is the bytes of its data
+    sections joined, or the value of its amqp-value section, or the lists of its amqp-sequence sections, or None;
+    ``body_kind`` says which (``data``, ``value``, ``sequence``, ``none``)."""
+
+    header: dict[str, Any]
+    properties: dict[str, Any]
+    annotations: dict[str, Any]
+    application: dict[str, Any]
+    body: Any
+    body_kind: str
+
+
+def parts(raw: bytes) -> Parts:
+    """The sections of an encoded message, decoded (:class:`Parts`). Raises MalformedMessage."""
+    try:
+        by_code: dict[int, bytes] = {}
+        datas: list[bytes] = []
+        sequences: list[Any] = []
+        value: Any = None
+        for code, sec in split_sections(raw):
+            by_code.setdefault(code, sec)
+            if code == DATA:
+                datas.append(bytes(_data_payload(sec)))
+            elif code == SEQUENCE:
+                sequences.append(_decode(sec).value)
+            elif code == VALUE:
+                value = _decode(sec).value
+        header = _fields(by_code.get(HEADER), ("durable", "priority", "ttl", "first_acquirer", "delivery_count"))
+        props = _fields(by_code.get(PROPERTIES), _PROPERTY_FIELDS)
+        ann = _map(by_code.get(MESSAGE_ANNOTATIONS))
+        app = _map(by_code.get(APPLICATION_PROPERTIES))
+    except MalformedMessage:
+        raise
+    except Exception as err:  # noqa: BLE001 - proton raises its own error types
+        raise MalformedMessage(f"cannot decode AMQP message: {err}") from err
+    if datas:
+        return Parts(header, props, ann, app, b"".join(datas), "data")
+    if sequences:
+        return Parts(header, props, ann, app, sequences, "sequence")
+    if VALUE in by_code:
+        return Parts(header, props, ann, app, value, "value")
+    return Parts(header, props, ann, app, None, "none")
 
 
 def incoming(raw: bytes) -> Incoming:

@@ -38,6 +38,7 @@ from ..durations import duration_text, parse_seconds
 from . import aad as _aad
 from . import limits as _limits
 from . import model
+from . import page as _page
 from . import relay as _relay
 from ._http_loop import AdminLimits
 from .amqp import (
@@ -279,6 +280,12 @@ class NamespaceInfo:
         return f"http://localhost:{self.admin_port}"
 
     @property
+    def page_url(self) -> str:
+        """The emulator's live page (:mod:`spark_sb.emulator.page`), served on this namespace's admin port; every
+        namespace of the emulator is on it."""
+        return f"{self.admin_url}/"
+
+    @property
     def identity_endpoint(self) -> str:
         """The managed-identity token endpoint (``IDENTITY_ENDPOINT``) on this namespace's admin port; its
         tokens are good for every namespace of the emulator."""
@@ -403,6 +410,8 @@ class Emulator:
         self._ws_relay: _websocket.WebSocketRelay | None = None
         self.authority_port = authority_port if authority_port is not None else (0 if tls and entra_id else None)
         self._authority_server: Any = None
+        #: the live page of every namespace, served on each admin port at ``/`` (:mod:`spark_sb.emulator.page`)
+        self.page = _page.Page(self._page_namespaces)
 
     @classmethod
     def default(cls, *, tls: bool = False, websockets: bool = False, **kwargs: Any) -> Emulator:
@@ -482,6 +491,25 @@ class Emulator:
             handle.close()  # closing the file releases its lock
         self._store_locks.clear()
 
+    def _page_namespaces(self) -> list[_page.PageNamespace]:
+        """The namespaces running now, as the live page sees them."""
+        spaces = []
+        for opt in self.options:
+            server = self._servers.get(opt.name)
+            if server is None:
+                continue
+            spaces.append(_page.PageNamespace(
+                opt.name, server, _control(server), {opt.key_name: opt.key},
+                functools.partial(self._page_ports, opt.name), secret=opt.key != DEFAULT_KEY))
+        return spaces
+
+    def _page_ports(self, name: str) -> dict[str, int | None]:
+        info = self.info.get(name)
+        if info is None:
+            return {}
+        return {"amqp": info.amqp_port, "admin": info.admin_port, "amqps": info.tls_port, "ws": info.ws_port,
+                "wss": info.wss_port}
+
     def start(self) -> Emulator:
         from .admin_http import AdminServer
 
@@ -515,7 +543,7 @@ class Emulator:
                     fault=_fault_reader(server), control=_control(server), namespace_port=server.port,
                     other_ports=functools.partial(self._ports_of, opt.name),
                     authority=self.authority, allowed_hosts=[o.host for o in self.options],
-                    limits=self.admin_limits,
+                    limits=self.admin_limits, page=self.page,
                 )
                 admin.start()
                 self._admins[opt.name] = admin
@@ -735,10 +763,7 @@ def _entity_paths(server: NamespaceServer) -> list[str]:
     """The namespace's queues, topics and subscriptions (``TOPIC/subscriptions/NAME``), sorted."""
     broker = server.broker
     assert broker is not None
-    topics = broker.list_entities(model.TOPIC)
-    paths = [q.name for q in broker.list_entities(model.QUEUE)] + [t.name for t in topics]
-    paths += [s.path for t in topics for s in broker.list_entities(model.SUBSCRIPTION, t.name)]
-    return sorted(paths)
+    return sorted(path for path, _ in _page.entities(broker))
 
 
 def _control(server: NamespaceServer) -> Callable[[str, str, dict[str, Any]], tuple[int, dict[str, Any]]]:
@@ -978,8 +1003,8 @@ def run_foreground(
 ) -> int:
     """What ``spark-sb emulator start`` does: start, print one line per namespace (``NAME <connection string>``),
     then with TLS one ``AMQPS NAME localhost:PORT`` line per TLS namespace, with WebSockets ``WS NAME <url>`` and
-    ``WSS NAME <url>`` lines, ``CA <file>`` when there is TLS, and ``AUTHORITY <url>`` for the Entra ID authority
-    (https); wait for a signal. A namespace whose AMQP server fails stops the emulator: the error goes to stderr
+    ``WSS NAME <url>`` lines, ``CA <file>`` when there is TLS, ``AUTHORITY <url>`` for the Entra ID authority
+    (https), and ``PAGE <url>``, the live page (:mod:`spark_sb.emulator.page`); wait for a signal. A namespace whose AMQP server fails stops the emulator: the error goes to stderr
     and the exit code is 1."""
 
     aad = None
@@ -1019,6 +1044,8 @@ def run_foreground(
         first = next(iter(emu.info.values()), None)
         if first is not None and first.authority_port is not None:
             print(f"AUTHORITY {first.authority_url}", file=out, flush=True)
+        if first is not None:  # the live page of every namespace, on each admin port: the first's is printed
+            print(f"PAGE {first.page_url}", file=out, flush=True)
         if status_file is not None:
             tmp = Path(str(status_file) + ".tmp")
             tmp.write_text(json.dumps({"pid": os.getpid(), "namespaces": [asdict(i) for i in emu.info.values()]}))
