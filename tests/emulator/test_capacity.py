@@ -457,6 +457,7 @@ def test_links_of_a_connection_without_a_token_are_refused_past_16_and_their_mem
     try:
         port = proc["links"].amqp_port
         before = _rss_kib(proc.proc.pid)
+        rounds: list[float] = []  # MiB grown after each connection
         for _ in range(3):
             sock = _open_without_token(port)
             try:
@@ -468,8 +469,13 @@ def test_links_of_a_connection_without_a_token_are_refused_past_16_and_their_mem
             assert rest.count(b"Cannot allocate more handles. The maximum number of handles is 16.") == 100
             assert b"without a token" in rest
             assert b"kept attaching" in rest  # the connection's close: not 19,984 refusals
-        grown = (_rss_kib(proc.proc.pid) - before) / 1024
-        assert grown < 20, f"the emulator grew by {grown:.1f} MiB"
+            rounds.append((_rss_kib(proc.proc.pid) - before) / 1024)
+        # the first connection's burst of 20,000 attaches grows the process by about 19 MiB (its frames read and
+        # parsed: the allocator keeps its high-water mark); a connection's links kept after its close would add as
+        # much again with each later one (~12 MiB each, issue 49). 20 MiB in all was the bound, and the first
+        # burst alone reached 20.6 on a loaded machine: what is kept is what the later connections add.
+        assert rounds[-1] - rounds[0] < 5, f"the emulator kept what each connection had: MiB grown {rounds}"
+        assert rounds[-1] < 40, f"the emulator grew by {rounds[-1]:.1f} MiB"
         _until_zero = time.monotonic() + 10
         while send_control(proc["links"].admin_url, "stats")["connections"]:
             assert time.monotonic() < _until_zero, "the closed connections are still held"
