@@ -68,6 +68,11 @@ def _emulator(work: Path, free_ports: bool, websockets: bool = False) -> Emulato
                                  log_file=work / "emulator.log", websockets=websockets)
 
 
+def _page_line(emu: EmulatorProcess, what: str) -> str:
+    """The line that gives the emulator's live page (spark_sb/emulator/page.py): both namespaces, updating."""
+    return f"watch both namespaces live ({what}): {emu['primary'].page_url}"
+
+
 def _through(proxy: Any, emu: EmulatorProcess, config: dict) -> None:
     """Both namespaces over AMQP over WebSockets with TLS, through ``proxy`` (its password by reference)."""
     os.environ["SPARK_SB_DEMO_PROXY_PASSWORD"] = proxy.http_proxy["password"]  # inherited by Spark's workers
@@ -184,8 +189,7 @@ def run(work: Path, conf: Path, batches: int, rows: int, trigger: float, free_po
         for info in emu.info.values():
             _say(f"  {info.name:9s} amqp://localhost:{info.amqp_port}  admin {info.admin_url}"
                  + (f"  wss://localhost:{info.wss_port}" if through_proxy else ""))
-        _say(f"watch both namespaces live (the outage, the backlog filling, the syphon draining it): "
-             f"{emu['primary'].page_url}")
+        _say(_page_line(emu, "the outage, the backlog filling, the syphon draining it"))
         config = _config(conf, emu, work, rows, trigger)
         proxy = None
         if through_proxy:
@@ -324,7 +328,7 @@ def run_replication(work: Path, conf: Path, mode: str, batches: int, rows: int, 
     from spark_sb.source import config_options
 
     with _emulator(work, free_ports) as emu:
-        _say(f"watch both namespaces live: {emu['primary'].page_url}")
+        _say(_page_line(emu, "each namespace's copies, the outage"))
         config = _config(conf, emu, work, rows, trigger)
         config["replication"] = {"mode": mode, "retry_interval": "2s"}
         _say(starting_line("spark-sb-demo"))

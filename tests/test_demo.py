@@ -86,3 +86,16 @@ def test_the_demo_trigger_takes_a_duration_like_every_other() -> None:
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 2 and "--trigger" in done.stderr, done.stderr
     assert demo.seconds_argument("500ms") == 0.5 and demo.seconds_argument("2") == 2.0
+
+
+def test_the_demo_prints_the_address_of_a_live_page_of_both_namespaces(tmp_path: Path) -> None:
+    """Issue 52: the demo's emulator pair, and the line it prints at its start: the page answers there."""
+    import requests
+
+    with demo._emulator(tmp_path, free_ports=True) as emu:
+        line = demo._page_line(emu, "the outage")
+        url = line.rsplit(": ", 1)[1]
+        page = requests.get(url, timeout=10)
+    assert line.startswith("watch both namespaces live (the outage): http://localhost:")
+    assert page.status_code == 200
+    assert 'id="ns-primary"' in page.text and 'id="ns-secondary"' in page.text and ">orders<" in page.text

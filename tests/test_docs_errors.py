@@ -42,6 +42,8 @@ INTERNAL = {
     "spark_sb.emulator.sql.BudgetExceeded",
     # an AMQP message the emulator cannot decode: answered amqp:decode-error (or a BrokerError), never raised out
     "spark_sb.emulator.sections.MalformedMessage",
+    # a request the emulator's live page refuses: answered to the browser as JSON with its status, never raised out
+    "spark_sb.emulator.page.PageError",
 }
 
 

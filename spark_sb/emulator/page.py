@@ -398,13 +398,20 @@ def _size(n: int | None) -> str:
     return str(n)
 
 
+def _path(path: str) -> str:
+    """An entity's path that wraps at its slashes only (a backlog queue's name is long and full of hyphens)."""
+    return "/<wbr>".join(f'<span class="seg">{_e(part)}</span>' for part in path.split("/"))
+
+
 def _left(seconds: float | None) -> str:
     return "until healed" if seconds is None else f"{seconds:.0f} s left"
 
 
 def _button(action: str, label: str, name: str, **data: str | None) -> str:
+    """A button of the page: ``label`` is its accessible name and its tooltip, ``name`` what it shows."""
     attrs = "".join(f' data-{k.replace("_", "-")}="{_e(v)}"' for k, v in data.items() if v is not None)
-    return f'<button type="button" data-action="{action}" aria-label="{_e(label)}"{attrs}>{_e(name)}</button>'
+    return (f'<button type="button" data-action="{action}" aria-label="{_e(label)}" title="{_e(label)}"{attrs}>'
+            f'{_e(name)}</button>')
 
 
 def _namespace_html(n: dict[str, Any]) -> str:
@@ -447,11 +454,11 @@ def _namespace_html(n: dict[str, Any]) -> str:
             ("" if e["status"] == "Active" else f" ({e['status']})")
         actions = "" if e["kind"] == TOPIC else (
             _button("peek", f"Peek {path} on {name}", "Peek", namespace=name, entity=path)
-            + _button("dlq", f"Dead letters of {path} on {name}", "Dead letters", namespace=name, entity=path))
+            + _button("dlq", f"Dead letters of {path} on {name}", "DLQ", namespace=name, entity=path))
         full = e["max_size_in_bytes"]
         lines.append(
             f'<tr data-entity="{_e(path)}"{" class=faulted" if e["fault"] else ""}>'
-            f'<th scope="row">{_e(path)}</th><td>{_e(kind)}</td>'
+            f'<th scope="row">{_path(path)}</th><td>{_e(kind)}</td>'
             f'<td class="n" data-count="active">{e["active"]}</td>'
             f'<td class="n" data-count="deferred">{e["deferred"]}</td>'
             f'<td class="n" data-count="scheduled">{e["scheduled"]}</td>'

@@ -65,6 +65,8 @@ def page(browser: sync_api.BrowserContext, emu: Emulator) -> Iterator[Page]:
     errors: list[str] = []
     tab.on("pageerror", lambda err: errors.append(str(err)))
     tab.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+    elsewhere: list[str] = []  # the page loads nothing but from its own emulator: it works without a network
+    tab.on("request", lambda r: None if r.url.startswith(emu["primary"].admin_url + "/") else elsewhere.append(r.url))
     tab.goto(emu["primary"].page_url)
     expect(tab.locator("#updated")).to_contain_text("live: updated")
     yield tab
@@ -73,6 +75,7 @@ def page(browser: sync_api.BrowserContext, emu: Emulator) -> Iterator[Page]:
         emu.heal(name)
     refused = [e for e in errors if "401" not in e and "403" not in e]  # refusals the tests ask for
     assert not refused, f"the page's script failed: {refused}"
+    assert not elsewhere, f"the page asked for something elsewhere: {elsewhere}"
 
 
 class Shots:

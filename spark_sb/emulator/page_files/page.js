@@ -26,6 +26,10 @@
   }
 
   async function refresh() {
+    if (document.hidden) {  // a tab in the background asks nothing; it catches up when shown
+      setTimeout(refresh, poll);
+      return;
+    }
     try {
       const html = await text(await fetch("/$page/namespaces", { headers: headers(false), cache: "no-store" }));
       if (html !== last) {
