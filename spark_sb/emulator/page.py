@@ -189,14 +189,26 @@ class Page:
         return {**answer, "message": f"fault {answer['kind']} set on {target} {how_long}"}
 
     def heal(self, body: dict[str, Any], headers: Any) -> dict[str, Any]:
+        """Heal an entity's fault, or every fault of the namespace; says so when there was none to heal."""
         ns = self._find(body.get("namespace"))
         self.authorize(ns, headers)
         entity = body.get("entity") or None
+        if entity is not None:
+            self._check_entity(ns, entity)
+        server = ns.server
+        try:
+            in_force = server.call(lambda: {key: f.kind for key, f in server.faults.items()}, timeout=CALL_TIMEOUT)
+        except NamespaceDown as err:
+            raise PageError(503, err.description) from None
         status, answer = ns.control("POST", "/$emulator/heal", {"entity": entity})
         if status != 200:
             raise PageError(status, str(answer.get("error")))
-        what = f"{entity} on {ns.name}" if entity else f"every fault of namespace {ns.name}"
-        return {**answer, "message": f"healed {what}"}
+        healed = sorted(f"{kind} on {key or 'the namespace'}" for key, kind in in_force.items()
+                        if entity is None or key == entity)
+        what = f"{entity} on {ns.name}" if entity else f"namespace {ns.name}"
+        if not healed:
+            return {**answer, "healed_faults": [], "message": f"no fault was in force on {what}: nothing to heal"}
+        return {**answer, "healed_faults": healed, "message": f"healed {what}: {', '.join(healed)}"}
 
     def _check_entity(self, ns: PageNamespace, entity: Any) -> None:
         if not isinstance(entity, str):

@@ -156,7 +156,10 @@ def test_a_fault_from_the_page_takes_the_namespace_down_and_heal_brings_it_back(
     # the page stays up on the faulted namespace's own admin port, and says so
     ns = next(n for n in get(primary, "/$page/view").json()["namespaces"] if n["name"] == "primary")
     assert ns["down"] and ns["faults"] == [{"entity": None, "kind": "down", "seconds_left": None}]
-    assert post(primary, "heal", {"namespace": "primary"}).json()["message"] == "healed every fault of namespace primary"
+    assert post(primary, "heal", {"namespace": "primary"}).json()["message"] == \
+        "healed namespace primary: down on the namespace"
+    assert post(primary, "heal", {"namespace": "primary", "entity": "orders"}).json()["message"] == \
+        "no fault was in force on orders on primary: nothing to heal"
     send(primary, "orders", ServiceBusMessage("after heal"))
     # an entity's fault, for a while
     assert post(primary, "fault", {"namespace": "primary", "entity": "audit", "kind": "busy", "duration": 30}
@@ -234,6 +237,7 @@ def test_a_namespace_with_its_own_key_needs_it_for_messages_and_faults(emu: Emul
     ("fault", {"namespace": "primary", "kind": "busy", "entity": "nope"}, 404, "no entity 'nope'"),
     ("fault", {"namespace": "primary", "kind": "busy", "duration": -1}, 400, "got -1"),
     ("heal", {"namespace": 7}, 404, "no namespace 7"),
+    ("heal", {"namespace": "primary", "entity": "nope"}, 404, "no entity 'nope'"),
 ])
 def test_a_bad_fault_names_the_field_and_the_value(emu: Emulator, primary: NamespaceInfo, op: str,
                                                    body: dict[str, Any], status: int, says: str) -> None:

@@ -154,7 +154,7 @@ def test_an_entity_fault_for_a_while_from_the_page(page: Page, emu: Emulator, sh
         send(emu["secondary"], "orders", ServiceBusMessage("busy"))
     send(emu["secondary"], "audit", ServiceBusMessage("another queue is not faulted"))
     page.get_by_role("button", name="Heal", exact=True).click()  # the form's: heals what it names
-    expect(page.locator("#fault-result")).to_have_text("healed orders on secondary")
+    expect(page.locator("#fault-result")).to_have_text("healed orders on secondary: busy on orders")
     expect(faults).to_have_count(0)
     send(emu["secondary"], "orders", ServiceBusMessage("healed"))
 
