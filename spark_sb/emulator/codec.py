@@ -8,7 +8,7 @@ messages adds the reason to the application properties; every other section goes
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,21 +146,17 @@ class Parts:
     body_kind: str
 
 
-def parts(raw: bytes) -> Parts:
-    """The sections of an encoded message, decoded (:class:`Parts`). Raises MalformedMessage."""
+def _head(raw: bytes, each: Callable[[int, bytes], None] | None = None
+          ) -> tuple[dict[int, bytes], dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """A message's sections by code (the first of each) and its header, properties, message annotations and
+    application properties decoded; ``each(code, section)`` sees every section on the way. Raises
+    MalformedMessage."""
     try:
         by_code: dict[int, bytes] = {}
-        datas: list[bytes] = []
-        sequences: list[Any] = []
-        value: Any = None
         for code, sec in split_sections(raw):
             by_code.setdefault(code, sec)
-            if code == DATA:
-                datas.append(bytes(_data_payload(sec)))
-            elif code == SEQUENCE:
-                sequences.append(_decode(sec).value)
-            elif code == VALUE:
-                value = _decode(sec).value
+            if each is not None:
+                each(code, sec)
         header = _fields(by_code.get(HEADER), ("durable", "priority", "ttl", "first_acquirer", "delivery_count"))
         props = _fields(by_code.get(PROPERTIES), _PROPERTY_FIELDS)
         ann = _map(by_code.get(MESSAGE_ANNOTATIONS))
@@ -169,30 +165,37 @@ def parts(raw: bytes) -> Parts:
         raise
     except Exception as err:  # noqa: BLE001 - proton raises its own error types
         raise MalformedMessage(f"cannot decode AMQP message: {err}") from err
+    return by_code, header, props, ann, app
+
+
+def parts(raw: bytes) -> Parts:
+    """The sections of an encoded message, decoded (:class:`Parts`). Raises MalformedMessage."""
+    datas: list[bytes] = []
+    sequences: list[Any] = []
+    values: list[Any] = []
+
+    def body(code: int, sec: bytes) -> None:
+        if code == DATA:
+            datas.append(bytes(_data_payload(sec)))
+        elif code == SEQUENCE:
+            sequences.append(_decode(sec).value)
+        elif code == VALUE:
+            values.append(_decode(sec).value)
+
+    _, header, props, ann, app = _head(raw, body)
     if datas:
         return Parts(header, props, ann, app, b"".join(datas), "data")
     if sequences:
         return Parts(header, props, ann, app, sequences, "sequence")
-    if VALUE in by_code:
-        return Parts(header, props, ann, app, value, "value")
+    if values:
+        return Parts(header, props, ann, app, values[0], "value")
     return Parts(header, props, ann, app, None, "none")
 
 
 def incoming(raw: bytes) -> Incoming:
     """Decode what the broker needs from one encoded message: header, properties, annotations and application
     properties. The body is never decoded (any AMQP value is kept as the client sent it)."""
-    try:
-        by_code: dict[int, bytes] = {}
-        for code, sec in split_sections(raw):
-            by_code.setdefault(code, sec)
-        header = _fields(by_code.get(HEADER), ("durable", "priority", "ttl", "first_acquirer", "delivery_count"))
-        props = _fields(by_code.get(PROPERTIES), _PROPERTY_FIELDS)
-        ann = _map(by_code.get(MESSAGE_ANNOTATIONS))
-        app = _map(by_code.get(APPLICATION_PROPERTIES))
-    except MalformedMessage:
-        raise
-    except Exception as err:  # noqa: BLE001 - proton raises its own error types
-        raise MalformedMessage(f"cannot decode AMQP message: {err}") from err
+    _, header, props, ann, app = _head(raw)
     ttl = header.get("ttl")
     message_id = text(props.get("message_id"))
     if message_id is None:

@@ -171,12 +171,17 @@ class Page:
                 "messages": [message_view(m, now) for m in found]}
 
     # ------------------------------------------------------------------ faults
-    def fault(self, body: dict[str, Any], headers: Any) -> dict[str, Any]:
+    def _target(self, body: dict[str, Any], headers: Any) -> tuple[PageNamespace, str | None]:
+        """The namespace a fault or a heal names (authorized) and its entity (one it has), or None for all of it."""
         ns = self._find(body.get("namespace"))
         self.authorize(ns, headers)
         entity = body.get("entity") or None
         if entity is not None:
             self._check_entity(ns, entity)
+        return ns, entity
+
+    def fault(self, body: dict[str, Any], headers: Any) -> dict[str, Any]:
+        ns, entity = self._target(body, headers)
         duration = body.get("duration")
         if duration in ("", None):
             duration = None
@@ -190,11 +195,7 @@ class Page:
 
     def heal(self, body: dict[str, Any], headers: Any) -> dict[str, Any]:
         """Heal an entity's fault, or every fault of the namespace; says so when there was none to heal."""
-        ns = self._find(body.get("namespace"))
-        self.authorize(ns, headers)
-        entity = body.get("entity") or None
-        if entity is not None:
-            self._check_entity(ns, entity)
+        ns, entity = self._target(body, headers)
         server = ns.server
         try:
             in_force = server.call(lambda: {key: f.kind for key, f in server.faults.items()}, timeout=CALL_TIMEOUT)
