@@ -208,6 +208,23 @@ def test_a_namespace_with_its_own_key_needs_it_on_the_page(page: Page, emu: Emul
         send(emu["locked"], "orders", ServiceBusMessage("down"))
 
 
+def test_the_page_says_when_it_cannot_reach_the_emulator(browser: sync_api.BrowserContext,
+                                                         tmp_path: Path, shot: Shots) -> None:
+    """The emulator stopped under an open page: the page says so (its last counts stay), it does not freeze."""
+    with Emulator([NamespaceOptions("alone")], data_dir=tmp_path, entities=ENTITIES) as alone:
+        tab = browser.new_page()
+        tab.goto(alone["alone"].page_url)
+        expect(tab.locator("#updated")).to_contain_text("live: updated")
+    try:
+        expect(tab.locator("#updated")).to_contain_text("cannot reach the emulator")
+        expect(tab.locator("#updated")).to_have_class("stale")
+        expect(tab.locator("#namespaces")).to_have_class("stale")  # the last counts, dimmed
+        expect(tab.get_by_role("table", name="Entities of alone")).to_be_visible()
+        shot(tab, "emulator-stopped")
+    finally:
+        tab.close()
+
+
 class _AttackerPage(http.server.BaseHTTPRequestHandler):
     """Another site's page (another origin) that posts forms and a no-cors fetch to the emulator's fault endpoints."""
 

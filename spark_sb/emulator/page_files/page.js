@@ -38,10 +38,12 @@
       }
       $("updated").textContent = `live: updated ${new Date().toLocaleTimeString()}`;
       $("updated").classList.remove("stale");
+      $("namespaces").classList.remove("stale");
       failing = false;
     } catch (err) {
       if (!failing) $("updated").textContent = `cannot reach the emulator (${err.message}): retrying every second`;
       $("updated").classList.add("stale");
+      $("namespaces").classList.add("stale");  // the last counts stay, dimmed: they are no longer live
       failing = true;
     } finally {
       setTimeout(refresh, poll);
