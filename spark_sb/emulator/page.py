@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 
 from proton import timestamp
 
@@ -78,6 +78,7 @@ FAULT_HELP = {
     "unauthorized": "unauthorized access",
 }
 _STATES = {STATE_DEFERRED: "deferred", STATE_SCHEDULED: "scheduled"}
+T = TypeVar("T")
 
 
 class PageError(Exception):
@@ -101,6 +102,18 @@ class PageNamespace:
     keys: dict[str, str] = field(repr=False)
     ports: Callable[[], dict[str, int | None]]
     secret: bool = False
+
+
+def _call(ns: PageNamespace, fn: Callable[[], T]) -> T:
+    """``fn()`` on the namespace's reactor thread, within :data:`CALL_TIMEOUT`; a stopped or silent reactor is a
+    503 naming the namespace."""
+    try:
+        return ns.server.call(fn, timeout=CALL_TIMEOUT)  # type: ignore[no-any-return]
+    except NamespaceDown as err:
+        raise PageError(503, err.description) from None
+    except TimeoutError:
+        raise PageError(503, f"namespace {ns.name}: its AMQP server did not answer within {CALL_TIMEOUT:g} s") \
+            from None
 
 
 class Page:
@@ -127,12 +140,9 @@ class Page:
         server = ns.server
         base = {"name": ns.name, "ports": ns.ports(), "locked": ns.secret}
         try:
-            return {**base, **server.call(lambda: _live(server), timeout=CALL_TIMEOUT)}
-        except NamespaceDown as err:
-            return {**base, "error": err.description}
-        except TimeoutError:
-            return {**base, "error": f"namespace {ns.name}: its AMQP server did not answer within "
-                                     f"{CALL_TIMEOUT:g} s"}
+            return {**base, **_call(ns, lambda: _live(server))}
+        except PageError as err:
+            return {**base, "error": str(err)}
 
     def messages(self, query: dict[str, list[str]], headers: Any) -> dict[str, Any]:
         """A peek of an entity's messages (or its dead-letter queue's): the newest, or from a sequence number."""
@@ -141,7 +151,10 @@ class Page:
         entity = _one(query, "entity")
         if not entity:
             raise PageError(400, "entity: name the queue or subscription to peek, got nothing")
-        dlq = _one(query, "dlq") in ("1", "true")
+        dlq_text = _one(query, "dlq").lower()
+        if dlq_text not in ("", "0", "1", "false", "true"):
+            raise PageError(400, f"dlq must be 1 (the dead-letter queue) or 0, got {dlq_text!r}")
+        dlq = dlq_text in ("1", "true")
         count = _number(query, "count", PEEK_COUNT, 1, MAX_PEEK) or PEEK_COUNT
         start = _number(query, "from", None, 0, None)
         before = _number(query, "before", None, 1, None)
@@ -160,9 +173,7 @@ class Page:
             return found, server.clock()
 
         try:
-            found, now = server.call(peek, timeout=CALL_TIMEOUT)
-        except NamespaceDown as err:
-            raise PageError(503, err.description) from None
+            found, now = _call(ns, peek)
         except BrokerError as err:
             raise PageError(404 if "could not be found" in err.description else 400,
                             f"entity {entity!r}: {err.description}") from None
@@ -197,10 +208,7 @@ class Page:
         """Heal an entity's fault, or every fault of the namespace; says so when there was none to heal."""
         ns, entity = self._target(body, headers)
         server = ns.server
-        try:
-            in_force = server.call(lambda: {key: f.kind for key, f in server.faults.items()}, timeout=CALL_TIMEOUT)
-        except NamespaceDown as err:
-            raise PageError(503, err.description) from None
+        in_force = _call(ns, lambda: {key: f.kind for key, f in server.faults.items()})
         status, answer = ns.control("POST", "/$emulator/heal", {"entity": entity})
         if status != 200:
             raise PageError(status, str(answer.get("error")))
@@ -215,10 +223,7 @@ class Page:
         if not isinstance(entity, str):
             raise PageError(400, f"entity must be an entity's path (text), got {entity!r}")
         server = ns.server
-        try:
-            paths = server.call(lambda: [p for p, _ in entities(server.broker)], timeout=CALL_TIMEOUT)
-        except NamespaceDown as err:
-            raise PageError(503, err.description) from None
+        paths = _call(ns, lambda: [p for p, _ in entities(server.broker)])
         if entity.lower() not in {p.lower() for p in paths}:
             raise PageError(404, f"entity: namespace {ns.name} has no entity {entity!r} "
                                  f"(it has {', '.join(paths) or 'none'})")

@@ -253,6 +253,8 @@ def test_a_bad_fault_names_the_field_and_the_value(emu: Emulator, primary: Names
     ({"namespace": "primary", "entity": "missing"}, 404, "entity 'missing'"),
     ({"namespace": "primary", "entity": "events"}, 400, "is a topic"),
     ({"namespace": "primary"}, 400, "entity: name the queue or subscription"),
+    ({"namespace": "primary", "entity": "orders", "dlq": "yes"}, 400, "dlq must be 1 (the dead-letter queue) or 0, "
+                                                                     "got 'yes'"),
 ])
 def test_a_bad_peek_names_the_field_and_the_value(primary: NamespaceInfo, params: dict[str, str], status: int,
                                                   says: str) -> None:
@@ -274,3 +276,17 @@ def test_spark_sb_emulator_start_prints_the_page() -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_namespace_whose_server_stopped_shows_as_unreachable(tmp_path: Any) -> None:
+    """The page of the other namespaces stays; the stopped one says why, its peeks and faults are 503s."""
+    with Emulator([NamespaceOptions("alive"), NamespaceOptions("gone")], data_dir=tmp_path, entities=ENTITIES) as e:
+        e.server("gone").stop()
+        alive = e["alive"]
+        gone = next(n for n in get(alive, "/$page/view").json()["namespaces"] if n["name"] == "gone")
+        assert "AMQP server is not running" in gone["error"]
+        assert 'class="state failed">unreachable' in get(alive, "/$page/namespaces").text
+        peek = get(alive, "/$page/messages", namespace="gone", entity="orders")
+        assert peek.status_code == 503 and "namespace gone" in peek.json()["error"]
+        assert post(alive, "fault", {"namespace": "gone", "kind": "down"}).status_code == 503
+        assert get(alive, "/$page/messages", namespace="alive", entity="orders").status_code == 200
