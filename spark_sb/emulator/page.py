@@ -78,6 +78,9 @@ FAULT_HELP = {
     "unauthorized": "unauthorized access",
 }
 _STATES = {STATE_DEFERRED: "deferred", STATE_SCHEDULED: "scheduled"}
+#: what names a paired sender's backlog queue (``<primary host>/x-servicebus-transfer/<n>``, the .NET paired
+#: namespaces' convention): the page says "backlog queue" for it
+BACKLOG_MARK = "/x-servicebus-transfer/"
 T = TypeVar("T")
 
 
@@ -468,8 +471,8 @@ def _namespace_html(n: dict[str, Any]) -> str:
     lines = []
     for e in n.get("entities", []):
         path = e["path"]
-        kind = e["kind"] + (" (sessions)" if e["sessions"] else "") + \
-            ("" if e["status"] == "Active" else f" ({e['status']})")
+        kind = ("backlog queue" if BACKLOG_MARK in path.lower() else e["kind"]) + \
+            (" (sessions)" if e["sessions"] else "") + ("" if e["status"] == "Active" else f" ({e['status']})")
         actions = "" if e["kind"] == TOPIC else (
             _button("peek", f"Peek {path} on {name}", "Peek", namespace=name, entity=path)
             + _button("dlq", f"Dead letters of {path} on {name}", "DLQ", namespace=name, entity=path))

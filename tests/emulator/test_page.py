@@ -278,6 +278,17 @@ def test_spark_sb_emulator_start_prints_the_page() -> None:
         proc.wait(10)
 
 
+def test_a_paired_senders_backlog_queue_is_named_so(emu: Emulator, primary: NamespaceInfo) -> None:
+    from spark_sb.emulator.model import QueueSpec
+
+    server = emu.server("secondary")
+    server.call(lambda: server.broker.create_entity(QueueSpec(name="localhost-5672/x-servicebus-transfer/0")))
+    html = get(primary, "/$page/namespaces").text
+    row = html[html.index('data-entity="localhost-5672/x-servicebus-transfer/0"'):]
+    assert row[:row.index("</tr>")].count("<td>backlog queue</td>") == 1
+    assert html.count("<td>backlog queue</td>") == 1  # orders, audit: queues
+
+
 def test_a_namespace_whose_server_stopped_shows_as_unreachable(tmp_path: Any) -> None:
     """The page of the other namespaces stays; the stopped one says why, its peeks and faults are 503s."""
     with Emulator([NamespaceOptions("alive"), NamespaceOptions("gone")], data_dir=tmp_path, entities=ENTITIES) as e:
