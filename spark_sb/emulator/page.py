@@ -48,6 +48,9 @@ PREFIX = "/$page/"
 KEY_HEADER = "X-Spark-SB-Key"
 #: what the script asks for each second
 POLL_SECONDS = 1.0
+#: how long the page's script waits for an answer before it says the emulator cannot be reached (the admin port
+#: answers within its request timeout, AdminLimits.request_timeout, 10 s by default)
+REQUEST_SECONDS = 10.0
 #: a peek's page size, and the most one request may ask for
 PEEK_COUNT = 20
 MAX_PEEK = 200
@@ -263,7 +266,7 @@ class Page:
         return _PAGE.substitute(
             title=_e(f"spark-sb emulator - {', '.join(ns.name for ns in spaces)}"), host=_e(host),
             namespaces=self.namespaces_html(view), namespace_options=options, kind_options=kinds,
-            key_field=key_field, poll_ms=int(POLL_SECONDS * 1000),
+            key_field=key_field, poll_ms=int(POLL_SECONDS * 1000), timeout_ms=int(REQUEST_SECONDS * 1000),
         )
 
     def namespaces_html(self, view: dict[str, Any] | None = None) -> str:
@@ -551,7 +554,7 @@ _PAGE = string.Template("""<!doctype html>
 <link rel="icon" href="/$$page/icon.svg" type="image/svg+xml">
 <script src="/$$page/page.js" defer></script>
 </head>
-<body data-poll-ms="$poll_ms">
+<body data-poll-ms="$poll_ms" data-timeout-ms="$timeout_ms">
 <header>
 <h1>spark-sb emulator <small>$host</small></h1>
 <p id="updated" role="status" aria-live="polite">rendered by the emulator; live updates start when the script runs</p>

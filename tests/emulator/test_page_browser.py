@@ -225,6 +225,17 @@ def test_the_page_says_when_it_cannot_reach_the_emulator(browser: sync_api.Brows
         tab.close()
 
 
+def test_a_poll_that_is_never_answered_shows_as_unreachable_and_the_poll_goes_on(page: Page, shot: Shots) -> None:
+    """The page's requests are bounded: an answer that never comes (held here by the browser) is a timeout."""
+    held: list[sync_api.Route] = []
+    page.route("**/$page/namespaces", lambda route: held.append(route))  # accepted, never answered
+    expect(page.locator("#updated")).to_contain_text("cannot reach the emulator", timeout=30_000)
+    shot(page, "never-answered")
+    page.unroute("**/$page/namespaces")
+    assert held  # the poll was held, and went on after its timeout
+    expect(page.locator("#updated")).to_contain_text("live: updated", timeout=30_000)
+
+
 class _AttackerPage(http.server.BaseHTTPRequestHandler):
     """Another site's page (another origin) that posts forms and a no-cors fetch to the emulator's fault endpoints."""
 

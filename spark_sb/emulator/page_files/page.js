@@ -5,6 +5,8 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const poll = Number(document.body.dataset.pollMs) || 1000;
+  // every request is bounded: an emulator that accepts and never answers shows as unreachable, the poll goes on
+  const wait = Number(document.body.dataset.timeoutMs) || 10000;
   let last = "";
   let failing = false;
 
@@ -31,7 +33,8 @@
       return;
     }
     try {
-      const html = await text(await fetch("/$page/namespaces", { headers: headers(false), cache: "no-store" }));
+      const html = await text(await fetch("/$page/namespaces", { headers: headers(false), cache: "no-store",
+                                                                 signal: AbortSignal.timeout(wait) }));
       if (html !== last) {
         $("namespaces").innerHTML = html;
         last = html;
@@ -53,7 +56,8 @@
   async function peek(params) {
     const query = new URLSearchParams(params);
     try {
-      $("messages").innerHTML = await text(await fetch(`/$page/messages?${query}`, { headers: headers(false) }));
+      $("messages").innerHTML = await text(await fetch(`/$page/messages?${query}`, { headers: headers(false),
+                                                                                    signal: AbortSignal.timeout(wait) }));
     } catch (err) {
       $("messages").innerHTML = "";
       const p = document.createElement("p");
@@ -67,7 +71,7 @@
     const result = $("fault-result");
     try {
       const answer = JSON.parse(await text(await fetch(`/$page/${op}`, {
-        method: "POST", headers: headers(true), body: JSON.stringify(body),
+        method: "POST", headers: headers(true), body: JSON.stringify(body), signal: AbortSignal.timeout(wait),
       })));
       result.textContent = answer.message;
       result.className = "ok";
